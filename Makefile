@@ -1,0 +1,37 @@
+# Trainyard: `make run` starts a single-machine cluster, `make test` runs the whole suite.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST := $(BIN)/python -m pytest
+
+.PHONY: venv deps run test test-fast bench clean
+
+$(STAMP): requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.lock
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+deps:
+	@scripts/ensure_system_deps.sh
+
+run: venv deps
+	scripts/run.sh
+
+# Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
+test: venv deps
+	$(PYTEST) -q
+
+# Only tests that start no processes.
+test-fast: venv
+	$(PYTEST) -q -m "not procs"
+
+bench: venv deps
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf var .pytest_cache

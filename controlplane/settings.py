@@ -1,0 +1,159 @@
+"""Django settings for Trainyard. Everything deploy-specific comes from the environment."""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("TRAINYARD_VAR_DIR", BASE_DIR / "var"))
+
+
+def _secret_key() -> str:
+    key = os.environ.get("DJANGO_SECRET_KEY")
+    if key:
+        return key
+    # A per-checkout key persisted under var/ so sessions survive restarts without a committed secret.
+    path = VAR_DIR / "secret_key"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_urlsafe(50)
+        path.write_text(key)
+        return key
+
+
+SECRET_KEY = _secret_key()
+DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
+ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "channels",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+ASGI_APPLICATION = "controlplane.asgi.application"
+WSGI_APPLICATION = None
+
+# SQLite: WAL lets the relay write while web and control worker read; BEGIN IMMEDIATE takes the
+# write lock up front so two writers queue on busy_timeout instead of failing mid-transaction
+# with "database is locked" when a read lock tries to upgrade.
+_db_url = os.environ.get("DATABASE_URL", "")
+if _db_url.startswith(("postgres://", "postgresql://")):
+    from urllib.parse import urlparse
+
+    _u = urlparse(_db_url)
+    DATABASES = {"default": {
+        "ENGINE": "django.db.backends.postgresql", "NAME": _u.path.lstrip("/"), "USER": _u.username,
+        "PASSWORD": _u.password, "HOST": _u.hostname, "PORT": _u.port or 5432, "CONN_MAX_AGE": 60,
+    }}
+else:
+    DATABASES = {"default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("TRAINYARD_DB", str(VAR_DIR / "db.sqlite3")),
+        "OPTIONS": {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": 20,
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=20000;",
+        },
+        # A file, not :memory:, so tests with threads see the same locking as production.
+        "TEST": {"NAME": os.environ.get("TRAINYARD_TEST_DB", str(VAR_DIR / "test_db.sqlite3"))},
+    }}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    }
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        # Token first, so a request without credentials gets 401 with WWW-Authenticate, not 403.
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "jobs.api_errors.exception_handler",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Trainyard API",
+    "VERSION": "1.0.0",
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+# Celery: one app for control worker and node agents (see workers/celery_app.py).
+CELERY_BROKER_URL = REDIS_URL
+
+# Trainyard knobs.
+TRAINYARD_DATA_ROOT = Path(os.environ.get("TRAINYARD_DATA_ROOT", VAR_DIR / "data"))
+TRAINYARD_CHECKPOINT_ROOT = Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", VAR_DIR / "checkpoints"))
+# A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
+TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
+# A STARTING attempt whose ranks never report within this window is failed as a launch timeout.
+TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", "120"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("TRAINYARD_LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

@@ -1,0 +1,74 @@
+from django.contrib import admin
+
+from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota
+
+
+@admin.register(Node)
+class NodeAdmin(admin.ModelAdmin):
+    list_display = ("name", "status", "address", "slots", "cpu_percent", "mem_percent", "last_heartbeat")
+    list_filter = ("status",)
+    search_fields = ("name", "address")
+
+
+class AttemptInline(admin.TabularInline):
+    model = Attempt
+    extra = 0
+    fields = ("number", "status", "outcome", "stop_reason", "started_at", "ended_at")
+    readonly_fields = fields
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ("id", "name", "owner", "team", "status", "priority", "slots", "step", "restarts", "created_at")
+    list_filter = ("status", "priority", "team")
+    search_fields = ("name", "owner__username")
+    readonly_fields = ("created_at", "started_at", "finished_at")
+    inlines = [AttemptInline]
+
+
+class AllocationInline(admin.TabularInline):
+    model = Allocation
+    extra = 0
+    readonly_fields = ("node", "node_rank", "slot_ids", "ranks", "active", "result", "ended_at")
+
+
+@admin.register(Attempt)
+class AttemptAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "number", "status", "outcome", "stop_reason", "started_at", "ended_at")
+    list_filter = ("status", "outcome")
+    search_fields = ("job__name", "job__id")
+    inlines = [AllocationInline]
+
+
+@admin.register(Allocation)
+class AllocationAdmin(admin.ModelAdmin):
+    list_display = ("id", "attempt", "node", "node_rank", "slot_ids", "active", "ended_at")
+    list_filter = ("active", "node")
+    search_fields = ("node__name", "attempt__job__name")
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "step", "size_bytes", "save_s", "blocking_s", "superseded", "pinned", "created_at")
+    list_filter = ("superseded", "pinned")
+    search_fields = ("job__name", "path")
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    list_display = ("id", "team", "user", "max_slots", "device_hours", "updated_at")
+    search_fields = ("team__name", "user__username")
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "attempt", "kind", "message", "actor", "created_at")
+    list_filter = ("kind",)
+    search_fields = ("job__name", "message")
+
+
+@admin.register(MetricSample)
+class MetricSampleAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "attempt", "rank", "step", "loss", "samples_per_s", "step_s")
+    list_filter = ("rank",)
+    search_fields = ("job__name",)

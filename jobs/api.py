@@ -1,0 +1,148 @@
+"""REST API under /api/v1/ (DESIGN.md section 4). Thin: parse, check access, call one service."""
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+
+from . import selectors, services
+from .models import Attempt, Job, MetricSample, Node
+from .specs import SpecError
+
+MAX_METRICS_LIMIT = 10_000
+
+
+class AttemptSerializer(serializers.ModelSerializer):
+    ranks = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Attempt
+        fields = ["id", "number", "status", "outcome", "resumed_from_step", "stop_reason", "failure",
+                  "created_at", "started_at", "ended_at", "ranks"]
+
+    def get_ranks(self, obj) -> list[dict]:
+        out = []
+        for alloc in obj.allocations.all():
+            for r in alloc.ranks:
+                out.append({"rank": r["rank"], "node": alloc.node.name, "pid": r["pid"]})
+        return sorted(out, key=lambda r: r["rank"])
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    total_steps = serializers.IntegerField(read_only=True)
+    queue_position = serializers.SerializerMethodField()
+    predicted_start_at = serializers.SerializerMethodField()
+    attempts = AttemptSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Job
+        fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
+                  "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
+                  "predicted_start_at", "attempts"]
+
+    def get_queue_position(self, obj) -> int | None:
+        positions = self.context.get("queue_positions")
+        if positions is None:
+            positions = self.context["queue_positions"] = selectors.queue_positions()
+        return positions.get(obj.pk)
+
+    def get_predicted_start_at(self, obj) -> str | None:
+        return None  # the wait-time predictor arrives with the scheduling milestone
+
+
+class MetricSerializer(serializers.ModelSerializer):
+    attempt = serializers.IntegerField(source="attempt_id")
+
+    class Meta:
+        model = MetricSample
+        fields = list(MetricSample.FIELDS) + ["attempt"]
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    slots_used = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = ["name", "status", "slots", "slots_used", "address", "labels", "devices", "cpu_percent",
+                  "mem_percent", "last_heartbeat"]
+
+    def get_slots_used(self, obj) -> int:
+        used = self.context.get("slots_used")
+        if used is None:
+            used = self.context["slots_used"] = selectors.slots_used_by_node()
+        return used.get(obj.pk, 0)
+
+
+def _int_param(request, name: str, *, minimum: int = 0, maximum: int | None = None, default=None):
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValidationError({name: [f"must be an integer, got {raw!r}"]}) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValidationError({name: [f"must be between {minimum} and {maximum}" if maximum is not None
+                                      else f"must be at least {minimum}"]})
+    return value
+
+
+class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    serializer_class = JobSerializer
+
+    def get_queryset(self):
+        return selectors.jobs_visible_to(self.request.user).prefetch_related(
+            "attempts__allocations__node").order_by("-id")
+
+    @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (DESIGN.md)"}},
+                   responses={201: JobSerializer})
+    def create(self, request):
+        if not isinstance(request.data, dict):
+            raise ValidationError({"spec": ["send the JobSpec as a JSON object"]})
+        try:
+            job = services.job_submit(request.user, dict(request.data))
+        except SpecError as exc:
+            return Response({"errors": exc.errors}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        job = self.get_object()
+        if not (request.user.is_staff or job.owner_id == request.user.pk):
+            return Response({"errors": {"detail": ["only the job's owner or staff may cancel it"]}},
+                            status=status.HTTP_403_FORBIDDEN)
+        try:
+            job = services.job_cancel(request.user, job)
+        except services.TransitionError as exc:
+            return Response({"errors": {"status": [str(exc)]}}, status=status.HTTP_409_CONFLICT)
+        return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(parameters=[OpenApiParameter("since_step", int), OpenApiParameter("rank", int),
+                               OpenApiParameter("limit", int)], responses=MetricSerializer(many=True))
+    @action(detail=True, methods=["get"], pagination_class=None)
+    def metrics(self, request, pk=None):
+        job = self.get_object()
+        rows = selectors.job_metrics(
+            job, since_step=_int_param(request, "since_step"), rank=_int_param(request, "rank"),
+            limit=_int_param(request, "limit", minimum=1, maximum=MAX_METRICS_LIMIT, default=1000))
+        return Response(MetricSerializer(rows, many=True).data)
+
+    @extend_schema(parameters=[OpenApiParameter("rank", int), OpenApiParameter("limit", int)])
+    @action(detail=True, methods=["get"], pagination_class=None)
+    def logs(self, request, pk=None):
+        job = self.get_object()
+        rank = _int_param(request, "rank")
+        limit = _int_param(request, "limit", minimum=1, maximum=5000, default=500)
+        return Response(selectors.job_log_lines(job.pk, rank=rank, limit=limit))
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    serializer_class = NodeSerializer
+    queryset = Node.objects.all().order_by("name")
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"

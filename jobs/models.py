@@ -1,0 +1,214 @@
+"""Trainyard's state. Rows change only through jobs.services (see DESIGN.md section 5)."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth.models import Group
+from django.db import models
+
+
+class Node(models.Model):
+    class Status(models.TextChoices):
+        READY = "READY"
+        DRAINING = "DRAINING"
+        CORDONED = "CORDONED"
+        QUARANTINED = "QUARANTINED"
+        LOST = "LOST"
+
+    name = models.CharField(max_length=64, unique=True)
+    address = models.CharField(max_length=255)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
+    slots = models.PositiveIntegerField()
+    labels = models.JSONField(default=dict, blank=True)
+    devices = models.JSONField(default=list, blank=True)
+    cpu_percent = models.FloatField(null=True, blank=True)
+    mem_percent = models.FloatField(null=True, blank=True)
+    agent_id = models.CharField(max_length=64, blank=True, help_text="changes when the agent restarts")
+    registered_at = models.DateTimeField(auto_now_add=True)
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [models.Index(fields=["status", "last_heartbeat"])]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Job(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "QUEUED"
+        STARTING = "STARTING"
+        RUNNING = "RUNNING"
+        STOPPING = "STOPPING"
+        SUCCEEDED = "SUCCEEDED"
+        FAILED = "FAILED"
+        CANCELLED = "CANCELLED"
+
+    ACTIVE = (Status.STARTING, Status.RUNNING, Status.STOPPING)
+    TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    PRIORITIES = {"low": 0, "normal": 1, "high": 2}
+
+    name = models.CharField(max_length=200)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    team = models.ForeignKey(Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    spec = models.JSONField()
+    plan = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    status_reason = models.CharField(max_length=500, blank=True)
+    priority = models.SmallIntegerField(default=1)
+    slots = models.PositiveIntegerField(help_text="processes the job needs at once (nodes x procs_per_node)")
+    step = models.PositiveIntegerField(default=0)
+    restarts = models.PositiveIntegerField(default=0)
+    cancel_requested = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["status", "-priority", "id"], name="job_queue_idx"),
+            models.Index(fields=["owner", "-id"], name="job_owner_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pk}:{self.name}"
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.spec.get("train", {}).get("steps", 0))
+
+
+class Checkpoint(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.ForeignKey("Attempt", null=True, on_delete=models.SET_NULL, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    path = models.CharField(max_length=1000)
+    size_bytes = models.BigIntegerField(default=0)
+    blocking_s = models.FloatField(default=0)
+    save_s = models.FloatField(default=0)
+    superseded = models.BooleanField(default=False)
+    pinned = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-step", "-id"]
+        indexes = [models.Index(fields=["job", "-step"])]
+
+
+class Attempt(models.Model):
+    class Status(models.TextChoices):
+        STARTING = "STARTING"
+        RUNNING = "RUNNING"
+        STOPPING = "STOPPING"
+        ENDED = "ENDED"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.STARTING)
+    # succeeded | failed:<class> | preempted | rolled_back | cancelled | lost
+    outcome = models.CharField(max_length=64, null=True, blank=True)
+    stop_reason = models.CharField(max_length=64, blank=True, help_text="why the control plane stopped it")
+    failure = models.JSONField(default=dict, blank=True, help_text="evidence behind a failed outcome")
+    resumed_from = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_number_unique")]
+        indexes = [models.Index(fields=["status"])]
+
+
+class Allocation(models.Model):
+    """One node's share of an attempt. `active` holds the node's slots until its processes exit."""
+
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="allocations")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
+    node_rank = models.PositiveIntegerField()
+    slot_ids = models.JSONField(help_text="slot indices on the node, e.g. [0, 1]")
+    ranks = models.JSONField(default=list, blank=True, help_text="[{rank, local_rank, pid}] reported by the agent")
+    active = models.BooleanField(default=True)
+    result = models.JSONField(null=True, blank=True, help_text="the agent's exit report")
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["attempt", "node_rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "node"], name="allocation_node_unique"),
+            models.UniqueConstraint(fields=["attempt", "node_rank"], name="allocation_rank_unique"),
+        ]
+        indexes = [models.Index(fields=["node", "active"])]
+
+    @property
+    def nproc(self) -> int:
+        return len(self.slot_ids)
+
+
+class Quota(models.Model):
+    team = models.OneToOneField(Group, null=True, blank=True, on_delete=models.CASCADE, related_name="quota")
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="quota")
+    max_slots = models.PositiveIntegerField()
+    device_hours = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=(models.Q(team__isnull=False, user__isnull=True) | models.Q(team__isnull=True, user__isnull=False)),
+                name="quota_team_xor_user",
+            )
+        ]
+
+
+class JobEvent(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    attempt = models.ForeignKey(Attempt, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    kind = models.CharField(max_length=64)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["job", "id"])]
+
+
+class MetricSample(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metrics")
+    rank = models.PositiveIntegerField()
+    step = models.PositiveIntegerField()
+    ts = models.FloatField()
+    loss = models.FloatField(null=True)
+    samples_per_s = models.FloatField(null=True)
+    tokens_per_s = models.FloatField(null=True)
+    step_s = models.FloatField(null=True)
+    data_s = models.FloatField(null=True)
+    compute_s = models.FloatField(null=True)
+    comm_s = models.FloatField(null=True)
+    optim_s = models.FloatField(null=True)
+    bytes_sent = models.BigIntegerField(null=True)
+    mem_bytes = models.BigIntegerField(null=True)
+
+    FIELDS = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
+              "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "rank", "step"], name="metric_attempt_rank_step_unique")
+        ]
+        indexes = [models.Index(fields=["job", "step"], name="metric_job_step_idx"),
+                   models.Index(fields=["job", "rank", "step"], name="metric_job_rank_step_idx")]
+
+
+class SchedulerLock(models.Model):
+    """A single row locked (SELECT ... FOR UPDATE) to serialize scheduling ticks on PostgreSQL;
+    on SQLite the IMMEDIATE transaction that touches it already serializes writers."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    ticks = models.BigIntegerField(default=0)

@@ -1,0 +1,326 @@
+"""Every write and state transition. Views, consumers, tasks and the relay call these.
+
+Transitions are compare-and-set (`filter(status=old).update(...)`), each writes a JobEvent, and
+side effects (Celery sends) run only after commit.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from functools import partial
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from . import dispatch, selectors
+from .models import Allocation, Attempt, Job, JobEvent, MetricSample, Node, SchedulerLock
+from .policy import diagnosis, scheduler
+from .specs import SpecError, parse_job_spec
+
+log = logging.getLogger(__name__)
+STREAM_PREFIX = "trainyard:job:"
+STREAMS_KEY = "trainyard:streams"
+
+
+def job_stream(job_id: int) -> str:
+    return f"{STREAM_PREFIX}{job_id}"
+
+
+def _event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None = None, actor=None,
+           **data) -> JobEvent:
+    return JobEvent.objects.create(job=job, attempt=attempt, kind=kind, message=message, data=data, actor=actor)
+
+
+def _set_job_status(job: Job, old: tuple | str, new: str, reason: str = "", **fields) -> bool:
+    olds = (old,) if isinstance(old, str) else old
+    now = timezone.now()
+    if new in Job.TERMINAL:
+        fields.setdefault("finished_at", now)
+    if new == Job.Status.RUNNING:
+        fields.setdefault("started_at", job.started_at or now)
+    n = Job.objects.filter(pk=job.pk, status__in=olds).update(status=new, status_reason=reason, **fields)
+    if n:
+        job.refresh_from_db()
+    return bool(n)
+
+
+# ---------------------------------------------------------------- submit / cancel
+
+def job_submit(user, data) -> Job:
+    """Validate a JobSpec and queue it. Raises SpecError (nothing is created) on bad input."""
+    spec = parse_job_spec(data, data_root=settings.TRAINYARD_DATA_ROOT)
+    nodes = selectors.cluster_snapshot()
+    if not nodes:
+        raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
+    r = spec.resources
+    if not scheduler.fits_cluster(nodes, r.nodes, r.procs_per_node):
+        biggest = max(n.slots for n in nodes)
+        raise SpecError({"resources": [
+            f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
+    stored = spec.to_json()
+    plan = {"dp": spec.dp, "tp": 1, "pp": 1, "fsdp": False, "world_size": r.world_size,
+            "mesh": {"dp": spec.dp},
+            "notes": ["checkpointing, hang detection and restarts from checkpoints are not implemented yet: "
+                      "checkpoint settings are recorded but no checkpoints are written"]}
+    if spec.parallel == "auto":
+        plan["source"] = "auto: data parallel over all processes (the strategy planner is not available yet)"
+    else:
+        plan["source"] = "spec"
+        stored["parallel"]["dp"] = spec.dp
+    team = user.groups.order_by("name").first()
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=spec.name, owner=user, team=team, spec=stored, plan=plan,
+            priority=Job.PRIORITIES[spec.priority], slots=r.world_size)
+        _event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"])
+        transaction.on_commit(dispatch.request_tick)
+    return job
+
+
+class TransitionError(Exception):
+    pass
+
+
+def job_cancel(user, job: Job) -> Job:
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        if job.status in Job.TERMINAL:
+            raise TransitionError(f"job is already {job.status}")
+        if job.status == Job.Status.QUEUED:
+            _set_job_status(job, Job.Status.QUEUED, Job.Status.CANCELLED, f"cancelled by {user.get_username()}")
+            _event(job, "cancelled", f"cancelled by {user.get_username()} while queued", actor=user)
+            return job
+        Job.objects.filter(pk=job.pk).update(cancel_requested=True)
+        _set_job_status(job, Job.ACTIVE, Job.Status.STOPPING, f"cancel requested by {user.get_username()}")
+        _event(job, "cancel_requested", f"cancel requested by {user.get_username()}", actor=user)
+        attempt = job.attempts.exclude(status=Attempt.Status.ENDED).order_by("-number").first()
+        if attempt is not None:
+            _attempt_stop(attempt, "cancel")
+    return job
+
+
+def _attempt_stop(attempt: Attempt, reason: str) -> None:
+    """Ask every node still running this attempt to stop it (inside a transaction)."""
+    Attempt.objects.filter(pk=attempt.pk).exclude(status=Attempt.Status.ENDED).update(
+        status=Attempt.Status.STOPPING)
+    if not attempt.stop_reason:
+        Attempt.objects.filter(pk=attempt.pk, stop_reason="").update(stop_reason=reason)
+    attempt.refresh_from_db()
+    for alloc in attempt.allocations.filter(active=True).select_related("node"):
+        transaction.on_commit(partial(dispatch.send_stop, alloc.node.name, attempt.job_id, attempt.pk, reason))
+    _attempt_maybe_finish(attempt)
+
+
+# ---------------------------------------------------------------- scheduling
+
+def schedule_tick() -> list[int]:
+    """Place queued jobs. Serialized: the lock row is taken first in the transaction (FOR UPDATE
+    on PostgreSQL; BEGIN IMMEDIATE already holds SQLite's write lock), so two ticks can never both
+    see the same free slots."""
+    started: list[int] = []
+    with transaction.atomic():
+        lock, _ = SchedulerLock.objects.select_for_update().get_or_create(pk=1)
+        SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
+        decision = scheduler.schedule(selectors.cluster_snapshot(), selectors.queue_snapshot())
+        for placement in decision.placements:
+            if _start_attempt(placement):
+                started.append(placement.job_id)
+        for job_id, reason in decision.waiting.items():
+            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).exclude(status_reason=reason).update(
+                status_reason=reason)
+    return started
+
+
+def _start_attempt(placement: scheduler.Placement) -> bool:
+    job = Job.objects.get(pk=placement.job_id)
+    if not _set_job_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
+                           + ", ".join(s.node for s in placement.shares)):
+        return False
+    number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    attempt = Attempt.objects.create(job=job, number=number)
+    nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
+    host = placement.shares[0]
+    stream = job_stream(job.pk)
+    for share in placement.shares:
+        Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
+                                  slot_ids=list(share.slot_ids))
+        payload = {
+            "job_id": job.pk, "attempt_id": attempt.pk, "node": share.node, "node_rank": share.node_rank,
+            "nnodes": len(placement.shares), "nproc": len(share.slot_ids), "slots": list(share.slot_ids),
+            "device": job.spec["resources"]["device"], "rdzv_host": host.address, "local_addr": share.address,
+            "stream": stream, "spec": job.spec,
+        }
+        transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
+    _event(job, "attempt_started", f"attempt {number} placed on " + ", ".join(
+        f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares), attempt=attempt,
+        nodes=[s.node for s in placement.shares])
+    return True
+
+
+# ---------------------------------------------------------------- node agents
+
+def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
+    """Upsert a node from its agent's heartbeat. Returns the node and the attempts the agent runs
+    that the control plane no longer expects there (the caller tells the agent to stop them)."""
+    name = payload["name"]
+    now = timezone.now()
+    fields = {
+        "address": payload["address"], "slots": int(payload["slots"]), "labels": payload.get("labels") or {},
+        "devices": payload.get("devices") or [], "cpu_percent": payload.get("cpu_percent"),
+        "mem_percent": payload.get("mem_percent"), "agent_id": payload.get("agent_id", ""), "last_heartbeat": now,
+    }
+    with transaction.atomic():
+        node, created = Node.objects.get_or_create(name=name, defaults=fields)
+        if not created:
+            was_lost = node.status == Node.Status.LOST
+            Node.objects.filter(pk=node.pk).update(**fields)
+            if was_lost:
+                Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=Node.Status.READY)
+                log.info("node %s is back", name)
+            node.refresh_from_db()
+        running = set(int(a) for a in payload.get("attempts") or [])
+        expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
+        return node, sorted(running - expected)
+
+
+def attempt_ranks(attempt_id: int, node_name: str, ranks: list[dict]) -> None:
+    with transaction.atomic():
+        alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name).select_related(
+            "attempt__job").first()
+        if alloc is None:
+            return
+        Allocation.objects.filter(pk=alloc.pk).update(
+            ranks=sorted(({"rank": int(r["rank"]), "local_rank": int(r["local_rank"]), "pid": int(r["pid"])}
+                          for r in ranks), key=lambda r: r["rank"]))
+        attempt = alloc.attempt
+        waiting = Allocation.objects.filter(attempt=attempt, ranks=[]).exists()
+        if waiting:
+            return
+        if Attempt.objects.filter(pk=attempt.pk, status=Attempt.Status.STARTING).update(
+                status=Attempt.Status.RUNNING, started_at=timezone.now()):
+            job = attempt.job
+            if _set_job_status(job, Job.Status.STARTING, Job.Status.RUNNING, ""):
+                _event(job, "running", f"attempt {attempt.number}: all ranks started", attempt=attempt)
+
+
+def attempt_node_exit(attempt_id: int, node_name: str, result: dict) -> None:
+    """A node's processes for an attempt have exited (or were stopped, or never started)."""
+    with transaction.atomic():
+        alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name, active=True).select_related(
+            "attempt", "node").first()
+        if alloc is None:
+            return  # duplicate report, or the node was already written off as lost
+        Allocation.objects.filter(pk=alloc.pk).update(active=False, result=result, ended_at=timezone.now())
+        attempt = alloc.attempt
+        failed = result.get("exit_code") != 0 and not result.get("stopped")
+        if failed and attempt.status != Attempt.Status.ENDED and not attempt.stop_reason:
+            _attempt_stop(attempt, "failure")
+        else:
+            _attempt_maybe_finish(attempt)
+
+
+def nodes_check() -> list[str]:
+    """Write off nodes that stopped heartbeating and attempts stuck in launch."""
+    now = timezone.now()
+    lost: list[str] = []
+    with transaction.atomic():
+        cutoff = now - timedelta(seconds=settings.TRAINYARD_NODE_LOST_S)
+        for node in Node.objects.exclude(status=Node.Status.LOST).filter(last_heartbeat__lt=cutoff):
+            Node.objects.filter(pk=node.pk).update(status=Node.Status.LOST)
+            lost.append(node.name)
+            for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
+                Allocation.objects.filter(pk=alloc.pk).update(
+                    active=False, ended_at=now, result={"node": node.name, "lost": True, "exit_code": None})
+                _attempt_stop(alloc.attempt, f"node_lost:{node.name}")
+        launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
+        for attempt in Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff):
+            _attempt_stop(attempt, "launch_timeout")
+    return lost
+
+
+def _attempt_maybe_finish(attempt: Attempt) -> None:
+    """End the attempt once no node still runs it, and move the job on."""
+    if attempt.status == Attempt.Status.ENDED or attempt.allocations.filter(active=True).exists():
+        return
+    attempt.refresh_from_db()
+    job = Job.objects.get(pk=attempt.job_id)
+    reports = [a.result or {} for a in attempt.allocations.all()]
+    reason = attempt.stop_reason
+    lost_node = reason.split(":", 1)[1] if reason.startswith("node_lost:") else None
+    failure: dict = {}
+    if job.cancel_requested or reason == "cancel":
+        outcome = "cancelled"
+    elif not reason and reports and all(r.get("exit_code") == 0 for r in reports):
+        outcome = "succeeded"
+    elif reason == "launch_timeout":
+        outcome = "failed:launch_timeout"
+        failure = {"class": "launch_timeout", "retry": True,
+                   "message": f"ranks did not start within {settings.TRAINYARD_LAUNCH_TIMEOUT_S:.0f} s"}
+    else:
+        d = diagnosis.diagnose(reports, node_lost=lost_node)
+        outcome = "lost" if d.failure_class == "lost" else f"failed:{d.failure_class}"
+        failure = {"class": d.failure_class, "retry": d.retry, "rank": d.rank, "node": d.node,
+                   "message": d.message, "traceback": d.traceback}
+    if not Attempt.objects.filter(pk=attempt.pk).exclude(status=Attempt.Status.ENDED).update(
+            status=Attempt.Status.ENDED, outcome=outcome, failure=failure, ended_at=timezone.now()):
+        return
+    _event(job, "attempt_ended", f"attempt {attempt.number} ended: {outcome}", attempt=attempt,
+           outcome=outcome, **({"evidence": failure} if failure else {}))
+    if outcome == "succeeded":
+        _set_job_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
+        _event(job, "succeeded", f"finished {job.total_steps} steps", attempt=attempt)
+    elif outcome == "cancelled":
+        _set_job_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
+        _event(job, "cancelled", "all processes stopped", attempt=attempt)
+    elif failure.get("retry") and job.restarts < job.spec.get("max_restarts", 0):
+        _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"restarting after {outcome}",
+                        restarts=job.restarts + 1)
+        _event(job, "restart", f"restart {job.restarts} of {job.spec.get('max_restarts')} after {outcome} "
+                               "(from step 0: checkpoints are not implemented yet)", attempt=attempt)
+    else:
+        why = ("not retried: " if not failure.get("retry") else "no restarts left: ") + (failure.get("message") or outcome)
+        _set_job_status(job, Job.ACTIVE, Job.Status.FAILED, why[:500])
+        _event(job, "failed", why, attempt=attempt)
+    transaction.on_commit(dispatch.request_tick)
+
+
+# ---------------------------------------------------------------- telemetry
+
+METRIC_FIELDS = MetricSample.FIELDS
+
+
+def telemetry_ingest(samples: list[dict], events: list[dict]) -> dict[int, int]:
+    """Store a batch of metric samples (idempotent: duplicates of (attempt, rank, step) are skipped)
+    and runtime events. Returns job id -> highest step seen in the batch."""
+    attempts = dict(Attempt.objects.filter(
+        pk__in={s.get("attempt") for s in samples} | {e.get("attempt") for e in events}
+    ).values_list("pk", "job_id"))
+    rows, top = [], {}
+    for s in samples:
+        job_id = attempts.get(s.get("attempt"))
+        if job_id is None:
+            continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
+        try:
+            rows.append(MetricSample(job_id=job_id, attempt_id=s["attempt"],
+                                     **{f: s.get(f) for f in METRIC_FIELDS}))
+        except (KeyError, TypeError, ValueError):
+            log.warning("dropping malformed sample %r", s)
+            continue
+        top[job_id] = max(top.get(job_id, 0), int(s["step"]))
+    with transaction.atomic():
+        try:
+            MetricSample.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
+        except IntegrityError:
+            log.exception("metric batch rejected")
+        for job_id, step in top.items():
+            Job.objects.filter(pk=job_id, step__lt=step).update(step=step)
+        for e in events:
+            job_id = attempts.get(e.get("attempt"))
+            if job_id is None or e.get("kind") not in ("telemetry_dropped",):
+                continue
+            JobEvent.objects.create(job_id=job_id, attempt_id=e["attempt"], kind=e["kind"],
+                                    message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "
+                                            "while Redis was unreachable", data=e)
+    return top

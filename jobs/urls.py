@@ -1,0 +1,18 @@
+from django.urls import include, path
+from rest_framework.routers import DefaultRouter
+
+from . import api, views
+
+router = DefaultRouter()
+router.register("jobs", api.JobViewSet, basename="api-job")
+router.register("nodes", api.NodeViewSet, basename="api-node")
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+    path("jobs/", views.job_list, name="job-list"),
+    path("jobs/new/", views.job_new, name="job-new"),
+    path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
+    path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-cancel"),
+    path("nodes/", views.node_list, name="node-list"),
+    path("api/v1/", include(router.urls)),
+]

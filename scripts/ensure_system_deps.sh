@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install the Debian packages Trainyard needs when they are missing: redis-server (broker, streams,
+# channel layer). Root installs them with apt-get; anyone else gets the exact command to run.
+set -euo pipefail
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+for pkg in "$@"; do
+  case "$pkg" in
+    chromium) [ -x /usr/bin/chromium ] || missing+=(chromium) ;;
+    *) dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg") ;;
+  esac
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+  echo "Trainyard needs these Debian packages: ${missing[*]}" >&2
+  echo "Install them with:  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+echo "installing Debian packages: ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

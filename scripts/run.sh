@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make run`: everything for one machine under honcho (see Procfile). Ctrl-C stops it all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export WEB_PORT="${PORT:-8000}"
+export REDIS_PORT="${REDIS_PORT:-6390}"
+export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:${REDIS_PORT}/0}"
+export TRAINYARD_VAR_DIR="${TRAINYARD_VAR_DIR:-$PWD/var}"
+export TRAINYARD_DATA_ROOT="${TRAINYARD_DATA_ROOT:-$TRAINYARD_VAR_DIR/data}"
+export TRAINYARD_CHECKPOINT_ROOT="${TRAINYARD_CHECKPOINT_ROOT:-$TRAINYARD_VAR_DIR/checkpoints}"
+export TRAINYARD_RUN_DIR="${TRAINYARD_RUN_DIR:-$TRAINYARD_VAR_DIR/agents}"
+export NODE_SLOTS="${NODE_SLOTS:-2}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_DATA_ROOT" "$TRAINYARD_CHECKPOINT_ROOT" "$TRAINYARD_RUN_DIR"
+for port in "$WEB_PORT" "$REDIS_PORT"; do
+  if .venv/bin/python -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $port)) != 0)"; then
+    echo "port $port on 127.0.0.1 is already in use; set PORT (web) or REDIS_PORT to a free one" >&2
+    exit 1
+  fi
+done
+.venv/bin/python manage.py migrate --noinput -v 0
+.venv/bin/python manage.py collectstatic --noinput -v 0
+login=$(.venv/bin/python manage.py ensure_admin)
+cat <<MSG
+
+  Trainyard is starting:  http://127.0.0.1:${WEB_PORT}/
+  Login:                  ${login}
+  API token:              .venv/bin/python manage.py api_token admin
+  Redis:                  ${REDIS_URL}   (Ctrl-C stops everything)
+
+MSG
+exec .venv/bin/honcho start -f Procfile

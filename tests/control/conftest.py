@@ -1,0 +1,48 @@
+import pytest
+
+from jobs import dispatch
+
+
+@pytest.fixture(autouse=True)
+def sent(monkeypatch):
+    """Record what services would send over Celery instead of needing a broker (unit tests only;
+    the integration tests send through a real Redis)."""
+    calls = []
+    monkeypatch.setattr(dispatch, "send_launch", lambda node, payload: calls.append(("launch", node, payload)))
+    monkeypatch.setattr(dispatch, "send_stop", lambda node, job_id, attempt_id, reason: calls.append(
+        ("stop", node, attempt_id, reason)))
+    monkeypatch.setattr(dispatch, "request_tick", lambda: calls.append(("tick",)))
+    return calls
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user("alice", password="pw-alice-123")
+
+
+@pytest.fixture
+def other(django_user_model):
+    return django_user_model.objects.create_user("bob", password="pw-bob-123")
+
+
+@pytest.fixture
+def staff(django_user_model):
+    return django_user_model.objects.create_user("root", password="pw-root-123", is_staff=True)
+
+
+@pytest.fixture
+def nodes(db):
+    from jobs import services
+
+    out = []
+    for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")):
+        node, _ = services.node_heartbeat({"name": name, "address": addr, "slots": 2, "labels": {"rack": "r1"},
+                                           "cpu_percent": 1.0, "mem_percent": 2.0})
+        out.append(node)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings):
+    # PBKDF2's 1M iterations cost ~0.3 s per user; these tests are not about hashing.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

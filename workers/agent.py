@@ -1,0 +1,249 @@
+"""Node agent: a Celery worker on queue `node.<name>` that launches and supervises this node's
+share of attempts, heartbeats to the control queue and forwards rank logs to the job's stream.
+
+It needs only Redis (broker, streams, the rendezvous-port handoff) -- never the database.
+Run: python -m workers.agent --name node-a --address 127.0.0.1 --slots 2 --labels rack=r1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import redis
+
+from .celery_app import CONTROL_QUEUE, REDIS_URL, app, node_queue
+from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
+
+log = logging.getLogger("trainyard.agent")
+HEARTBEAT_S = 2.0
+RDZV_KEY = "trainyard:rdzv:{attempt_id}"
+RDZV_WAIT_S = 60.0
+
+
+def discover_devices(device: str, slots: int) -> list[dict]:
+    if device == "cuda":
+        try:
+            import torch
+
+            out = []
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                free, total = torch.cuda.mem_get_info(i)
+                try:
+                    util = torch.cuda.utilization(i)
+                except Exception:  # needs pynvml; absent is fine
+                    util = None
+                out.append({"kind": "cuda", "index": i, "name": p.name, "memory_bytes": total,
+                            "memory_used_bytes": total - free, "utilization": util})
+            return out
+        except Exception as exc:  # a broken driver must not kill the heartbeat
+            log.warning("CUDA discovery failed: %s", exc)
+    cores = os.cpu_count() or 1
+    return [{"kind": "cpu", "index": i, "cores": max(1, cores // slots)} for i in range(slots)]
+
+
+class Agent:
+    def __init__(self, name: str, address: str, slots: int, labels: dict, device: str, run_base: Path):
+        self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
+        self.run_base = run_base
+        self.run_base.mkdir(parents=True, exist_ok=True)
+        self.agent_id = uuid.uuid4().hex[:12]
+        self.redis = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        self.supervisors: dict[int, Supervisor] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._registry_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.cores_per_slot = max(1, (os.cpu_count() or 1) // slots)
+
+    # ---------------------------------------------------------------- helpers
+    def _lock(self, attempt_id: int) -> threading.Lock:
+        with self._registry_lock:
+            return self._locks.setdefault(attempt_id, threading.Lock())
+
+    def run_dir(self, attempt_id: int) -> Path:
+        return self.run_base / f"attempt-{int(attempt_id)}"
+
+    def _callbacks(self, job_id: int, attempt_id: int, stream: str) -> dict:
+        def on_ranks(ranks: list[dict]) -> None:
+            app.send_task("workers.tasks.attempt_ranks", args=[attempt_id, self.name, ranks], queue=CONTROL_QUEUE)
+
+        def on_log(rank: int, which: str, lines: list[str]) -> None:
+            try:
+                self.redis.xadd(stream, {"type": "log", "data": json.dumps(
+                    {"attempt": attempt_id, "rank": rank, "stream": which, "lines": lines, "node": self.name})})
+            except redis.RedisError as exc:  # logs are best effort; the files stay on disk
+                log.warning("log forward failed for attempt %s: %s", attempt_id, exc)
+
+        def on_exit(result: dict) -> None:
+            with self._registry_lock:
+                self.supervisors.pop(attempt_id, None)
+            result = dict(result, node=self.name)
+            app.send_task("workers.tasks.attempt_node_exit", args=[attempt_id, self.name, result],
+                          queue=CONTROL_QUEUE)
+
+        return {"on_ranks": on_ranks, "on_log": on_log, "on_exit": on_exit}
+
+    # ---------------------------------------------------------------- tasks
+    def _rdzv_port(self, attempt_id: int, node_rank: int) -> int:
+        key = RDZV_KEY.format(attempt_id=attempt_id)
+        if node_rank == 0:
+            # SET NX: a redelivered launch reuses the port its first delivery announced.
+            self.redis.set(key, pick_free_port(self.address), nx=True, ex=86400)
+        deadline = time.monotonic() + RDZV_WAIT_S
+        while time.monotonic() < deadline:
+            value = self.redis.get(key)
+            if value is not None:
+                return int(value)
+            time.sleep(0.1)
+        raise TimeoutError(f"rank-0 node did not publish a rendezvous port for attempt {attempt_id}")
+
+    def launch(self, p: dict) -> bool:
+        attempt_id, job_id = int(p["attempt_id"]), int(p["job_id"])
+        run_dir = self.run_dir(attempt_id)
+        if (run_dir / "launched").exists():
+            log.info("attempt %s was already launched on %s: ignoring duplicate launch", attempt_id, self.name)
+            return False
+        cbs = self._callbacks(job_id, attempt_id, p["stream"])
+        try:
+            port = self._rdzv_port(attempt_id, int(p["node_rank"]))
+        except (TimeoutError, redis.RedisError) as exc:
+            cbs["on_exit"]({"attempt_id": attempt_id, "exit_code": None, "signal": None, "stopped": False,
+                            "failures": [{"rank": None, "local_rank": None, "exitcode": None,
+                                          "timestamp": time.time(), "message": f"RendezvousError: {exc}",
+                                          "traceback": ""}], "log_tail": {}, "duration_s": 0.0})
+            return False
+        config = {
+            "job_id": job_id, "attempt_id": attempt_id, "node": self.name, "run_dir": str(run_dir),
+            "redis_url": REDIS_URL, "stream": p["stream"],
+            "data_root": os.environ.get("TRAINYARD_DATA_ROOT", str(Path("var/data").resolve())),
+            "checkpoint_dir": str(Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "var/checkpoints")).resolve()
+                                  / f"job-{job_id}"),
+            "spec": p["spec"],
+        }
+        req = LaunchRequest(
+            job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=int(p["node_rank"]),
+            nnodes=int(p["nnodes"]), nproc=int(p["nproc"]), slots=tuple(int(s) for s in p["slots"]),
+            device=p["device"], rdzv_host=p["rdzv_host"], rdzv_port=port, local_addr=self.address,
+            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot)
+        with self._lock(attempt_id):
+            sup = Supervisor(req, **cbs)
+            if not sup.start():
+                log.info("attempt %s already launched on %s: not starting it again", attempt_id, self.name)
+                return False
+            with self._registry_lock:
+                self.supervisors[attempt_id] = sup
+        log.info("launched attempt %s (job %s) on %s, rdzv %s:%s", attempt_id, job_id, self.name,
+                 p["rdzv_host"], port)
+        return True
+
+    def stop(self, attempt_id: int, reason: str) -> None:
+        with self._lock(attempt_id):
+            with self._registry_lock:
+                sup = self.supervisors.get(attempt_id)
+            if sup is None:
+                run_dir = self.run_dir(attempt_id)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                try:
+                    # Claim the launch marker so a launch message still in flight starts nothing.
+                    fd = os.open(run_dir / "launched", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                    os.close(fd)
+                    claimed = True
+                except FileExistsError:
+                    claimed = False
+                if claimed:
+                    log.info("stop for attempt %s before its launch: it will not start here", attempt_id)
+                    self._report_never_started(attempt_id, reason)
+                    return
+                log.info("stop for attempt %s: nothing running here", attempt_id)
+                self._report_never_started(attempt_id, reason)
+                return
+        log.info("stopping attempt %s on %s (%s)", attempt_id, self.name, reason)
+        sup.stop()
+
+    def _report_never_started(self, attempt_id: int, reason: str) -> None:
+        app.send_task("workers.tasks.attempt_node_exit", args=[attempt_id, self.name, {
+            "attempt_id": attempt_id, "node": self.name, "exit_code": None, "signal": None, "stopped": True,
+            "failures": [], "log_tail": {}, "duration_s": 0.0, "reason": reason}], queue=CONTROL_QUEUE)
+
+    # ---------------------------------------------------------------- lifecycle
+    def adopt_running(self) -> None:
+        """After an agent restart, re-attach to attempts whose processes outlived the old agent."""
+        for run_dir in launched_attempts(str(self.run_base)):
+            try:
+                cfg = json.loads((Path(run_dir) / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            attempt_id = int(cfg["attempt_id"])
+            sup = Supervisor.adopt(run_dir, **self._callbacks(int(cfg["job_id"]), attempt_id, cfg["stream"]))
+            if sup is not None:
+                with self._registry_lock:
+                    self.supervisors[attempt_id] = sup
+                log.info("re-attached to running attempt %s", attempt_id)
+
+    def heartbeat_payload(self) -> dict:
+        with self._registry_lock:
+            attempts = sorted(self.supervisors)
+        return {
+            "name": self.name, "address": self.address, "slots": self.slots, "labels": self.labels,
+            "devices": discover_devices(self.device, self.slots), "cpu_percent": psutil.cpu_percent(None),
+            "mem_percent": psutil.virtual_memory().percent, "agent_id": self.agent_id, "attempts": attempts,
+        }
+
+    def heartbeat_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                app.send_task("workers.tasks.node_heartbeat", args=[self.heartbeat_payload()],
+                              queue=CONTROL_QUEUE, expires=10)
+            except Exception as exc:  # Redis down: keep trying, the supervisors keep running
+                log.warning("heartbeat failed: %s", exc)
+            self._stop.wait(HEARTBEAT_S)
+
+
+AGENT: Agent | None = None
+
+
+def _labels(text: str) -> dict:
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        if "=" not in part:
+            raise SystemExit(f"--labels: expected key=value pairs separated by commas, got {part!r}")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    global AGENT
+    ap = argparse.ArgumentParser(prog="python -m workers.agent", description=__doc__.splitlines()[0])
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--address", required=True, help="address other nodes reach this one at")
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--labels", default="", help="e.g. rack=r1,zone=a")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--run-dir", default=os.environ.get("TRAINYARD_RUN_DIR", "var/agents"))
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.slots < 1:
+        raise SystemExit("--slots must be at least 1")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
+    AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
+                  Path(args.run_dir).resolve() / args.name)
+    AGENT.adopt_running()
+    threading.Thread(target=AGENT.heartbeat_forever, name="heartbeat", daemon=True).start()
+    app.worker_main([
+        "worker", "-Q", node_queue(args.name), "-n", f"{args.name}@%h", "-P", "threads",
+        "-c", str(args.concurrency), "--without-gossip", "--without-mingle", "-l", "INFO",
+    ])
+
+
+if __name__ == "__main__":
+    from workers import agent as _agent  # run the importable module's main so tasks see AGENT
+
+    _agent.main()
