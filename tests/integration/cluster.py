@@ -1,0 +1,171 @@
+"""A real single-machine Trainyard for integration tests: redis-server, daphne, a Celery control
+worker + beat, the relay and two node agents (node-a on 127.0.0.1, node-b on 127.0.0.2), each a
+separate process, talking over a Redis on a free port. Nothing is faked or run eagerly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import REPO, RedisServer, free_port
+
+PY = sys.executable
+
+
+class Cluster:
+    def __init__(self, workdir: Path, *, slots: int = 2):
+        self.dir = Path(workdir)
+        self.slots = slots
+        self.redis = RedisServer(self.dir / "redis")
+        self.port = free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = dict(os.environ)
+        self.env.update({
+            "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "TRAINYARD_VAR_DIR": str(self.dir / "var"), "TRAINYARD_DB": str(self.dir / "db.sqlite3"),
+            "TRAINYARD_DATA_ROOT": str(self.dir / "data"), "TRAINYARD_RUN_DIR": str(self.dir / "agents"),
+            "TRAINYARD_CHECKPOINT_ROOT": str(self.dir / "ckpt"), "TRAINYARD_ADMIN_PASSWORD": "integration-pw-1",
+            "REDIS_URL": "", "DJANGO_SECRET_KEY": "integration-tests-only",
+        })
+        self.token = ""
+
+    # ------------------------------------------------------------ processes
+    def commands(self) -> dict[str, list[str]]:
+        agent = [PY, "-m", "workers.agent", "--slots", str(self.slots), "--labels", "rack=r1"]
+        return {
+            "web": [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "controlplane.asgi:application"],
+            "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "-n", "control@%h",
+                        "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
+            "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
+                     "-s", str(self.dir / "celerybeat-schedule")],
+            "relay": [PY, "manage.py", "relay"],
+            "node-a": agent + ["--name", "node-a", "--address", "127.0.0.1"],
+            "node-b": agent + ["--name", "node-b", "--address", "127.0.0.2"],
+        }
+
+    def start_proc(self, name: str) -> subprocess.Popen:
+        log = open(self.dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(self.commands()[name], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def kill_proc(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(30)
+
+    def start(self) -> "Cluster":
+        self.redis.start()
+        self.env["REDIS_URL"] = self.redis.url
+        for d in ("var", "data", "agents", "ckpt"):
+            (self.dir / d).mkdir(parents=True, exist_ok=True)
+        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):
+            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
+        self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
+                                    capture_output=True, text=True).stdout.strip()
+        for name in self.commands():
+            self.start_proc(name)
+        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_for(lambda: {n["name"] for n in self.get("/api/v1/nodes/")["results"]
+                               if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
+        return self
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs.pop(name)
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 20
+        for p in psutil.Process().children(recursive=True):
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except psutil.TimeoutExpired:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        # Attempts run in their own sessions; make sure nothing of this cluster outlives it.
+        for p in psutil.process_iter(["cmdline"]):
+            if any(str(self.dir) in part for part in (p.info["cmdline"] or [])):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        self.redis.stop()
+
+    def logs(self, tail: int = 60) -> str:
+        out = []
+        for f in sorted(self.dir.glob("*.log")):
+            lines = f.read_text(errors="replace").splitlines()[-tail:]
+            out.append(f"==== {f.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    # ------------------------------------------------------------ HTTP
+    def request(self, method: str, path: str, body=None) -> tuple[int, dict | list]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method, headers={
+            "Authorization": f"Token {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def get(self, path: str):
+        status, body = self.request("GET", path)
+        assert status == 200, (path, status, body)
+        return body
+
+    def api_ok(self, path: str) -> bool:
+        try:
+            return self.request("GET", path)[0] == 200
+        except OSError:
+            return False
+
+    def submit(self, spec: dict) -> dict:
+        status, body = self.request("POST", "/api/v1/jobs/", spec)
+        assert status == 201, body
+        return body
+
+    def job(self, job_id: int) -> dict:
+        return self.get(f"/api/v1/jobs/{job_id}/")
+
+    def metrics(self, job_id: int) -> list[dict]:
+        return self.get(f"/api/v1/jobs/{job_id}/metrics/?limit=10000")
+
+    def wait_for(self, cond, timeout_s: float, what: str, interval_s: float = 0.2):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            time.sleep(interval_s)
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
+
+    def wait_status(self, job_id: int, statuses: set[str], timeout_s: float = 240) -> dict:
+        return self.wait_for(lambda: (j := self.job(job_id))["status"] in statuses and j, timeout_s,
+                             f"job {job_id} to reach {statuses}")
+
+    def wait_running_ranks(self, job_id: int, world: int, timeout_s: float = 120) -> dict:
+        def ready():
+            j = self.job(job_id)
+            att = j["attempts"][-1] if j["attempts"] else None
+            return j["status"] == "RUNNING" and att and len(att["ranks"]) == world and j
+        return self.wait_for(ready, timeout_s, f"job {job_id} running with {world} ranks")
+
+
+def attempt_processes(attempt_id: int) -> list[psutil.Process]:
+    """torchrun, its wrapper and the ranks of one attempt, found by the rendezvous id on their command line."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if f"attempt-{attempt_id}" in cmd or any(f"attempt-{attempt_id}/" in c for c in cmd):
+            out.append(p)
+    return out

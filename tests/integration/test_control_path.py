@@ -1,0 +1,129 @@
+"""Issue 2 end to end: submit through the API, schedule onto two Celery node agents, torchrun
+trains across them, metrics land in the database, the job ends SUCCEEDED. Plus cancel,
+duplicate launch, agent restart and relay SIGKILL, all with real processes."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import psutil
+import pytest
+from celery import Celery
+
+from .cluster import Cluster, attempt_processes
+
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def small(name: str, steps: int, **extra) -> dict:
+    return {"name": name, "model": {"kind": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 64},
+            "train": {"steps": steps, "global_batch": 16}, **extra}
+
+
+def test_demo_job_runs_on_both_agents_and_succeeds(cluster):
+    job = cluster.submit({"name": "gpt-demo"})
+    assert job["status"] == "QUEUED" and job["spec"]["train"]["steps"] == 200
+    running = cluster.wait_running_ranks(job["id"], 2)
+    ranks = running["attempts"][0]["ranks"]
+    assert {r["node"] for r in ranks} == {"node-a", "node-b"} and all(r["pid"] > 0 for r in ranks)
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 600)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    assert done["step"] == 200 and done["attempts"][0]["outcome"] == "succeeded"
+    rows = cluster.metrics(job["id"])
+    assert len(rows) == 400 and {r["rank"] for r in rows} == {0, 1}
+    assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in (0, 1) for s in range(1, 201)}
+    assert all(r["bytes_sent"] > 0 and r["step_s"] > 0 and r["mem_bytes"] > 0 for r in rows)
+    first = statistics.mean(r["loss"] for r in rows if r["step"] <= 10)
+    last = statistics.mean(r["loss"] for r in rows if r["step"] > 190)
+    assert first > 5.0 and last < math.log(256) - 1.5, (first, last)  # learns real text, well below ln 256
+    logs = cluster.get(f"/api/v1/jobs/{job['id']}/logs/?rank=1")
+    assert logs and all(line["rank"] == 1 for line in logs)
+
+
+def test_cancel_leaves_no_process_within_5s(cluster):
+    job = cluster.submit(small("to-cancel", 100000))
+    running = cluster.wait_running_ranks(job["id"], 2)
+    attempt_id = running["attempts"][0]["id"]
+    procs = attempt_processes(attempt_id)
+    pids = {r["pid"] for r in running["attempts"][0]["ranks"]}
+    assert pids <= {p.pid for p in procs}
+    status, _ = cluster.request("POST", f"/api/v1/jobs/{job['id']}/cancel/")
+    assert status == 202
+    t0 = time.monotonic()
+    gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive, f"still alive after {time.monotonic() - t0:.1f} s: {alive}"
+    done = cluster.wait_status(job["id"], {"CANCELLED", "FAILED", "SUCCEEDED"}, 60)
+    assert done["status"] == "CANCELLED" and done["attempts"][0]["outcome"] == "cancelled"
+
+
+def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
+    steps = 150
+    job = cluster.submit(small("dup", steps))
+    running = cluster.wait_running_ranks(job["id"], 2)
+    attempt = running["attempts"][0]
+    seen: set[int] = set()
+
+    def torchruns() -> set[int]:
+        return {p.pid for p in attempt_processes(attempt["id"]) if is_torchrun(p)}
+
+    seen |= torchruns()
+    app = Celery(broker=cluster.redis.url)
+    spec = running["spec"]
+    payloads = {
+        name: {"job_id": job["id"], "attempt_id": attempt["id"], "node": name, "node_rank": rank, "nnodes": 2,
+               "nproc": 1, "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": addr,
+               "stream": f"trainyard:job:{job['id']}", "spec": spec}
+        for rank, (name, addr) in enumerate((("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")))}
+    for _ in range(2):  # the same launch message delivered twice to each agent
+        for name, payload in payloads.items():
+            app.send_task("workers.tasks.node_launch", args=[payload], queue=f"node.{name}")
+    # node-b's agent crashes and comes back; the launch is delivered once more after the restart
+    cluster.kill_proc("node-b")
+    cluster.start_proc("node-b")
+    app.send_task("workers.tasks.node_launch", args=[payloads["node-b"]], queue="node.node-b")
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        seen |= torchruns()
+        time.sleep(0.2)
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED", done
+    assert len(done["attempts"]) == 1
+    rows = cluster.metrics(job["id"])
+    assert len(rows) == steps * 2  # one run per rank: a second launch would have duplicated or failed
+    assert len(seen) == 2, f"torchrun processes seen for the attempt: {seen}"  # one per node, ever
+    agent_log = (cluster.dir / "node-a.log").read_text() + (cluster.dir / "node-b.log").read_text()
+    assert agent_log.count(f"attempt {attempt['id']} was already launched") + agent_log.count(
+        f"attempt {attempt['id']} already launched") >= 3
+
+
+def is_torchrun(p: psutil.Process) -> bool:
+    try:
+        return "torch.distributed.run" in p.cmdline()
+    except psutil.Error:
+        return False
+
+
+def test_relay_sigkill_mid_run_loses_and_duplicates_nothing(cluster):
+    steps = 200
+    job = cluster.submit(small("relay-kill", steps))
+    cluster.wait_for(lambda: len(cluster.metrics(job["id"])) >= 20, 180, "first metrics")
+    cluster.kill_proc("relay")
+    time.sleep(2.0)  # the job keeps training and writing into its stream meanwhile
+    cluster.start_proc("relay")
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED", done
+    cluster.wait_for(lambda: len(cluster.metrics(job["id"])) >= steps * 2, 30, "all metrics")
+    rows = cluster.metrics(job["id"])
+    keys = [(r["attempt"], r["rank"], r["step"]) for r in rows]
+    assert len(keys) == steps * 2 == len(set(keys))
