@@ -196,6 +196,17 @@ class Agent:
             "mem_percent": psutil.virtual_memory().percent, "agent_id": self.agent_id, "attempts": attempts,
         }
 
+    def stop_all(self) -> None:
+        """Graceful agent shutdown (Ctrl-C under `make run`): stop every attempt running here, in parallel."""
+        self._stop.set()
+        with self._registry_lock:
+            sups = list(self.supervisors.values())
+        threads = [threading.Thread(target=s.stop, daemon=True) for s in sups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+
     def heartbeat_forever(self) -> None:
         while not self._stop.is_set():
             try:
@@ -236,6 +247,11 @@ def main(argv: list[str] | None = None) -> None:
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
                   Path(args.run_dir).resolve() / args.name)
     AGENT.adopt_running()
+    from celery.signals import worker_shutting_down
+
+    # A crash (SIGKILL) leaves attempts running for the next agent to re-attach; a deliberate
+    # stop (SIGTERM/Ctrl-C) takes them down too, so `make run` leaves no training behind.
+    worker_shutting_down.connect(lambda **_: AGENT.stop_all(), weak=False)
     threading.Thread(target=AGENT.heartbeat_forever, name="heartbeat", daemon=True).start()
     app.worker_main([
         "worker", "-Q", node_queue(args.name), "-n", f"{args.name}@%h", "-P", "threads",

@@ -127,3 +127,31 @@ def test_relay_sigkill_mid_run_loses_and_duplicates_nothing(cluster):
     rows = cluster.metrics(job["id"])
     keys = [(r["attempt"], r["rank"], r["step"]) for r in rows]
     assert len(keys) == steps * 2 == len(set(keys))
+
+
+def test_node_lost_ends_attempt_lost_and_job_reruns_when_node_returns(cluster):
+    steps = 60
+    job = cluster.submit(small("node-loss", steps, train={"steps": steps, "global_batch": 16}))
+    running = cluster.wait_running_ranks(job["id"], 2)
+    attempt_id = running["attempts"][0]["id"]
+    # The machine behind node-b dies: its agent and everything it started vanish at once.
+    cluster.kill_proc("node-b")
+    node_b_dir = str(cluster.dir / "agents" / "node-b")
+    for p in attempt_processes(attempt_id):
+        try:
+            if any(node_b_dir in part for part in p.cmdline()):
+                p.kill()
+        except psutil.Error:
+            pass
+    t0 = time.monotonic()
+    cluster.wait_for(lambda: next(n for n in cluster.get("/api/v1/nodes/")["results"]
+                                  if n["name"] == "node-b")["status"] == "LOST", 30, "node-b LOST")
+    assert time.monotonic() - t0 < 16  # 10 s of silence + a 2 s check period, with slack
+    requeued = cluster.wait_for(lambda: (j := cluster.job(job["id"]))["attempts"][0]["outcome"] and j, 60,
+                                "the first attempt to end")
+    assert requeued["attempts"][0]["outcome"] == "lost"
+    cluster.start_proc("node-b")  # the machine comes back
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED" and done["restarts"] == 1 and len(done["attempts"]) == 2, done
+    last = done["attempts"][1]["id"]
+    assert len([r for r in cluster.metrics(job["id"]) if r["attempt"] == last]) == steps * 2
