@@ -1,0 +1,1 @@
+"""Helper programs the launcher tests start under real torchrun."""

@@ -1,0 +1,449 @@
+"""workers.launcher: real torchrun, real gloo ranks (tests/launcher_fixtures/fake_worker.py).
+
+Two "nodes" on one machine advertise 127.0.0.1 and 127.0.0.2, as the node agents do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from workers import launcher, launcher_logs
+from workers.launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
+
+FAKE = "tests.launcher_fixtures.fake_worker"
+
+
+class Recorder:
+    """Callback sink; every event in arrival order, waitable without sleeps."""
+
+    def __init__(self, fail_first_log: bool = False):
+        self.events: list[tuple] = []
+        self.cond = threading.Condition()
+        self._fail_first_log = fail_first_log
+
+    def _add(self, event: tuple) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def on_ranks(self, ranks):
+        self._add(("ranks", ranks))
+
+    def on_log(self, rank, stream, lines):
+        self._add(("log", rank, stream, list(lines)))
+        if self._fail_first_log:
+            self._fail_first_log = False
+            raise RuntimeError("callback bug: supervision must survive it")
+
+    def on_exit(self, result):
+        self._add(("exit", result))
+
+    def callbacks(self) -> dict:
+        return {"on_ranks": self.on_ranks, "on_log": self.on_log, "on_exit": self.on_exit}
+
+    def wait(self, predicate, timeout: float = 45.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: predicate(self), timeout), self.events
+
+    def exits(self) -> list[dict]:
+        return [e[1] for e in self.events if e[0] == "exit"]
+
+    def ranks(self) -> list[dict]:
+        return [r for e in self.events if e[0] == "ranks" for r in e[1]]
+
+    def lines(self, rank: int | None = None) -> list[tuple[int, str, str]]:
+        return [(e[1], e[2], line) for e in self.events if e[0] == "log"
+                for line in e[3] if rank is None or e[1] == rank]
+
+    def has_line(self, text: str) -> bool:
+        return any(text in line for _, _, line in self.lines())
+
+
+def exited(rec: Recorder) -> bool:
+    return bool(rec.exits())
+
+
+def request(tmp_path, node: str, *, node_rank=0, nnodes=1, nproc=1, port=None,
+            local_addr="127.0.0.1", config=None, attempt_id=1, **kw) -> LaunchRequest:
+    return LaunchRequest(
+        job_id=7, attempt_id=attempt_id, node=node, node_rank=node_rank, nnodes=nnodes,
+        nproc=nproc, slots=tuple(range(nproc)), device="cpu", rdzv_host="127.0.0.1",
+        rdzv_port=port or pick_free_port("127.0.0.1"), local_addr=local_addr,
+        config=config or {}, run_dir=str(tmp_path / "runs" / f"attempt-{attempt_id}" / node),
+        module=FAKE, **kw)
+
+
+def two_nodes(tmp_path, config, recs, **kw) -> list[Supervisor]:
+    port = pick_free_port("127.0.0.1")
+    sups = [Supervisor(request(tmp_path, node, node_rank=i, nnodes=2, port=port,
+                               local_addr=addr, config=config, **kw), **rec.callbacks())
+            for i, (node, addr, rec) in enumerate(
+                [("node-a", "127.0.0.1", recs[0]), ("node-b", "127.0.0.2", recs[1])])]
+    assert all(s.start() for s in sups)
+    return sups
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wrapper_pid(sup: Supervisor) -> int:
+    with open(os.path.join(sup.run_dir, "supervisor.json")) as f:
+        return json.load(f)["wrapper_pid"]
+
+
+def leftovers(pids) -> list[tuple[int, list]]:
+    out = []
+    for pid in pids:
+        try:
+            if running(pid):
+                out.append((pid, psutil.Process(pid).cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def attempt_processes(run_dir: str) -> list[psutil.Process]:
+    """procwrap, torchrun and the ranks of one run_dir, found by command line."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if any(run_dir in a for a in cmd) and running(p.pid):
+            found.append(p)
+    return found
+
+
+# ---- fast: no processes -------------------------------------------------------------------
+
+def test_argv_is_accepted_by_torchrun_and_hosts_only_on_node_rank_0(tmp_path):
+    from torch.distributed.run import get_args_parser  # the 2.13 parser itself
+
+    for node_rank, is_host in ((0, "1"), (1, "0")):
+        req = request(tmp_path, "n", node_rank=node_rank, nnodes=2, port=29400)
+        argv = launcher.build_argv(req, "/r/config.json", "/r/logs")
+        assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        args = get_args_parser().parse_args(argv[3:])
+        assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2", "1", "c10d")
+        assert args.rdzv_endpoint == "127.0.0.1:29400" and args.rdzv_id == "attempt-1"
+        assert args.rdzv_conf == f"is_host={is_host}" and args.local_addr == "127.0.0.1"
+        assert (args.max_restarts, args.redirects, args.log_dir) == (0, "3", "/r/logs")
+        assert args.module and args.training_script == FAKE
+        assert args.training_script_args == ["--config", "/r/config.json"]
+
+
+def test_env_per_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/elsewhere/error.json")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    req = request(tmp_path, "node-b", nproc=2, local_addr="127.0.0.2", cores_per_slot=3,
+                  env={"FOO": 1})
+    env = launcher.build_env(dataclasses.replace(req, slots=(2, 3), device="cuda"))
+    assert env["OMP_NUM_THREADS"] == "3" and env["TRAINYARD_NODE"] == "node-b"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["FOO"] == "1"
+    assert env["GLOO_SOCKET_IFNAME"] in psutil.net_if_addrs()
+    assert "TORCHELASTIC_ERROR_FILE" not in env and env["PATH"] == os.environ["PATH"]
+    assert launcher.REPO_ROOT in env["PYTHONPATH"].split(os.pathsep)
+    cpu_lan = launcher.build_env(dataclasses.replace(req, local_addr="10.1.2.3"))
+    assert cpu_lan.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert "GLOO_SOCKET_IFNAME" not in cpu_lan  # only loopback addresses pin gloo to lo
+
+
+@pytest.mark.parametrize("change", [
+    {"module": "-c"}, {"module": "x; rm"}, {"local_addr": "--nnodes"}, {"rdzv_host": "a b"},
+    {"nproc": 2}, {"node_rank": 2}, {"device": "tpu"}, {"rdzv_port": 0},
+])
+def test_rejects_requests_that_would_inject_or_mislead_torchrun(tmp_path, change):
+    req = dataclasses.replace(request(tmp_path, "n", port=29400), **change)
+    with pytest.raises(ValueError):
+        Supervisor(req, on_ranks=print, on_log=print, on_exit=print)
+
+
+def test_launcher_imports_no_control_plane():
+    code = ("import sys, workers.launcher; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('django', 'jobs', 'controlplane', 'torch', 'celery')]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=launcher.REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pick_free_port_binds_on_a_second_loopback_address():
+    port = pick_free_port("127.0.0.2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", port))
+
+
+def test_log_tailer_labels_only_known_ranks_and_flushes_partial_lines_at_the_end(tmp_path):
+    rank_dir = tmp_path / "logs" / "attempt-1_abc" / "attempt_0"
+    for lr in (0, 1):
+        (rank_dir / str(lr)).mkdir(parents=True)
+    (rank_dir / "0" / "stdout.log").write_text("a\nb\npart")
+    (rank_dir / "1" / "stderr.log").write_text("x\n")
+    tailer = launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=2)
+    assert tailer.poll(final=False, ready=lambda lr: lr == 0) == [(0, "stdout", ["a", "b"])]
+    with open(rank_dir / "0" / "stdout.log", "a") as f:
+        f.write("ial\nlast words")  # the line completes; the last one never gets a newline
+    assert tailer.poll(final=False, ready=lambda lr: lr == 0) == [(0, "stdout", ["partial"])]
+    assert tailer.poll(final=True, ready=lambda lr: True) == [
+        (0, "stdout", ["last words"]), (1, "stderr", ["x"])]
+    assert tailer.tails() == {0: ["a", "b", "partial", "last words"], 1: ["x"]}
+
+    adopted = launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=2)
+    adopted.skip_to_end()
+    assert adopted.poll(final=True, ready=lambda lr: True) == []
+    assert adopted.tails()[0][-1] == "last words"
+
+
+def test_error_file_time_has_sub_second_resolution(tmp_path):
+    path = tmp_path / "error.json"
+    now = time.time()
+    path.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {
+        "py_callstack": "Traceback ...", "timestamp": str(int(now))}}}))
+    os.utime(path, (now, int(now) + 0.25))
+    err = launcher_logs.read_error_file(str(path))
+    assert err == {"message": "ValueError: bad", "traceback": "Traceback ...",
+                   "timestamp": pytest.approx(int(now) + 0.25, abs=1e-3)}
+
+
+SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+fake_worker FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_03:37:05
+  host      : localhost
+  rank      : 2 (local_rank: 0)
+  exitcode  : -15 (pid: 5895)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 5895
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_03:37:05
+  host      : localhost
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 5896)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 5896
+============================================================
+"""
+
+
+def test_failures_without_error_files_come_from_torchruns_summary(tmp_path):
+    (tmp_path / "torchrun.stderr.log").write_text("noise\n" + SUMMARY)
+    tailer = launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=2)
+    # Both deaths bracketed in the same 150 ms window: the SIGKILL is placed at its start
+    # (a likely cause), the SIGTERM torchrun sent to the survivor at its end.
+    died = {0: (100.0, 100.15), 1: (100.0, 100.15)}
+    failures = launcher_logs.collect_failures(
+        tailer, str(tmp_path / "torchrun.stderr.log"), lambda lr: 2 + lr, died, 0.0)
+    assert [(f["rank"], f["local_rank"], f["exitcode"], f["signal"], f["timestamp"])
+            for f in failures] == [(3, 1, -9, "SIGKILL", 100.0), (2, 0, -15, "SIGTERM", 100.15)]
+    assert failures[0]["message"] == "Signal 9 (SIGKILL) received by PID 5896"
+
+
+# ---- real torchrun ------------------------------------------------------------------------
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_two_nodes_rendezvous_over_loopback_and_report(tmp_path):
+    recs = [Recorder(), Recorder(fail_first_log=True)]
+    two_nodes(tmp_path, {"steps": 3}, recs, env={"FAKE_EXTRA": "x-1"})
+    for rec in recs:
+        rec.wait(exited)
+
+    results = [rec.exits()[0] for rec in recs]
+    for node, result in zip(("node-a", "node-b"), results):
+        assert json.loads(json.dumps(result)) == result  # it travels over Celery as JSON
+        assert (result["node"], result["exit_code"], result["failures"]) == (node, 0, [])
+        assert result["stopped"] is False and result["duration_s"] > 0
+    ranks = recs[0].ranks() + recs[1].ranks()
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for rec, node in zip(recs, ("node-a", "node-b")):
+        (r,) = rec.ranks()
+        assert r["node"] == node and r["local_rank"] == 0
+        # The pid is the real rank process: the rank printed it, and the line is labelled
+        # with the global rank that process reported.
+        hello = [line for rank, stream, line in rec.lines(r["rank"]) if "hello" in line]
+        assert hello == [f"hello from rank {r['rank']} pid={r['pid']} omp=1 node={node} extra=x-1"]
+        assert (r["rank"], "stderr", f"stderr line from rank {r['rank']}") in rec.lines()
+        assert any("done after 3 steps" in line for line in results[recs.index(rec)]
+                   ["log_tail"][str(r["rank"])])
+    # node-b's first on_log raised; supervision went on and still delivered later lines.
+    assert recs[1].has_line("done after 3 steps")
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_first_failure_across_nodes_is_the_cause_not_the_consequence(tmp_path):
+    recs = [Recorder(), Recorder()]
+    two_nodes(tmp_path, {"fail_rank": 1, "steps": 200}, recs)
+    for rec in recs:
+        rec.wait(exited)
+
+    results = [rec.exits()[0] for rec in recs]
+    assert all(r["exit_code"] not in (0, None) for r in results)
+    failures = sorted((f for r in results for f in r["failures"]), key=lambda f: f["timestamp"])
+    first, later = failures[0], failures[1:]
+    assert (first["rank"], first["message"]) == (1, "ValueError: bad shape")
+    assert first["traceback"].startswith("Traceback")
+    assert 'raise ValueError("bad shape")' in first["traceback"]
+    # The survivor also failed (gloo: peer closed the connection), later: a consequence.
+    assert [f["rank"] for f in later] == [0]
+    assert later[0]["timestamp"] > first["timestamp"]
+    assert "Connection closed" in later[0]["message"] or "peer" in later[0]["message"].lower()
+    # The failing rank's last line was delivered, and before on_exit.
+    failing = next(rec for rec in recs if 1 in [r["rank"] for r in rec.ranks()])
+    kinds = [e[0] for e in failing.events]
+    last_line = next(i for i, e in enumerate(failing.events)
+                     if e[0] == "log" and any("about to fail" in s for s in e[3]))
+    assert last_line < kinds.index("exit")
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_stop_kills_the_whole_tree_even_a_rank_ignoring_sigterm(tmp_path):
+    rec = Recorder()
+    sup = Supervisor(request(tmp_path, "node-a", nproc=2,
+                             config={"hang_rank": 1, "steps": 100000}), **rec.callbacks())
+    assert sup.start()
+    rec.wait(lambda r: r.has_line("rank 1 allreduce") and len(r.ranks()) == 2)
+    wrapper = psutil.Process(wrapper_pid(sup))
+    pids = {wrapper.pid} | {p.pid for p in wrapper.children(recursive=True)}
+    pids |= {r["pid"] for r in rec.ranks()}
+    assert len(pids) >= 4  # procwrap, torchrun, 2 ranks
+    assert sup.alive()
+
+    t0 = time.monotonic()
+    sup.stop(grace_s=1.0)
+    while leftovers(pids) and time.monotonic() < t0 + 5.0:  # no exit event for non-children
+        time.sleep(0.05)
+    assert leftovers(pids) == [], f"{time.monotonic() - t0:.1f} s after stop()"
+    # Our SIGKILL did it, not torchrun's own SIGTERM->SIGKILL timeout for rank 1.
+    assert time.monotonic() - t0 < launcher.SHUTDOWN_TIMEOUT_S - 1
+    rec.wait(exited, timeout=5)
+    sup._thread.join(5)
+    (result,) = rec.exits()
+    assert result["stopped"] is True and result["lost"] is False
+    assert not sup.alive()
+    sup.stop()  # idempotent, and no second on_exit
+    assert len(rec.exits()) == 1
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_start_is_idempotent_per_run_dir(tmp_path):
+    rec, rec2 = Recorder(), Recorder()
+    req = request(tmp_path, "node-a", config={"steps": 100000})
+    sup = Supervisor(req, **rec.callbacks())
+    assert sup.start() is True
+    assert sup.start() is False  # the same message delivered twice
+    restarted = Supervisor(req, **rec2.callbacks())  # a restarted agent gets it again
+    assert restarted.start() is False
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        procs = attempt_processes(sup.run_dir)
+        if any("torch.distributed.run" in p.cmdline() and "workers.procwrap" not in p.cmdline()
+               for p in procs):
+            break
+        time.sleep(0.05)
+    cmdlines = [p.cmdline() for p in attempt_processes(sup.run_dir)]
+    assert sum("workers.procwrap" in c for c in cmdlines) == 1, cmdlines
+    assert sum("torch.distributed.run" in c and "workers.procwrap" not in c
+               for c in cmdlines) == 1, cmdlines
+    sup.stop(grace_s=1.0)
+    assert len(rec.exits()) == 1 and rec2.events == []
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_adopt_after_agent_death_reports_the_exit(tmp_path):
+    old = Recorder()
+    req = request(tmp_path, "node-a", config={"steps": 20})  # ~1 s of steps after adoption
+    sup = Supervisor(req, **old.callbacks())
+    assert sup.start()
+    old.wait(lambda r: r.has_line("rank 0 allreduce"))
+    sup._abandon()  # the agent dies: its threads stop, torchrun goes on
+    base = str(tmp_path / "runs")
+    assert launched_attempts(base) == [sup.run_dir]
+
+    new = Recorder()
+    adopted = Supervisor.adopt(sup.run_dir, **new.callbacks())
+    assert adopted is not None and adopted.alive()
+    new.wait(exited)
+    (result,) = new.exits()
+    assert (result["exit_code"], result["failures"], result["stopped"]) == (0, [], False)
+    assert result["attempt_id"] == 1 and result["node"] == "node-a"
+    assert [r["rank"] for r in new.ranks()] == [0]
+    assert new.has_line("rank 0 done after 20 steps")  # streamed after adoption
+    assert not new.has_line("hello from rank 0")  # resumed at the end: no duplicates...
+    assert any("hello from rank 0" in line for line in result["log_tail"]["0"])  # ...kept
+    assert old.exits() == []
+    adopted._thread.join(5)  # `reported` is written once on_exit has returned
+    assert launched_attempts(base) == []  # reported: the next restart leaves it alone
+    assert Supervisor.adopt(sup.run_dir, **Recorder().callbacks()) is None
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_wrapper_killed_means_lost_and_nothing_left_running(tmp_path):
+    rec = Recorder()
+    sup = Supervisor(request(tmp_path, "node-a", config={"steps": 100000}), **rec.callbacks())
+    assert sup.start()
+    rec.wait(lambda r: r.has_line("allreduce"))  # the supervisor has seen the whole tree
+    wrapper = psutil.Process(wrapper_pid(sup))
+    pids = {p.pid for p in wrapper.children(recursive=True)} | {r["pid"] for r in rec.ranks()}
+    os.kill(wrapper.pid, signal.SIGKILL)
+    rec.wait(exited, timeout=15)
+    (result,) = rec.exits()
+    assert (result["lost"], result["exit_code"], result["stopped"]) == (True, None, False)
+    assert leftovers(pids) == []
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_ranks_do_not_outlive_a_killed_torchrun(tmp_path):
+    rec = Recorder()
+    sup = Supervisor(request(tmp_path, "node-a", config={"steps": 100000}), **rec.callbacks())
+    assert sup.start()
+    rec.wait(lambda r: r.has_line("allreduce"))
+    (torchrun,) = psutil.Process(wrapper_pid(sup)).children()
+    rank_pid = rec.ranks()[0]["pid"]
+    torchrun.kill()  # e.g. the OOM killer: the rank, in its own session, is orphaned
+    rec.wait(exited, timeout=15)
+    (result,) = rec.exits()
+    assert (result["exit_code"], result["signal"], result["lost"]) == (-9, "SIGKILL", False)
+    assert leftovers([rank_pid]) == []  # procwrap (subreaper) killed it before exit.json
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal_is_reported_with_the_signal(tmp_path):
+    rec = Recorder()
+    sup = Supervisor(request(tmp_path, "node-a", nproc=2,
+                             config={"fail_rank": 1, "fail_mode": "sigkill", "steps": 200}),
+                     **rec.callbacks())
+    assert sup.start()
+    rec.wait(exited)
+    (result,) = rec.exits()
+    assert result["exit_code"] not in (0, None) and result["stopped"] is False
+    first = result["failures"][0]
+    assert (first["rank"], first["local_rank"], first["exitcode"], first["signal"]) == \
+        (1, 1, -9, "SIGKILL")
+    assert "SIGKILL" in first["message"] and first["traceback"] is None
+    assert abs(first["timestamp"] - time.time()) < 60
+    assert any("about to fail (sigkill)" in line for line in result["log_tail"]["1"])

@@ -1,0 +1,474 @@
+"""Launch this node's share of an attempt under torchrun and supervise it until it ends.
+
+Runs inside the node agent, which needs only Redis: no django/jobs/controlplane imports.
+
+Process tree (every level its own session, so a dying agent touches none of it):
+    agent --> python -m workers.procwrap (writes exit.json) --> torchrun --> ranks
+torch 2.13 starts each rank in a session of its own, so "kill torchrun's group" misses the
+ranks; procwrap is a child subreaper and kills and reaps whatever torchrun leaves behind.
+
+run_dir layout (one per attempt per node):
+    launched            O_EXCL marker: an attempt starts at most once per run_dir
+    supervisor.json     wrapper pid + create time + the request, for adopt()
+    config.json         the runtime's --config
+    torchrun.{stdout,stderr}.log   agent-level output of procwrap and torchrun
+    logs/<rdzv-id>_<random>/attempt_0/<local_rank>/{stdout.log,stderr.log,error.json}
+    ranks/<local_rank>.json        written by the runtime: {"rank","local_rank","pid","node"}
+    exit.json           written by procwrap: {"exit_code","signal","ended_at"}
+    stop_requested      stop() was called (survives an agent restart)
+    reported            on_exit returned without raising; adopt() skips this run_dir
+
+Ranks get OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), TRAINYARD_{NODE,RUN_DIR,JOB_ID,
+ATTEMPT_ID,LOCAL_ADDR} and req.env on top of the agent's environment.
+
+on_exit result (JSON-safe): attempt_id, job_id, node, exit_code (torchrun's; -signum when it
+was killed; None when lost), signal, stopped, lost, failures (earliest first: rank,
+local_rank, exitcode, signal, timestamp, message, traceback), log_tail {"<rank>": lines},
+duration_s; plus torchrun_tail (its last stderr lines) when exit_code != 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from workers.launcher_logs import LogTailer, collect_failures, read_json, tail_lines
+from workers.procwrap import (
+    WrapperHandle, kill_all, live_process, pidfd, write_json_atomic)
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+POLL_S = 0.15  # log/ranks poll: lines reach the UI within ~150 ms at ~7 wakeups/s
+MONITOR_INTERVAL_S = 0.1  # torchrun's own worker check
+# After one local rank fails, torchrun SIGTERMs its local peers and SIGKILLs them after this;
+# its 30 s default would hold the node's slots for half a minute after every failure.
+SHUTDOWN_TIMEOUT_S = 5
+TREE_SNAPSHOT_S = 1.0  # how often to remember the tree's pids, for cleanup if procwrap dies
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\[\]]([A-Za-z0-9_.:\[\]-]*)$")  # never starts with "-"
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    job_id: int
+    attempt_id: int
+    node: str  # this node's name, e.g. "node-a"
+    node_rank: int  # 0 hosts the rendezvous store
+    nnodes: int
+    nproc: int  # processes on this node
+    slots: tuple[int, ...]  # slot indices on this node (len == nproc)
+    device: str  # "cpu" | "cuda"
+    rdzv_host: str  # advertised address of the node_rank-0 node
+    rdzv_port: int
+    local_addr: str  # this node's advertised address
+    config: dict  # written to <run_dir>/config.json, passed as --config <path>
+    run_dir: str
+    module: str = "workers.runtime"
+    cores_per_slot: int = 1  # OMP_NUM_THREADS
+    env: dict = field(default_factory=dict)
+
+
+def validate(req: LaunchRequest) -> None:
+    """Reject requests that would build a wrong or option-injecting torchrun argv."""
+    problems = []
+    if req.nproc < 1 or len(req.slots) != req.nproc:
+        problems.append(f"nproc={req.nproc} needs exactly that many slots, got {req.slots}")
+    if not 0 <= req.node_rank < req.nnodes:
+        problems.append(f"node_rank {req.node_rank} outside 0..{req.nnodes - 1}")
+    if req.device not in ("cpu", "cuda"):
+        problems.append(f"device {req.device!r} is not cpu|cuda")
+    if not 0 < req.rdzv_port < 65536:
+        problems.append(f"rdzv_port {req.rdzv_port} out of range")
+    if not _MODULE_RE.match(req.module):
+        problems.append(f"module {req.module!r} is not a dotted module name")
+    for name in ("rdzv_host", "local_addr"):
+        if not _HOST_RE.match(getattr(req, name)):
+            problems.append(f"{name} {getattr(req, name)!r} is not a host name or address")
+    if req.cores_per_slot < 1:
+        problems.append("cores_per_slot must be >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
+    # No --node-rank: torch 2.13 ignores it for c10d (and warns); c10d orders nodes by
+    # (local_addr, pid), which is why the runtime reports its own global rank.
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(req.nnodes),
+        "--nproc-per-node", str(req.nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{req.rdzv_host}:{req.rdzv_port}",
+        "--rdzv-id", f"attempt-{req.attempt_id}",
+        # Explicit: with loopback addresses torchrun's hostname heuristic makes every node
+        # on this machine think it hosts the store.
+        "--rdzv-conf", f"is_host={1 if req.node_rank == 0 else 0}",
+        "--local-addr", req.local_addr,
+        "--max-restarts", "0",  # restarts are the control plane's decision, on fresh nodes
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--log-dir", log_dir,
+        "--redirects", "3",
+        "--monitor-interval", str(MONITOR_INTERVAL_S),
+        "-m", req.module,
+        "--config", config_path,
+    ]
+
+
+def _loopback_ifname() -> str:
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"
+
+
+def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    # An agent started under torchrun would pass these on; torchrun would then dump its
+    # root cause into someone else's error file and take defaults from PET_* variables.
+    for key in [k for k in env if k.startswith(("TORCHELASTIC_", "PET_"))]:
+        del env[key]
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    if REPO_ROOT not in paths:  # the agent may run from any cwd; runtime lives in this repo
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in paths if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = str(req.cores_per_slot)
+    env["TRAINYARD_NODE"] = req.node
+    env["TRAINYARD_RUN_DIR"] = os.path.abspath(req.run_dir)
+    env["TRAINYARD_JOB_ID"] = str(req.job_id)
+    env["TRAINYARD_ATTEMPT_ID"] = str(req.attempt_id)
+    env["TRAINYARD_LOCAL_ADDR"] = req.local_addr  # for a runtime that binds gloo/NCCL to it
+    if req.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in req.slots)
+    try:
+        loopback = ipaddress.ip_address(req.local_addr).is_loopback
+    except ValueError:
+        loopback = req.local_addr == "localhost"
+    if loopback and "GLOO_SOCKET_IFNAME" not in env:
+        # gloo binds to whatever the hostname resolves to; where that is a LAN address (or
+        # a stale /etc/hosts entry) loopback "nodes" would leave loopback or fail to bind.
+        env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    env.update({str(k): str(v) for k, v in req.env.items()})
+    return env
+
+
+def pick_free_port(host: str) -> int:
+    """A port free on `host` right now (another process may still take it before use)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launched_attempts(base_dir) -> list[str]:
+    """run_dirs under base_dir to adopt on agent start: launched and not yet reported.
+
+    That is running attempts plus those that ended (or were lost) while no agent watched,
+    whose outcome adopt() will report.
+    """
+    found = []
+    for root, dirs, files in os.walk(base_dir):
+        if "supervisor.json" in files and "reported" not in files:
+            found.append(root)
+        dirs[:] = [d for d in dirs if d not in ("logs", "ranks")]
+    return sorted(found)
+
+
+class Supervisor:
+    """One attempt on this node: start it once, stream what it does, report how it ended.
+
+    Callbacks run on the supervisor's daemon thread (one per attempt); exceptions they raise
+    are logged and swallowed. on_exit fires exactly once per Supervisor that started or
+    adopted the attempt, after every line the ranks wrote has gone through on_log.
+    """
+
+    def __init__(self, req: LaunchRequest, *, on_ranks: Callable, on_log: Callable,
+                 on_exit: Callable):
+        validate(req)
+        self.req = req
+        self.run_dir = os.path.abspath(req.run_dir)
+        self._on_ranks, self._on_log, self._on_exit = on_ranks, on_log, on_exit
+        self._thread: threading.Thread | None = None
+        self._wrap: WrapperHandle | None = None  # None: procwrap could not be started
+        self._started_at = time.time()
+        self._abandoned = threading.Event()
+        self._finished = threading.Event()
+        self._escalated = False  # stop() had to SIGKILL the wrapper itself
+        self._ranks: dict[int, dict] = {}
+        self._ranks_sent = False
+        self._rank_fds: dict[int, int] = {}  # local_rank -> pidfd
+        # local_rank -> (last seen alive, first seen gone): a death we did not witness
+        self._died_at: dict[int, tuple[float, float]] = {}
+        self._alive_at: dict[int, float] = {}  # local_rank -> last time known running
+        self._known: dict[int, float] = {}  # pid -> create_time, every process of the tree
+        self._tailer = LogTailer(os.path.join(self.run_dir, "logs"), req.nproc)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.run_dir, name)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> bool:
+        os.makedirs(self.run_dir, exist_ok=True)
+        try:
+            fd = os.open(self._path("launched"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False  # redelivered message or restarted agent: never a second torchrun
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {time.time()}\n")
+        try:
+            os.makedirs(self._path("ranks"), exist_ok=True)
+            config_path = self._path("config.json")
+            write_json_atomic(config_path, self.req.config)
+            cmd = [sys.executable, "-m", "workers.procwrap", "--exit-file", self._path("exit.json"),
+                   "--", *build_argv(self.req, config_path, self._path("logs"))]
+            env = build_env(self.req)
+        except BaseException:  # nothing started: let a retried message try again
+            os.unlink(self._path("launched"))
+            raise
+        self._started_at = time.time()
+        try:
+            with open(self._path("torchrun.stdout.log"), "ab") as out, \
+                    open(self._path("torchrun.stderr.log"), "ab") as err:
+                popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=err, start_new_session=True)
+        except OSError as exc:  # reported through on_exit like any other failed launch
+            log.error("attempt %s: cannot start procwrap: %s", self.req.attempt_id, exc)
+            write_json_atomic(self._path("exit.json"), {"exit_code": None, "signal": None,
+                              "ended_at": time.time(), "error": str(exc)})
+        else:
+            p = live_process(popen.pid, None)
+            self._wrap = WrapperHandle(popen.pid, p.create_time() if p else None, popen)
+        write_json_atomic(self._path("supervisor.json"), {
+            "wrapper_pid": self._wrap and self._wrap.pid,
+            "wrapper_create_time": self._wrap and self._wrap.create_time,
+            "started_at": self._started_at, "request": dataclasses.asdict(self.req)})
+        self._spawn_thread()
+        return True
+
+    @classmethod
+    def adopt(cls, run_dir, *, on_ranks, on_log, on_exit) -> "Supervisor | None":
+        """Re-attach to an attempt launched by an earlier agent process.
+
+        Log streaming resumes at the current end of each rank's files: lines written while
+        no agent watched are not re-sent (no duplicates in the UI) but stay in the files and
+        in the result's log_tail. on_ranks is sent again once all ranks are known.
+        """
+        run_dir = os.path.abspath(run_dir)
+        info = read_json(os.path.join(run_dir, "supervisor.json"))
+        if info is None or os.path.exists(os.path.join(run_dir, "reported")):
+            return None
+        fields = dict(info["request"], slots=tuple(info["request"]["slots"]), run_dir=run_dir)
+        sup = cls(LaunchRequest(**fields), on_ranks=on_ranks, on_log=on_log, on_exit=on_exit)
+        if info.get("wrapper_pid"):
+            sup._wrap = WrapperHandle(info["wrapper_pid"], info.get("wrapper_create_time"))
+        sup._started_at = info.get("started_at", sup._started_at)
+        sup._tailer.skip_to_end()
+        sup._spawn_thread()
+        return sup
+
+    def alive(self) -> bool:
+        return (not self._finished.is_set() and self._wrap is not None
+                and self._wrap.process() is not None)
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM the attempt, SIGKILL what is left after grace_s; on_exit follows."""
+        if self._wrap is None or self._finished.is_set():
+            return
+        Path(self._path("stop_requested")).touch()
+        try:  # procwrap forwards it to torchrun's group once; torchrun SIGTERMs each rank
+            if self._wrap.process() is not None:
+                os.kill(self._wrap.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if not self._wrap.wait(grace_s):
+            kill_all(self._tree_pids(), timeout_s=3.0)  # procwrap then writes exit.json
+            if not self._wrap.wait(3.0):
+                self._escalated = True
+                kill_all(self._tree_pids() + [self._wrap.pid], timeout_s=1.0)
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)  # so on_exit has fired when stop() returns
+
+    def _abandon(self) -> None:
+        """Tests: behave like a dead agent (threads stop, processes and files stay)."""
+        self._abandoned.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    def _tree_pids(self) -> list[int]:
+        """torchrun, ranks and their helpers: procwrap's descendants plus those we saw."""
+        pids = {p.pid for p in self._wrap.descendants()} if self._wrap else set()
+        pids.update(pid for pid, ctime in list(self._known.items())
+                    if live_process(pid, ctime) is not None)
+        return sorted(pids)
+
+    # ---- supervision thread --------------------------------------------------------------
+    def _spawn_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"supervise-attempt-{self.req.attempt_id}")
+        self._thread.start()
+
+    def _call(self, fn: Callable, *args) -> bool:
+        try:
+            fn(*args)
+            return True
+        except Exception:  # a broken callback must not end supervision
+            log.exception("attempt %s: callback %s failed", self.req.attempt_id,
+                          getattr(fn, "__name__", fn))
+            return False
+
+    def _run(self) -> None:
+        poller = select.poll()
+        wfd = pidfd(self._wrap.pid) if self._wrap else None
+        if wfd is not None:
+            poller.register(wfd, select.POLLIN)
+        last_snapshot = 0.0
+        try:
+            while not self._abandoned.is_set():
+                self._scan_ranks(poller)
+                self._pump_logs(final=False)
+                if time.monotonic() - last_snapshot > TREE_SNAPSHOT_S:
+                    self._snapshot_tree()
+                    last_snapshot = time.monotonic()
+                if self._ended():
+                    self._note_deaths(poller, {fd for fd, _ in poller.poll(0)})
+                    break
+                ready = {fd for fd, _ in poller.poll(POLL_S * 1000)}
+                self._note_deaths(poller, ready)
+            else:
+                return  # abandoned: the next agent adopts and reports
+            self._finish()
+        except Exception as exc:  # a bug here must still end in exactly one on_exit
+            log.exception("attempt %s: supervisor crashed", self.req.attempt_id)
+            if not self._finished.is_set():
+                self._finished.set()
+                self._call(self._on_exit, {
+                    "attempt_id": self.req.attempt_id, "job_id": self.req.job_id,
+                    "node": self.req.node, "exit_code": None, "signal": None,
+                    "stopped": False, "lost": True, "failures": [], "log_tail": {},
+                    "duration_s": round(time.time() - self._started_at, 3),
+                    "error": f"supervisor crashed: {exc!r}"})
+        finally:
+            for fd in [wfd, *self._rank_fds.values()]:
+                if fd is not None:
+                    os.close(fd)
+            self._rank_fds.clear()
+
+    def _ended(self) -> bool:
+        if os.path.exists(self._path("exit.json")):
+            return True
+        return self._wrap is None or self._wrap.process() is None
+
+    def _scan_ranks(self, poller) -> None:
+        for lr in range(self.req.nproc):
+            if lr in self._ranks:
+                continue
+            path = os.path.join(self.run_dir, "ranks", f"{lr}.json")
+            info = read_json(path)
+            try:
+                self._ranks[lr] = {"rank": int(info["rank"]), "local_rank": lr,
+                                   "pid": int(info["pid"]),
+                                   "node": info.get("node") or self.req.node}
+            except (TypeError, KeyError, ValueError):  # not written yet, or not the contract
+                continue
+            self._snapshot_tree()  # the tree is complete enough to remember once ranks run
+            proc = live_process(int(info["pid"]), None)
+            if proc is None or proc.create_time() < self._started_at - 1:
+                self._died_at.setdefault(lr, (os.stat(path).st_mtime, time.time()))  # gone already
+                continue
+            self._alive_at[lr] = time.time()
+            self._known[proc.pid] = proc.create_time()
+            fd = pidfd(proc.pid)
+            if fd is not None:
+                self._rank_fds[lr] = fd
+                poller.register(fd, select.POLLIN)
+        if not self._ranks_sent and len(self._ranks) == self.req.nproc:
+            self._ranks_sent = True
+            self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
+
+    def _note_deaths(self, poller, ready: set[int]) -> None:
+        """Bracket each rank's death between the last check it passed and the first it failed.
+
+        With pidfds the poll wakes when a rank dies; without, psutil is asked every poll.
+        """
+        now = time.time()
+        for lr, info in self._ranks.items():
+            fd = self._rank_fds.get(lr)
+            if lr in self._died_at or lr not in self._alive_at:
+                continue
+            gone = fd in ready if fd is not None else live_process(info["pid"], None) is None
+            if not gone:
+                self._alive_at[lr] = now
+                continue
+            self._died_at[lr] = (self._alive_at[lr], now)
+            if fd is not None:
+                poller.unregister(fd)
+                os.close(self._rank_fds.pop(lr))
+
+    def _snapshot_tree(self) -> None:
+        for p in self._wrap.descendants() if self._wrap else ():
+            try:
+                self._known.setdefault(p.pid, p.create_time())
+            except psutil.Error:
+                pass
+
+    def _rank_of(self, lr: int) -> int:
+        if lr in self._ranks:
+            return self._ranks[lr]["rank"]
+        if self._ranks:  # torchrun gives a node one contiguous block of global ranks
+            known = next(iter(self._ranks.values()))
+            return known["rank"] - known["local_rank"] + lr
+        # Nothing reported (the runtime died before writing ranks/): the usual placement.
+        return self.req.node_rank * self.req.nproc + lr
+
+    def _pump_logs(self, final: bool) -> None:
+        ready = (lambda lr: True) if final else (lambda lr: lr in self._ranks)
+        for lr, stream, lines in self._tailer.poll(final=final, ready=ready):
+            self._call(self._on_log, self._rank_of(lr), stream, lines)
+
+    def _finish(self) -> None:
+        exit_info = read_json(self._path("exit.json"))
+        self._scan_ranks(select.poll())
+        self._pump_logs(final=True)  # everything the ranks wrote, before on_exit
+        stopped = os.path.exists(self._path("stop_requested"))
+        if not self._ranks_sent and self._ranks:
+            self._ranks_sent = True
+            self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
+        lost = exit_info is None and not stopped
+        if exit_info is None:
+            # procwrap died without a word (OOM killer, kill -9): make sure nothing of the
+            # attempt runs on unsupervised, then report it lost.
+            kill_all(self._tree_pids(), timeout_s=3.0)
+            exit_info = {"exit_code": None, "signal": "SIGKILL" if self._escalated else None,
+                         "ended_at": time.time()}
+        code = exit_info.get("exit_code")
+        failures = [] if code == 0 else collect_failures(
+            self._tailer, self._path("torchrun.stderr.log"), self._rank_of,
+            self._died_at, fallback_ts=exit_info["ended_at"])
+        result = {
+            "attempt_id": self.req.attempt_id, "job_id": self.req.job_id,
+            "node": self.req.node, "exit_code": code, "signal": exit_info.get("signal"),
+            "stopped": stopped, "lost": lost, "failures": failures,
+            "log_tail": {str(self._rank_of(lr)): lines
+                         for lr, lines in self._tailer.tails().items()},
+            "duration_s": round(max(0.0, exit_info["ended_at"] - self._started_at), 3),
+        }
+        if code != 0:  # rendezvous timeouts, a taken port...: only torchrun's log says so
+            result["torchrun_tail"] = tail_lines(self._path("torchrun.stderr.log"), 20)
+        if exit_info.get("error"):
+            result["error"] = exit_info["error"]
+        self._finished.set()
+        if self._call(self._on_exit, result):
+            Path(self._path("reported")).touch()

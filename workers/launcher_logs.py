@@ -1,0 +1,208 @@
+"""Reading what torchrun and the ranks leave in a run_dir: logs, error files, failure summary.
+
+torch 2.13 layout with `--log-dir logs --redirects 3` (DefaultLogsSpecs):
+    logs/<rdzv-id>_<random>/attempt_<restart>/<local_rank>/{stdout.log,stderr.log,error.json}
+error.json is TORCHELASTIC_ERROR_FILE, written by a rank's `@record` on an exception:
+    {"message": {"message": "ValueError: bad shape",
+                 "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1764471234"}}}
+A rank that dies by a signal or os._exit writes none; torchrun then only knows its exit code,
+which it prints in the ChildFailedError summary on its own stderr.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+from collections import deque
+from datetime import datetime
+from typing import Callable
+
+TAIL_LINES = 50  # per rank, in the result: enough for a traceback, small for a Celery message
+LOG_BATCH_LINES = 500  # per on_log call, so one chatty rank cannot build a huge message
+READ_CAP = 1 << 20  # bytes per file per poll while running; the final pass reads to EOF
+LONG_LINE = 1 << 16  # a "line" this long without a newline is sent as it is
+
+
+class LogTailer:
+    """Follows torchrun's per-rank stdout.log/stderr.log and hands out new complete lines."""
+
+    def __init__(self, log_root: str, nproc: int):
+        self.log_root, self.nproc = log_root, nproc
+        self._dir: str | None = None  # logs/<rdzv-id>_<random>/attempt_0 once torchrun made it
+        self._pos: dict[tuple[int, str], int] = {}
+        self._partial: dict[tuple[int, str], bytes] = {}
+        self._tails = {lr: deque(maxlen=TAIL_LINES) for lr in range(nproc)}
+
+    def rank_dir(self, lr: int) -> str | None:
+        if self._dir is None:
+            # --max-restarts 0: there is only attempt_0; the last one would be current anyway.
+            found = sorted(glob.glob(os.path.join(self.log_root, "*", "attempt_*")))
+            self._dir = found[-1] if found else None
+        return os.path.join(self._dir, str(lr)) if self._dir else None
+
+    def skip_to_end(self) -> None:
+        """After adopt: continue from the files' current end, seeding the tails from them."""
+        for lr in range(self.nproc):
+            d = self.rank_dir(lr)
+            for stream in ("stdout", "stderr") if d else ():
+                try:
+                    with open(os.path.join(d, f"{stream}.log"), "rb") as f:
+                        size = f.seek(0, os.SEEK_END)
+                        f.seek(max(0, size - LONG_LINE))
+                        lines = f.read().decode("utf-8", "replace").splitlines()
+                except FileNotFoundError:
+                    continue
+                self._pos[(lr, stream)] = size
+                self._tails[lr].extend(lines[-TAIL_LINES:])
+
+    def poll(self, final: bool, ready: Callable[[int], bool]) -> list[tuple[int, str, list]]:
+        """New lines as [(local_rank, stream, lines)]; `final` also flushes a last partial line.
+
+        Ranks for which ready(local_rank) is false are not read yet: their lines wait in the
+        file until the rank is known, so every line can be labelled with its global rank.
+        """
+        out = []
+        for lr in range(self.nproc):
+            d = self.rank_dir(lr)
+            if d is None or not ready(lr):
+                continue
+            for stream in ("stdout", "stderr"):
+                key = (lr, stream)
+                try:
+                    with open(os.path.join(d, f"{stream}.log"), "rb") as f:
+                        f.seek(self._pos.get(key, 0))
+                        data = f.read() if final else f.read(READ_CAP)
+                except FileNotFoundError:
+                    continue
+                self._pos[key] = self._pos.get(key, 0) + len(data)
+                *complete, rest = (self._partial.get(key, b"") + data).split(b"\n")
+                if rest and (final or len(rest) > LONG_LINE):
+                    complete, rest = complete + [rest], b""
+                self._partial[key] = rest
+                lines = [c.decode("utf-8", "replace").rstrip("\r") for c in complete]
+                self._tails[lr].extend(lines)
+                for i in range(0, len(lines), LOG_BATCH_LINES):
+                    out.append((lr, stream, lines[i:i + LOG_BATCH_LINES]))
+        return out
+
+    def tails(self) -> dict[int, list[str]]:
+        """Last TAIL_LINES lines per local rank, stdout and stderr in the order they were read."""
+        return {lr: list(t) for lr, t in self._tails.items() if t}
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):  # absent, or caught mid-write
+        return None
+
+
+def tail_lines(path: str, n: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LONG_LINE))
+            return f.read().decode("utf-8", "replace").splitlines()[-n:]
+    except FileNotFoundError:
+        return []
+
+
+def signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # real-time signals have no name
+        return f"SIG{signum}"
+
+
+def read_error_file(path: str) -> dict | None:
+    """message, traceback and failure time from a rank's error.json.
+
+    @record writes whole seconds: too coarse to tell a cause from the "connection closed" it
+    triggers ~10-800 ms later on a peer. The file is written at that same moment, so its
+    mtime (kernel clock, a few ms resolution) stands in for it. A fractional timestamp
+    (a runtime writing its own precise one) is taken as it is.
+    """
+    data = read_json(path)
+    if data is None:
+        return None
+    msg = data.get("message")
+    extra = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+    try:
+        ts = float(extra.get("timestamp", data.get("timestamp")))
+    except (TypeError, ValueError):
+        ts = None
+    mtime = os.stat(path).st_mtime
+    if ts is None or (ts.is_integer() and ts <= mtime < ts + 2):
+        ts = mtime
+    return {"message": msg.get("message") if isinstance(msg, dict) else str(msg),
+            "traceback": extra.get("py_callstack"), "timestamp": ts}
+
+
+# torchrun's ChildFailedError summary (torch/distributed/elastic/multiprocessing/errors), e.g.
+#   time      : 2026-11-30_03:29:26
+#   host      : localhost
+#   rank      : 1 (local_rank: 1)
+#   exitcode  : -9 (pid: 3512)  (SIGKILL)
+_SUMMARY_RE = re.compile(
+    r"time\s*:\s*(?P<time>\S+)\s*\n\s*host\s*:.*\n"
+    r"\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<lr>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)")
+
+
+def parse_summary(path: str) -> dict[int, dict]:
+    """local_rank -> {"rank", "exitcode", "pid", "time"} for each failure torchrun listed."""
+    text = "\n".join(tail_lines(path, 2000))
+    out = {}
+    for m in _SUMMARY_RE.finditer(text):
+        try:  # torch prints local time, whole seconds
+            t = datetime.strptime(m["time"], "%Y-%m-%d_%H:%M:%S").timestamp()
+        except ValueError:
+            t = None
+        out[int(m["lr"])] = {"rank": int(m["rank"]), "exitcode": int(m["code"]),
+                             "pid": int(m["pid"]), "time": t}
+    return out
+
+
+def death_time(window: tuple[float, float] | None, sig: str | None) -> float | None:
+    """When a rank without an error file died, within the window the supervisor bracketed
+    (last seen alive, first seen gone; <= one 150 ms poll apart).
+
+    The control plane blames the earliest failure, so pick the edge that fits the likely
+    story: SIGTERM comes from torchrun stopping the survivors of a failure (a consequence:
+    late edge); SIGKILL by the OOM killer, SIGSEGV, os._exit are causes (early edge).
+    """
+    if window is None:
+        return None
+    last_alive, seen_gone = window
+    return seen_gone if sig == "SIGTERM" else last_alive
+
+
+def collect_failures(tailer: LogTailer, torchrun_stderr: str, rank_of: Callable[[int], int],
+                     died: dict[int, tuple[float, float]], fallback_ts: float) -> list[dict]:
+    """This node's failed ranks, earliest first: error files, then torchrun's summary.
+
+    died: local_rank -> (last seen alive, first seen gone), from the supervisor's pidfds.
+    """
+    summary = parse_summary(torchrun_stderr)
+    failures = []
+    for lr in range(tailer.nproc):
+        d = tailer.rank_dir(lr)
+        err = read_error_file(os.path.join(d, "error.json")) if d else None
+        s = summary.get(lr)
+        if err is None and s is None:
+            continue
+        code = s["exitcode"] if s else None
+        sig = signame(-code) if code is not None and code < 0 else None
+        f = {"rank": s["rank"] if s else rank_of(lr), "local_rank": lr, "exitcode": code,
+             "signal": sig}
+        if err is not None:
+            f.update(err)
+        else:
+            f["message"] = (f"Signal {-code} ({sig}) received by PID {s['pid']}" if sig else
+                            f"exit code {code} without an error file (no @record exception)")
+            f["traceback"] = None
+            f["timestamp"] = death_time(died.get(lr), sig) or s["time"] or fallback_ts
+        failures.append(f)
+    return sorted(failures, key=lambda f: f["timestamp"])
