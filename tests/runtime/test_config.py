@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from workers.runtime.config import ConfigError, load_run_config, parse_run_config
+
+from .conftest import make_launch_config
+
+
+def test_default_spec_parses_to_the_demo_job(tmp_path):
+    raw = make_launch_config(tmp_path, "redis://127.0.0.1:1/0")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    cfg = load_run_config(path)
+    assert (cfg.job_id, cfg.attempt_id, cfg.node, cfg.stream) == (7, 9, "node-a", "trainyard:job:7")
+    assert cfg.run_dir == tmp_path / "run" and cfg.data_root == tmp_path / "data"
+    m = cfg.model
+    assert (m.kind, m.layers, m.hidden, m.heads, m.seq_len, m.vocab) == ("gpt", 4, 128, 4, 128, 256)
+    assert cfg.data.kind == "demo" and cfg.data.path is None
+    t = cfg.train
+    assert (t.steps, t.global_batch, t.lr, t.lr_schedule, t.seed) == (200, 32, 1e-3, "constant", 0)
+    assert cfg.resources.world_size == 2 and cfg.parallel.dp == 2
+    assert cfg.per_rank_batch(2) == 16 and cfg.per_rank_batch(4) == 8
+
+
+def test_unused_spec_keys_are_ignored_and_parallel_auto_means_plain_ddp(tmp_path):
+    raw = make_launch_config(tmp_path, "redis://x:1/0", parallel="auto",
+                             checkpoint={"every_steps": 5, "future_key": 1})
+    cfg = parse_run_config(raw)
+    assert cfg.parallel.dp is None and cfg.parallel.tp == 1
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"model": {"vocab": 100}}, "needs model.vocab >= 256"),
+    ({"model": {"kind": "rnn"}}, "model.kind must be gpt or mlp"),
+    ({"model": {"hidden": 130, "heads": 4}}, "divisible by model.heads"),
+    ({"data": {"kind": "tokens"}}, "needs data.path"),
+    ({"data": {"kind": "parquet"}}, "data.kind must be"),
+    ({"train": {"lr_schedule": "step"}}, "lr_schedule must be constant or cosine"),
+    ({"train": {"grad_accum": 2}}, "grad_accum=1"),
+    ({"parallel": {"tp": 2}}, "plain DDP only"),
+    ({"comm": {"compression": "fp16"}}, "compression=none"),
+    ({"comm": {"sync": "local_sgd"}}, "sync=allreduce"),
+    ({"resources": {"device": "tpu"}}, "resources.device must be cpu or cuda"),
+])
+def test_values_the_runtime_cannot_honour_are_refused_with_the_field_named(tmp_path, sections, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(make_launch_config(tmp_path, "redis://x:1/0", **sections))
+
+
+def test_mlp_ignores_heads_and_synthetic_accepts_any_vocab(tmp_path):
+    cfg = parse_run_config(make_launch_config(
+        tmp_path, "redis://x:1/0", model={"kind": "mlp", "hidden": 130, "heads": 7, "vocab": 50},
+        data={"kind": "synthetic"}))
+    assert cfg.model.kind == "mlp" and cfg.model.vocab == 50
+
+
+def test_missing_launch_key_and_indivisible_batch(tmp_path):
+    raw = make_launch_config(tmp_path, "redis://x:1/0")
+    del raw["stream"]
+    with pytest.raises(ConfigError, match="'stream'"):
+        parse_run_config(raw)
+    cfg = parse_run_config(make_launch_config(tmp_path, "redis://x:1/0", train={"global_batch": 30}))
+    with pytest.raises(ConfigError, match="not divisible by the world size 4"):
+        cfg.per_rank_batch(4)

@@ -1,0 +1,42 @@
+import math
+
+import pytest
+import torch
+
+from workers.runtime.config import ModelConfig
+from workers.runtime.model import build_model, lm_loss
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_logits_shape_and_initial_loss_near_uniform(kind):
+    cfg = ModelConfig(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    idx = torch.randint(0, 256, (3, 16))
+    logits = model(idx)
+    assert logits.shape == (3, 16, 256)
+    # small init => near-uniform predictions => loss ~ ln(vocab)
+    assert abs(lm_loss(logits, torch.randint(0, 256, (3, 16))).item() - math.log(256)) < 0.1
+
+
+def test_gpt_is_causal_and_mlp_is_per_position():
+    torch.manual_seed(0)
+    for kind in ("gpt", "mlp"):
+        model = build_model(ModelConfig(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=64))
+        a = torch.randint(0, 64, (1, 16))
+        b = a.clone()
+        b[0, 10] = (a[0, 10] + 1) % 64  # change one later token
+        la, lb = model(a), model(b)
+        assert torch.allclose(la[:, :10], lb[:, :10], atol=1e-6), kind  # earlier positions unaffected
+        assert not torch.allclose(la[:, 10], lb[:, 10]), kind
+
+
+def test_same_seed_same_weights_and_too_long_sequence_rejected():
+    cfg = ModelConfig(layers=1, hidden=32, heads=2, seq_len=8, vocab=256)
+    torch.manual_seed(3)
+    a = build_model(cfg)
+    torch.manual_seed(3)
+    b = build_model(cfg)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ValueError, match="exceeds model.seq_len=8"):
+        a(torch.zeros(1, 9, dtype=torch.long))

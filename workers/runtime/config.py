@@ -1,0 +1,182 @@
+"""The runtime's view of its launch config: `<run_dir>/config.json` parsed into frozen dataclasses.
+
+The control plane has already validated the JobSpec (jobs/specs.py) and filled every default,
+but the runtime must not import it (it runs under torchrun, without Django), so it parses the
+subset it honours here. Keys it does not use yet (checkpoint, priority, max_restarts, ...) are
+ignored; values it cannot honour in this milestone (tensor/pipeline parallel, compression, local
+SGD) are refused with a clear error instead of being silently trained the wrong way.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BYTE_VOCAB = 256  # the demo corpus is byte-level: every id in [0, 256)
+
+
+class ConfigError(ValueError):
+    """The launch config asks for something the runtime cannot run; the message says what."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: str = "gpt"  # gpt | mlp
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    seq_len: int = 128
+    vocab: int = 256
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = "demo"  # demo | synthetic | tokens
+    path: str | None = None  # tokens only, relative to data_root
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 32
+    lr: float = 1.0e-3
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    seed: int = 0
+    grad_accum: int = 1
+    balance: str = "none"
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    nodes: int = 2
+    procs_per_node: int = 1
+    device: str = "cpu"  # cpu | cuda
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int | None = None  # None when the spec said "auto": plain DDP over the whole world
+    tp: int = 1
+    pp: int = 1
+    fsdp: bool = False
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    compression: str = "none"
+    sync: str = "allreduce"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    job_id: int
+    attempt_id: int
+    node: str
+    run_dir: Path
+    redis_url: str
+    stream: str
+    data_root: Path
+    checkpoint_dir: Path
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    resources: ResourcesConfig
+    parallel: ParallelConfig
+    comm: CommConfig
+
+    def per_rank_batch(self, world_size: int) -> int:
+        if self.train.global_batch % world_size:
+            raise ConfigError(
+                f"train.global_batch={self.train.global_batch} is not divisible by the "
+                f"world size {world_size}")
+        return self.train.global_batch // world_size
+
+
+def _section(spec: dict[str, Any], key: str, cls: type, path: str = "spec") -> Any:
+    """Build dataclass `cls` from spec[key], keeping only the fields it declares."""
+    raw = spec.get(key) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}.{key} must be an object, got {raw!r}")
+    names = cls.__dataclass_fields__.keys()
+    return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def _parallel(spec: dict[str, Any]) -> ParallelConfig:
+    raw = spec.get("parallel", "auto")
+    if raw == "auto":
+        return ParallelConfig()
+    return _section(spec, "parallel", ParallelConfig)
+
+
+def _check(cfg: RunConfig) -> None:
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.comm
+    if m.kind not in ("gpt", "mlp"):
+        raise ConfigError(f"model.kind must be gpt or mlp, got {m.kind!r}")
+    for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
+        if int(getattr(m, name)) < 1:
+            raise ConfigError(f"model.{name} must be >= 1, got {getattr(m, name)}")
+    if m.kind == "gpt" and m.hidden % m.heads:
+        raise ConfigError(f"model.hidden={m.hidden} must be divisible by model.heads={m.heads}")
+    if d.kind not in ("demo", "synthetic", "tokens"):
+        raise ConfigError(f"data.kind must be demo, synthetic or tokens, got {d.kind!r}")
+    if d.kind == "demo" and m.vocab < BYTE_VOCAB:
+        raise ConfigError(
+            f"data.kind=demo is byte-level text and needs model.vocab >= {BYTE_VOCAB}, "
+            f"got model.vocab={m.vocab}")
+    if d.kind == "tokens" and not d.path:
+        raise ConfigError("data.kind=tokens needs data.path (a uint16 .bin under the data root)")
+    if d.kind == "tokens" and m.vocab > 65536:
+        raise ConfigError(f"data.kind=tokens stores uint16 ids, so model.vocab <= 65536, got {m.vocab}")
+    if t.steps < 1 or t.global_batch < 1 or not (t.lr > 0 and math.isfinite(t.lr)):
+        raise ConfigError(f"train needs steps >= 1, global_batch >= 1, lr > 0; got {t}")
+    if t.lr_schedule not in ("constant", "cosine"):
+        raise ConfigError(f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
+    if t.grad_accum != 1 or t.balance != "none":
+        raise ConfigError("this runtime supports train.grad_accum=1 and train.balance=none only")
+    if cfg.resources.device not in ("cpu", "cuda"):
+        raise ConfigError(f"resources.device must be cpu or cuda, got {cfg.resources.device!r}")
+    if p.tp != 1 or p.pp != 1 or p.fsdp:
+        raise ConfigError(f"this runtime runs plain DDP only (tp=pp=1, fsdp=false); got {p}")
+    if c.compression != "none" or c.sync != "allreduce":
+        raise ConfigError(
+            f"this runtime supports comm.compression=none and comm.sync=allreduce only; got {c}")
+
+
+def parse_run_config(raw: dict[str, Any]) -> RunConfig:
+    """Parse the launch config dict; raises ConfigError naming the offending field."""
+    try:
+        spec = raw["spec"]
+        cfg = RunConfig(
+            job_id=int(raw["job_id"]),
+            attempt_id=int(raw["attempt_id"]),
+            node=str(raw["node"]),
+            run_dir=Path(raw["run_dir"]),
+            redis_url=str(raw["redis_url"]),
+            stream=str(raw["stream"]),
+            data_root=Path(raw["data_root"]),
+            checkpoint_dir=Path(raw["checkpoint_dir"]),
+            model=_section(spec, "model", ModelConfig),
+            data=_section(spec, "data", DataConfig),
+            train=_section(spec, "train", TrainConfig),
+            resources=_section(spec, "resources", ResourcesConfig),
+            parallel=_parallel(spec),
+            comm=_section(spec, "comm", CommConfig),
+        )
+    except KeyError as e:
+        raise ConfigError(f"launch config is missing key {e.args[0]!r}") from None
+    except TypeError as e:  # a section held a value of the wrong shape
+        raise ConfigError(f"launch config is malformed: {e}") from None
+    _check(cfg)
+    return cfg
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    with open(path, encoding="utf-8") as f:
+        return parse_run_config(json.load(f))

@@ -1,0 +1,105 @@
+"""The two model families a JobSpec can name: a small causal GPT and a residual MLP.
+
+Both map (B, T) int64 token ids to (B, T, vocab) logits and are trained on next-token cross
+entropy (`lm_loss`). The GPT follows nanoGPT: token + learned position embeddings, pre-LN
+blocks (causal self-attention through F.scaled_dot_product_attention, then a 4x GELU MLP),
+a final LayerNorm and an untied LM head.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, C/heads): the layout SDPA expects
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg.hidden, cfg.heads) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.apply(_init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2*layers) so the residual stream's
+        # variance does not grow with depth at init.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.seq_len}")
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class MLP(nn.Module):
+    """Per-position next-token predictor: no attention, so it sees only the current token."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for layer in self.layers:
+            x = x + F.gelu(layer(x))
+        return self.head(self.ln_f(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    return GPT(cfg) if cfg.kind == "gpt" else MLP(cfg)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; `targets` are the inputs shifted by one position."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

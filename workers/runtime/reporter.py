@@ -1,0 +1,194 @@
+"""Telemetry to the job's Redis Stream, off the training thread.
+
+Stream entries (the relay, jobs/telemetry.py, parses exactly these):
+    XADD <stream> * type metrics data <JSON list of per-step sample dicts, at most 500>
+    XADD <stream> * type event   data <JSON {"kind": ..., "rank": r, ...}>
+
+The training thread only calls `metric()` / `event()`, which put the dict on a SimpleQueue
+(a C-level append, ~0.2 us). A daemon thread wakes every FLUSH_INTERVAL_S, moves the queue into
+a bounded buffer, serialises and writes it in one pipelined MULTI/EXEC round trip per chunk.
+
+Redis being down must not stop training: the buffer keeps the newest `buffer` entries
+(TRAINYARD_TELEMETRY_BUFFER, default 100_000: ~8 min of 2-rank steps at 100 steps/s per rank),
+counts what it evicts, and the thread retries with capped exponential backoff. Short socket
+timeouts and no client-side retries make a dead server cost at most ~0.5 s per attempt. Once
+a flush succeeds and the buffer is empty, a `telemetry_dropped` event reports the evicted
+samples (only if any). `close()` flushes for at most `timeout_s`, then gives up, so a dead
+Redis delays the end of a job by a bounded time, never forever.
+
+Known limit: if the connection drops after Redis executed a MULTI/EXEC but before the reply
+arrived, the retry writes that chunk twice; the relay can dedupe by (attempt, rank, step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUFFER = 100_000
+BUFFER_ENV = "TRAINYARD_TELEMETRY_BUFFER"
+BATCH_MAX = 500  # samples per stream entry: keeps one entry well under 256 KB of JSON
+FLUSH_INTERVAL_S = 0.1
+CHUNK_ENTRIES = 5_000  # buffered items per round trip, so one write fits the socket timeout
+BACKOFF_MAX_S = 2.0
+
+METRIC, EVENT = "metrics", "event"
+
+
+def _dumps(obj: Any) -> str:
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a diverged loss (nan/inf) is not JSON; the relay and browsers get null
+        return json.dumps(_finite(obj), separators=(",", ":"))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def buffer_size_from_env() -> int:
+    raw = os.environ.get(BUFFER_ENV, "")
+    size = int(raw) if raw.strip() else DEFAULT_BUFFER
+    if size < 1:
+        raise ValueError(f"{BUFFER_ENV} must be >= 1, got {raw!r}")
+    return size
+
+
+class Reporter:
+    def __init__(self, redis_url: str, stream: str, *, rank: int, attempt: int | None = None,
+                 buffer: int | None = None,
+                 flush_interval_s: float = FLUSH_INTERVAL_S, connect_timeout_s: float = 0.5,
+                 socket_timeout_s: float = 1.0):
+        self.stream = stream
+        self.rank = rank
+        self.attempt = attempt  # every event names its attempt: the relay files it under that run
+        self._interval = flush_interval_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._buf: deque = deque(maxlen=buffer or buffer_size_from_env())
+        self._client = redis.Redis.from_url(
+            redis_url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        # Counters are written by the flush thread only; read them after close().
+        self.sent_samples = 0
+        self.dropped_samples = 0
+        self.dropped_events = 0
+        self._dropped_unreported = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._deadline = math.inf
+        self._thread = threading.Thread(target=self._run, name="trainyard-reporter", daemon=True)
+        self._thread.start()
+
+    # ---- training thread -------------------------------------------------------------
+    def metric(self, sample: dict) -> None:
+        self._inbox.put((METRIC, sample))
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self._inbox.put((EVENT, {"kind": kind, "rank": self.rank, "attempt": self.attempt, **fields}))
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Flush what is left for at most timeout_s; True if everything was delivered."""
+        self._deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._thread.join(timeout_s + 2.0)  # + one socket timeout for an attempt in progress
+        delivered = not self._thread.is_alive() and not self._buf and self._inbox.empty()
+        if not delivered:
+            log.warning("telemetry: gave up after %.1f s with %d entries undelivered",
+                        timeout_s, len(self._buf) + self._inbox.qsize())
+        try:
+            self._client.close()
+        except redis.RedisError:
+            pass
+        return delivered
+
+    @property
+    def buffered(self) -> int:
+        """Entries taken off the queue but not yet acknowledged by Redis."""
+        return len(self._buf)
+
+    # ---- flush thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            stopping = self._stop.wait(backoff or self._interval)
+            self._drain_inbox()
+            try:
+                self._flush()
+                backoff = 0.0
+            except redis.RedisError as e:
+                self.failures += 1
+                if self.failures == 1 or self.failures % 50 == 0:
+                    log.warning("telemetry: redis unavailable (%s); buffering %d entries",
+                                e, len(self._buf))
+                backoff = min(max(backoff * 2, 0.1), BACKOFF_MAX_S)
+            if stopping:
+                idle = not self._buf and self._inbox.empty() and not self._dropped_unreported
+                if idle or time.monotonic() >= self._deadline:
+                    return
+                backoff = min(backoff, max(0.0, self._deadline - time.monotonic()))
+
+    def _drain_inbox(self) -> None:
+        buf = self._buf
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if len(buf) == buf.maxlen:  # the append below evicts the oldest entry
+                if buf[0][0] == METRIC:
+                    self.dropped_samples += 1
+                    self._dropped_unreported += 1
+                else:
+                    self.dropped_events += 1
+            buf.append(item)
+
+    def _flush(self) -> None:
+        while self._buf:
+            items = [self._buf[i] for i in range(min(len(self._buf), CHUNK_ENTRIES))]
+            pipe = self._client.pipeline(transaction=True)
+            samples = 0
+            batch: list[dict] = []
+            for kind, payload in items:
+                if kind == METRIC:
+                    batch.append(payload)
+                    if len(batch) == BATCH_MAX:
+                        samples += self._xadd_metrics(pipe, batch)
+                        batch = []
+                else:
+                    if batch:  # keep stream order: samples queued before this event go first
+                        samples += self._xadd_metrics(pipe, batch)
+                        batch = []
+                    pipe.xadd(self.stream, {"type": EVENT, "data": _dumps(payload)})
+            if batch:
+                samples += self._xadd_metrics(pipe, batch)
+            pipe.execute()
+            for _ in items:  # only this thread mutates the buffer, so these are `items`
+                self._buf.popleft()
+            self.sent_samples += samples
+        if self._dropped_unreported:
+            count = self._dropped_unreported
+            self._client.xadd(self.stream, {"type": EVENT, "data": _dumps(
+                {"kind": "telemetry_dropped", "rank": self.rank, "attempt": self.attempt, "count": count})})
+            self._dropped_unreported -= count
+
+    def _xadd_metrics(self, pipe: Any, batch: list[dict]) -> int:
+        pipe.xadd(self.stream, {"type": METRIC, "data": _dumps(batch)})
+        return len(batch)

@@ -1,0 +1,206 @@
+"""One rank of a data-parallel training run: set up, loop, report.
+
+Per step every rank reports one sample (see reporter.py for transport). Timing fields, all
+wall-clock seconds on this rank, measured with perf_counter (CUDA: after synchronising, with
+CUDA events for the collectives, see comm.py):
+- data_s: waiting for the next batch from the prefetcher plus starting its host->device copy.
+- compute_s: forward + loss + backward wall time minus the exposed part of gradient
+  communication (the time backward() only waited for all-reduces after the last bucket launched).
+- comm_s: time at least one gradient all-reduce was in flight, hidden or not. So
+  compute_s + comm_s >= forward+backward; the overlap is the comm hidden behind compute.
+- optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
+  optimizer's kernels, so the time lands here rather than in the next step).
+- step_s: from asking for the batch to the end of the optimizer step;
+  step_s ~= data_s + compute_s + exposed comm + optim_s (+ microseconds of bookkeeping).
+samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
+is their sum over ranks. bytes_sent is what this rank handed to gradient collectives.
+mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .comm import CommCounter, CpuClock, CudaClock, counting_allreduce_hook
+from .config import ConfigError, RunConfig, TrainConfig
+from .data import Batch, build_batches, val_batches
+from .model import build_model, lm_loss
+from .reporter import Reporter
+
+COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
+VAL_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells this process about its place in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        try:
+            return cls(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                       int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+        except KeyError as e:
+            raise RuntimeError(f"{e.args[0]} is not set: run this module under torchrun") from None
+
+
+def lr_at(step: int, train: TrainConfig) -> float:
+    """Learning rate for 1-based `step`: linear warmup, then constant or cosine to 10%."""
+    if step <= train.warmup_steps:
+        return train.lr * step / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return train.lr
+    decay_steps = max(1, train.steps - train.warmup_steps)
+    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    return train.lr * (COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def write_rank_file(run_dir: Path, env: DistEnv, node: str) -> Path:
+    """<run_dir>/ranks/<local_rank>.json, atomically: the launcher labels logs and pids by it."""
+    ranks = Path(run_dir) / "ranks"
+    ranks.mkdir(parents=True, exist_ok=True)
+    final = ranks / f"{env.local_rank}.json"
+    tmp = ranks / f".{env.local_rank}.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"rank": env.rank, "local_rank": env.local_rank,
+                               "pid": os.getpid(), "node": node}))
+    os.replace(tmp, final)
+    return final
+
+
+def check_world(cfg: RunConfig, env: DistEnv) -> None:
+    expected = cfg.resources.world_size
+    if env.world_size != expected or (cfg.parallel.dp is not None and cfg.parallel.dp != env.world_size):
+        raise ConfigError(
+            f"torchrun started {env.world_size} ranks but the spec asks for resources "
+            f"{cfg.resources.nodes}x{cfg.resources.procs_per_node}={expected}, parallel.dp="
+            f"{cfg.parallel.dp}; this runtime runs plain DDP with dp == world size")
+
+
+def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
+    """Train this rank to completion; returns its summary. Exceptions propagate (exit != 0)."""
+    env = env or DistEnv.from_environ()
+    write_rank_file(cfg.run_dir, env, cfg.node)
+    cuda = cfg.resources.device == "cuda"
+    if cuda:
+        # CUDA_VISIBLE_DEVICES holds this node's slots, so the local rank indexes them.
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    reporter = Reporter(cfg.redis_url, cfg.stream, rank=env.rank, attempt=cfg.attempt_id)
+    reporter.event("rank_started", pid=os.getpid(), node=cfg.node, world_size=env.world_size)
+    try:
+        # User errors (bad data path, too little data) surface here, before the rendezvous,
+        # so a failing rank does not first wait for its peers.
+        check_world(cfg, env)
+        batch = cfg.per_rank_batch(env.world_size)
+        batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=env.rank,
+                                     world_size=env.world_size, batch=batch, seed=cfg.train.seed,
+                                     pin_memory=cuda)
+        if cuda:  # device_id binds the NCCL communicator to this rank's GPU up front
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
+        try:
+            return _train(cfg, env, device, reporter, batches, val)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        reporter.close()
+
+
+def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporter,
+           batches: Iterator[Batch], val: np.ndarray | None) -> dict:
+    train, mcfg = cfg.train, cfg.model
+    batch = cfg.per_rank_batch(env.world_size)
+    torch.manual_seed(train.seed)  # identical initial weights on every rank
+    model = build_model(mcfg).to(device)
+    clock = CudaClock(device) if device.type == "cuda" else CpuClock()
+    counter = CommCounter(clock)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True)
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    proc = psutil.Process()
+    log_every = max(1, train.steps // 10)
+    tokens_per_batch = batch * mcfg.seq_len
+    start = time.time()
+    loss_v = float("nan")
+
+    for step in range(1, train.steps + 1):
+        lr = lr_at(step, train)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        t1 = time.perf_counter()
+        ref = clock.mark()
+        loss = lm_loss(ddp(x), y)
+        loss.backward()
+        backward_end = clock.mark()
+        clock.sync()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
+        t3 = time.perf_counter()
+        comm = counter.take()
+        comm_s, exposed_s = comm.measure(clock, ref, backward_end)
+        step_s = t3 - t0
+        reporter.metric({
+            "rank": env.rank, "step": step, "ts": time.time(), "loss": loss_v,
+            "samples_per_s": batch / step_s, "tokens_per_s": tokens_per_batch / step_s,
+            "step_s": step_s, "data_s": t1 - t0, "compute_s": max(0.0, t2 - t1 - exposed_s),
+            "comm_s": comm_s, "optim_s": t3 - t2, "bytes_sent": comm.bytes_sent,
+            "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                          else proc.memory_info().rss),
+            "attempt": cfg.attempt_id,
+        })
+        if step == 1 or step % log_every == 0 or step == train.steps:
+            _say(f"rank {env.rank} step {step}/{train.steps} loss {loss_v:.4f} lr {lr:.2e} "
+                 f"step_ms {step_s * 1000:.1f} samples/s {batch / step_s:.1f}")
+
+    val_loss = _val_loss(model, val, mcfg.seq_len, batch, device)
+    wall_s = time.time() - start
+    reporter.event("rank_finished", steps=train.steps, final_loss=loss_v)
+    _say(f"rank {env.rank} finished steps {train.steps} final_loss {loss_v:.4f} "
+         f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
+    return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+
+
+def _say(line: str) -> None:
+    # One write per line: print() writes the text and the newline separately, which under
+    # PYTHONUNBUFFERED interleaves ranks that share a pipe ("...930.1rank 1 step 4...").
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+@torch.no_grad()
+def _val_loss(model: torch.nn.Module, val, seq_len: int, batch: int,
+              device: torch.device) -> float | None:
+    """Mean loss on fixed held-out windows (local to the rank: no collective needed)."""
+    if val is None or len(val) < seq_len + batch * VAL_BATCHES:
+        return None
+    model.eval()
+    losses = [lm_loss(model(x.to(device)), y.to(device)).item()
+              for x, y in val_batches(val, seq_len, batch, VAL_BATCHES)]
+    model.train()
+    return sum(losses) / len(losses)
