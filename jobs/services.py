@@ -232,7 +232,7 @@ def nodes_check() -> list[str]:
             lost.append(node.name)
             for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
                 Allocation.objects.filter(pk=alloc.pk).update(
-                    active=False, ended_at=now, result={"node": node.name, "lost": True, "exit_code": None})
+                    active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})
                 _attempt_stop(alloc.attempt, f"node_lost:{node.name}")
         launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
         for attempt in Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff):
@@ -248,7 +248,8 @@ def _attempt_maybe_finish(attempt: Attempt) -> None:
     job = Job.objects.get(pk=attempt.job_id)
     reports = [a.result or {} for a in attempt.allocations.all()]
     reason = attempt.stop_reason
-    lost_node = reason.split(":", 1)[1] if reason.startswith("node_lost:") else None
+    # A lost node is the cause even when its peers' comm errors (consequences) were reported first.
+    lost_node = next((r.get("node") for r in reports if r.get("node_lost")), None)
     failure: dict = {}
     if job.cancel_requested or reason == "cancel":
         outcome = "cancelled"

@@ -83,13 +83,14 @@ class Cluster:
             proc = self.procs.pop(name)
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + 20
-        for p in psutil.Process().children(recursive=True):
+        redis_pid = self.redis.proc.pid if self.redis.proc else None
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid != redis_pid]
+        _, alive = psutil.wait_procs(children, timeout=10)
+        for p in alive:
+            print(f"cluster.stop: {p.pid} {p.name()} ignored SIGTERM for 10 s; killing it")
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except psutil.TimeoutExpired:
                 p.kill()
-            except psutil.NoSuchProcess:
+            except psutil.Error:
                 pass
         # Attempts run in their own sessions; make sure nothing of this cluster outlives it.
         for p in psutil.process_iter(["cmdline"]):

@@ -44,9 +44,10 @@ def test_demo_job_runs_on_both_agents_and_succeeds(cluster):
     assert len(rows) == 400 and {r["rank"] for r in rows} == {0, 1}
     assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in (0, 1) for s in range(1, 201)}
     assert all(r["bytes_sent"] > 0 and r["step_s"] > 0 and r["mem_bytes"] > 0 for r in rows)
-    first = statistics.mean(r["loss"] for r in rows if r["step"] <= 10)
+    first = statistics.mean(r["loss"] for r in rows if r["step"] == 1)
     last = statistics.mean(r["loss"] for r in rows if r["step"] > 190)
-    assert first > 5.0 and last < math.log(256) - 1.5, (first, last)  # learns real text, well below ln 256
+    # starts near ln 256 = 5.55 (uniform over bytes) and learns real text well below it (~2.2)
+    assert first > 5.0 and last < math.log(256) - 2.0, (first, last)
     logs = cluster.get(f"/api/v1/jobs/{job['id']}/logs/?rank=1")
     assert logs and all(line["rank"] == 1 for line in logs)
 
@@ -109,7 +110,7 @@ def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
 
 def is_torchrun(p: psutil.Process) -> bool:
     try:
-        return "torch.distributed.run" in p.cmdline()
+        return p.cmdline()[1:3] == ["-m", "torch.distributed.run"]  # not procwrap, which names it later
     except psutil.Error:
         return False
 
