@@ -45,7 +45,7 @@ def test_buffer_size_comes_from_the_environment(monkeypatch):
 
 @pytest.mark.procs
 def test_stream_entries_are_ordered_batches_of_at_most_500_samples(redis_server):
-    rep = Reporter(redis_server.url, "trainyard:job:3", rank=1)
+    rep = Reporter(redis_server.url, "trainyard:job:3", rank=1, attempt=9)
     rep.event("rank_started", pid=42, node="node-b", world_size=2)
     for step in range(1, 1201):
         rep.metric(sample(step, rank=1))
@@ -58,9 +58,9 @@ def test_stream_entries_are_ordered_batches_of_at_most_500_samples(redis_server)
     assert samples[-1]["loss"] is None
     sizes = [len(json.loads(f[b"data"])) for _, f in raw if f[b"type"] == b"metrics"]
     assert max(sizes) <= BATCH_MAX and len(sizes) >= 3
-    assert json.loads(raw[0][1][b"data"]) == {"kind": "rank_started", "rank": 1, "pid": 42,
+    assert json.loads(raw[0][1][b"data"]) == {"kind": "rank_started", "rank": 1, "attempt": 9, "pid": 42,
                                               "node": "node-b", "world_size": 2}
-    assert json.loads(raw[-1][1][b"data"]) == {"kind": "rank_finished", "rank": 1, "steps": 1201,
+    assert json.loads(raw[-1][1][b"data"]) == {"kind": "rank_finished", "rank": 1, "attempt": 9, "steps": 1201,
                                                "final_loss": 0.5}
     assert [e["kind"] for e in events] == ["rank_started", "rank_finished"]
     assert rep.sent_samples == 1201 and rep.dropped_samples == 0
@@ -69,7 +69,7 @@ def test_stream_entries_are_ordered_batches_of_at_most_500_samples(redis_server)
 @pytest.mark.procs
 def test_after_an_outage_the_buffer_is_flushed_and_evictions_are_reported(redis_server):
     redis_server.stop()
-    rep = Reporter(redis_server.url, "s", rank=0, buffer=100)
+    rep = Reporter(redis_server.url, "s", rank=0, attempt=4, buffer=100)
     for step in range(1, 301):
         rep.metric(sample(step))
     wait_for(lambda: rep.dropped_samples == 200)  # the flush thread has queued and evicted
@@ -77,5 +77,5 @@ def test_after_an_outage_the_buffer_is_flushed_and_evictions_are_reported(redis_
     assert rep.close(timeout_s=10.0) is True
     samples, events, _ = read_stream(redis_server.url, "s")
     assert [s["step"] for s in samples] == list(range(201, 301))
-    assert events == [{"kind": "telemetry_dropped", "rank": 0, "count": 200}]
+    assert events == [{"kind": "telemetry_dropped", "rank": 0, "attempt": 4, "count": 200}]
     assert len(samples) + events[0]["count"] == 300
