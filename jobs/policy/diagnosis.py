@@ -12,7 +12,8 @@ from dataclasses import dataclass
 # Python exceptions that come from the job's own model/data/config code: retrying cannot help.
 USER_ERROR_TYPES = ("ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "NameError",
                     "FileNotFoundError", "AssertionError", "ZeroDivisionError", "ImportError",
-                    "ModuleNotFoundError", "NotImplementedError", "SyntaxError")
+                    "ModuleNotFoundError", "NotImplementedError", "SyntaxError",
+                    "ConfigError")  # the runtime's own: a spec the data or model cannot satisfy
 COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out", "Timeout",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 

@@ -156,3 +156,17 @@ def test_node_lost_ends_attempt_lost_and_job_reruns_when_node_returns(cluster):
     assert done["status"] == "SUCCEEDED" and done["restarts"] == 1 and len(done["attempts"]) == 2, done
     last = done["attempts"][1]["id"]
     assert len([r for r in cluster.metrics(job["id"]) if r["attempt"] == last]) == steps * 2
+
+
+def test_user_error_fails_fast_with_the_first_failing_ranks_traceback(cluster):
+    import numpy as np
+
+    # Valid at submit (a uint16 file under the data root), wrong at run time: ids beyond the vocab.
+    (cluster.dir / "data" / "bad.bin").write_bytes(np.arange(0, 4000, dtype=np.uint16).tobytes())
+    job = cluster.submit({"name": "bad-data", "data": {"kind": "tokens", "path": "bad.bin"},
+                          "model": {"kind": "mlp", "layers": 1, "hidden": 32, "seq_len": 16}, "max_restarts": 3})
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
+    assert done["status"] == "FAILED" and done["restarts"] == 0 and len(done["attempts"]) == 1, done
+    attempt = done["attempts"][0]
+    assert attempt["outcome"] == "failed:user_error"
+    assert "vocab" in attempt["failure"]["message"] and "Traceback" in attempt["failure"]["traceback"]
