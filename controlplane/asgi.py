@@ -1,11 +1,17 @@
-"""ASGI entry point (daphne): HTTP through Django; websockets arrive with the live dashboard."""
+"""ASGI entry point (daphne): HTTP through Django, websockets through Channels."""
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from jobs.routing import websocket_urlpatterns  # noqa: E402
+from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
+
+application = ProtocolTypeRouter({
+    "http": django_asgi_app,
+    "websocket": WebsocketAuthStack(URLRouter(websocket_urlpatterns)),
+})

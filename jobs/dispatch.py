@@ -2,7 +2,11 @@
 Services call these only from transaction.on_commit, so a rolled-back decision sends nothing."""
 from __future__ import annotations
 
+import logging
+
 from workers.celery_app import CONTROL_QUEUE, app, node_queue
+
+log = logging.getLogger(__name__)
 
 
 def send_launch(node: str, payload: dict) -> None:
@@ -15,3 +19,19 @@ def send_stop(node: str, job_id: int, attempt_id: int, reason: str) -> None:
 
 def request_tick() -> None:
     app.send_task("workers.tasks.schedule_tick", queue=CONTROL_QUEUE, expires=10)
+
+
+def publish(group: str, message: dict) -> None:
+    """Fan a message out to a Channels group (job.<id>, cluster). Best effort: a browser missing
+    a live message is repaired by its next snapshot; a control-plane write must never fail on it."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    try:
+        async_to_sync(get_channel_layer().group_send)(group, message)
+    except Exception as exc:  # Redis briefly away: the state is in the database
+        log.warning("publish to %s failed: %s", group, exc)
+
+
+def publish_cluster_changed(what: str) -> None:
+    publish("cluster", {"type": "cluster.changed", "what": what})

@@ -29,7 +29,18 @@ def job_stream(job_id: int) -> str:
 
 def _event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None = None, actor=None,
            **data) -> JobEvent:
-    return JobEvent.objects.create(job=job, attempt=attempt, kind=kind, message=message, data=data, actor=actor)
+    event = JobEvent.objects.create(job=job, attempt=attempt, kind=kind, message=message, data=data, actor=actor)
+    payload = {"type": "job.event", "event": selectors.event_dict(event)}
+    transaction.on_commit(partial(dispatch.publish, f"job.{job.pk}", payload))
+    return event
+
+
+def _publish_status(job: Job) -> None:
+    attempt_id = job.attempts.order_by("-number").values_list("pk", flat=True).first()
+    payload = {"type": "job.status", "status": job.status, "status_reason": job.status_reason,
+               "attempt": attempt_id, "step": job.step}
+    transaction.on_commit(partial(dispatch.publish, f"job.{job.pk}", payload))
+    transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
 
 
 def _set_job_status(job: Job, old: tuple | str, new: str, reason: str = "", **fields) -> bool:
@@ -42,6 +53,7 @@ def _set_job_status(job: Job, old: tuple | str, new: str, reason: str = "", **fi
     n = Job.objects.filter(pk=job.pk, status__in=olds).update(status=new, status_reason=reason, **fields)
     if n:
         job.refresh_from_db()
+        _publish_status(job)
     return bool(n)
 
 
@@ -76,6 +88,7 @@ def job_submit(user, data) -> Job:
             priority=Job.PRIORITIES[spec.priority], slots=r.world_size)
         _event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"])
         transaction.on_commit(dispatch.request_tick)
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
     return job
 
 
@@ -180,6 +193,7 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
                 Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=Node.Status.READY)
                 log.info("node %s is back", name)
             node.refresh_from_db()
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
         running = set(int(a) for a in payload.get("attempts") or [])
         expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
         return node, sorted(running - expected)

@@ -16,7 +16,7 @@ import time
 import redis
 from django.conf import settings
 
-from . import services
+from . import dispatch, services
 from .models import Job
 
 log = logging.getLogger("trainyard.relay")
@@ -36,6 +36,7 @@ class Relay:
         self.streams: dict[str, str] = {}  # stream -> next id to read ("0" = own pending first, then ">")
         self._last_scan = 0.0
         self._last_gc = time.monotonic()
+        self._last_progress = 0.0
         self.running = True
         self.ingested = 0
 
@@ -82,6 +83,7 @@ class Relay:
         samples: list[dict] = []
         events: list[dict] = []
         logs: list[str] = []
+        live_logs: list[dict] = []
         for _id, fields in entries:
             kind = fields.get(b"type", b"").decode()
             try:
@@ -94,6 +96,7 @@ class Relay:
             elif kind == "event" and isinstance(data, dict):
                 events.append(data)
             elif kind == "log" and isinstance(data, dict):
+                live_logs.append(data)
                 for line in data.get("lines") or []:
                     logs.append(json.dumps({"rank": data.get("rank"), "attempt": data.get("attempt"),
                                             "stream": data.get("stream"), "line": line}))
@@ -107,6 +110,16 @@ class Relay:
         pipe.xdel(stream, *ids)
         pipe.execute()
         self.ingested += len(samples)
+        # Fan out only what is committed: a browser never sees a point the database lacks.
+        group = f"job.{job_id}"
+        if samples:
+            dispatch.publish(group, {"type": "job.telemetry", "samples": samples})
+        for data in live_logs:
+            dispatch.publish(group, {"type": "job.log", "rank": data.get("rank"), "attempt": data.get("attempt"),
+                                     "stream": data.get("stream", "stdout"), "lines": data.get("lines") or []})
+        if samples and time.monotonic() - self._last_progress > 1.0:
+            self._last_progress = time.monotonic()
+            dispatch.publish_cluster_changed("jobs")  # progress of running jobs, at most once a second
         return len(entries)
 
     def gc(self) -> None:

@@ -12,6 +12,7 @@ def sent(monkeypatch):
     monkeypatch.setattr(dispatch, "send_stop", lambda node, job_id, attempt_id, reason: calls.append(
         ("stop", node, attempt_id, reason)))
     monkeypatch.setattr(dispatch, "request_tick", lambda: calls.append(("tick",)))
+    monkeypatch.setattr(dispatch, "publish", lambda group, message: calls.append(("publish", group, message)))
     return calls
 
 

@@ -1,0 +1,175 @@
+"""Websocket consumers: /ws/jobs/<id>/ and /ws/cluster/ (DESIGN.md section 4). Thin: check access,
+read through selectors, forward group messages.
+
+Flow control: every message carries `seq`; clients ack what they handled ({"type": "ack",
+"seq": n}). A connection holds at most MAX_INFLIGHT unacked messages. Past that it stops sending
+telemetry (the relay and other sockets never wait on it: group_send only enqueues) and remembers
+the first step it skipped; once the client acks its way back under half the window it gets one
+downsampled `window` from the database instead of the backlog.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from . import selectors
+
+MAX_INFLIGHT = 32
+WINDOW_POINTS = 4000
+CLUSTER_MIN_INTERVAL_S = 0.5  # node heartbeats and queue changes coalesce to at most 2 pushes/s
+
+
+class _FlowControlled(AsyncJsonWebsocketConsumer):
+    seq = 0
+    acked = 0
+
+    async def push(self, message: dict) -> None:
+        self.seq += 1
+        message["seq"] = self.seq
+        await self.send(text_data=json.dumps(message, allow_nan=False, default=str))
+
+    @property
+    def congested(self) -> bool:
+        return self.seq - self.acked >= MAX_INFLIGHT
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        try:
+            content = json.loads(text_data) if text_data is not None else None
+        except ValueError:
+            content = None
+        if not isinstance(content, dict) or not isinstance(content.get("type"), str):
+            await self.send_json({"type": "error", "error": "expected a JSON object with a string 'type'"})
+            return
+        kind = content["type"]
+        if kind == "ack":
+            seq = content.get("seq")
+            if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= self.seq:
+                await self.send_json({"type": "error", "error": f"ack.seq must be an integer in [0, {self.seq}]"})
+                return
+            self.acked = max(self.acked, seq)
+            await self.caught_up()
+        elif kind == "ping":
+            await self.send_json({"type": "pong"})
+        else:
+            await self.send_json({"type": "error", "error": f"unknown message type {kind!r}"})
+
+    async def caught_up(self) -> None:
+        """Called after every ack; subclasses send what a congested client missed."""
+
+    async def _deny(self, code: int) -> None:
+        await self.accept()
+        await self.close(code=code)
+
+
+class JobConsumer(_FlowControlled):
+    job_id = 0
+    group = ""
+    behind_from: int | None = None  # first step not delivered while congested
+
+    async def connect(self):
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            return await self._deny(4401)
+        self.job_id = int(self.scope["url_route"]["kwargs"]["job_id"])
+        visible = await database_sync_to_async(
+            lambda: selectors.jobs_visible_to(user).filter(pk=self.job_id).exists())()
+        if not visible:
+            return await self._deny(4404)
+        # Join before reading the snapshot: whatever commits in between arrives twice at worst,
+        # and clients merge by (attempt, rank, step), so there is never a gap.
+        self.group = f"job.{self.job_id}"
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        snapshot = await database_sync_to_async(selectors.job_snapshot)(self.job_id, max_points=WINDOW_POINTS)
+        await self.push(snapshot)
+
+    async def disconnect(self, code):
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def job_telemetry(self, event):
+        samples = event["samples"]
+        if not samples:
+            return
+        if self.behind_from is not None or self.congested:
+            first = min(s["step"] for s in samples)
+            self.behind_from = first if self.behind_from is None else min(self.behind_from, first)
+            return
+        await self.push({"type": "telemetry", "samples": samples})
+
+    async def job_log(self, event):
+        if self.behind_from is None and not self.congested:
+            await self.push({"type": "log", "rank": event["rank"], "attempt": event["attempt"],
+                             "stream": event.get("stream", "stdout"), "lines": event["lines"]})
+
+    async def job_status(self, event):
+        await self.push({k: v for k, v in event.items() if k != "type"} | {"type": "status"})
+
+    async def job_event(self, event):
+        await self.push({"type": "event", "event": event["event"]})
+
+    async def job_checkpoint(self, event):
+        await self.push({k: v for k, v in event.items() if k != "type"} | {"type": "checkpoint"})
+
+    async def caught_up(self) -> None:
+        if self.behind_from is None or self.seq - self.acked > MAX_INFLIGHT // 2:
+            return
+        from_step, self.behind_from = self.behind_from, None
+        samples, _ = await database_sync_to_async(selectors.metric_window)(
+            self.job_id, from_step=from_step, max_points=WINDOW_POINTS)
+        logs = await database_sync_to_async(selectors.job_log_lines)(self.job_id, limit=200)
+        await self.push({"type": "window", "from_step": from_step, "samples": samples, "downsampled": True,
+                         "logs": logs})
+
+
+class ClusterConsumer(_FlowControlled):
+    _last_push = 0.0
+    _scheduled = False
+    _missed = False
+
+    async def connect(self):
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            return await self._deny(4401)
+        await self.channel_layer.group_add("cluster", self.channel_name)
+        await self.accept()
+        state = await database_sync_to_async(selectors.cluster_state)(user)
+        self._last_push = time.monotonic()
+        await self.push({"type": "snapshot", **state})
+
+    async def disconnect(self, code):
+        await self.channel_layer.group_discard("cluster", self.channel_name)
+
+    async def cluster_changed(self, event):
+        if self._scheduled:
+            return
+        if self.congested:
+            self._missed = True  # state messages are whole: the next one replaces what was skipped
+            return
+        self._scheduled = True
+        delay = max(0.0, CLUSTER_MIN_INTERVAL_S - (time.monotonic() - self._last_push))
+        # A task, not an inline sleep: the consumer keeps handling acks and pings meanwhile.
+        self._task = asyncio.get_running_loop().create_task(self._push_later(delay))
+
+    async def _push_later(self, delay: float):
+        try:
+            if delay:
+                await asyncio.sleep(delay)
+        finally:
+            self._scheduled = False
+        await self._push_state()
+
+    async def _push_state(self):
+        state = await database_sync_to_async(selectors.cluster_state)(self.scope["user"])
+        self._last_push = time.monotonic()
+        await self.push({"type": "nodes", "nodes": state["nodes"]})
+        await self.push({"type": "jobs", "queue": state["queue"], "running": state["running"]})
+
+    async def caught_up(self) -> None:
+        if self._missed and self.seq - self.acked <= MAX_INFLIGHT // 2:
+            self._missed = False
+            await self._push_state()
