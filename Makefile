@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps run test test-fast bench clean
+.PHONY: venv deps test-deps run test test-fast bench clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -19,11 +19,15 @@ venv: $(STAMP)
 deps:
 	@scripts/ensure_system_deps.sh
 
+# The browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+test-deps:
+	@scripts/ensure_system_deps.sh chromium
+
 run: venv deps
 	scripts/run.sh
 
 # Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
-test: venv deps
+test: venv test-deps
 	$(PYTEST) -q
 
 # Only tests that start no processes.

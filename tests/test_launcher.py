@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from workers import launcher, launcher_logs
+from workers import launch_spec, launcher, launcher_logs
 from workers.launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 
 FAKE = "tests.launcher_fixtures.fake_worker"
@@ -154,7 +154,7 @@ def test_env_per_process(tmp_path, monkeypatch):
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["FOO"] == "1"
     assert env["GLOO_SOCKET_IFNAME"] in psutil.net_if_addrs()
     assert "TORCHELASTIC_ERROR_FILE" not in env and env["PATH"] == os.environ["PATH"]
-    assert launcher.REPO_ROOT in env["PYTHONPATH"].split(os.pathsep)
+    assert launch_spec.REPO_ROOT in env["PYTHONPATH"].split(os.pathsep)
     cpu_lan = launcher.build_env(dataclasses.replace(req, local_addr="10.1.2.3"))
     assert cpu_lan.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
     assert "GLOO_SOCKET_IFNAME" not in cpu_lan  # only loopback addresses pin gloo to lo
@@ -174,7 +174,7 @@ def test_launcher_imports_no_control_plane():
     code = ("import sys, workers.launcher; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('django', 'jobs', 'controlplane', 'torch', 'celery')]; print(bad); "
             "sys.exit(1 if bad else 0)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=launcher.REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=launch_spec.REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -333,7 +333,7 @@ def test_stop_kills_the_whole_tree_even_a_rank_ignoring_sigterm(tmp_path):
         time.sleep(0.05)
     assert leftovers(pids) == [], f"{time.monotonic() - t0:.1f} s after stop()"
     # Our SIGKILL did it, not torchrun's own SIGTERM->SIGKILL timeout for rank 1.
-    assert time.monotonic() - t0 < launcher.SHUTDOWN_TIMEOUT_S - 1
+    assert time.monotonic() - t0 < launch_spec.SHUTDOWN_TIMEOUT_S - 1
     rec.wait(exited, timeout=5)
     sup._thread.join(5)
     (result,) = rec.exits()

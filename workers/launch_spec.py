@@ -1,0 +1,133 @@
+"""What torchrun is asked to run: the launch request, its validation, argv and environment.
+
+Pure construction (no processes): `workers.launcher` spawns and supervises what this builds.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+MONITOR_INTERVAL_S = 0.1  # torchrun's own worker check
+# After one local rank fails, torchrun SIGTERMs its local peers and SIGKILLs them after this;
+# its 30 s default would hold the node's slots for half a minute after every failure.
+SHUTDOWN_TIMEOUT_S = 5
+_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\[\]]([A-Za-z0-9_.:\[\]-]*)$")  # never starts with "-"
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    job_id: int
+    attempt_id: int
+    node: str  # this node's name, e.g. "node-a"
+    node_rank: int  # 0 hosts the rendezvous store
+    nnodes: int
+    nproc: int  # processes on this node
+    slots: tuple[int, ...]  # slot indices on this node (len == nproc)
+    device: str  # "cpu" | "cuda"
+    rdzv_host: str  # advertised address of the node_rank-0 node
+    rdzv_port: int
+    local_addr: str  # this node's advertised address
+    config: dict  # written to <run_dir>/config.json, passed as --config <path>
+    run_dir: str
+    module: str = "workers.runtime"
+    cores_per_slot: int = 1  # OMP_NUM_THREADS
+    env: dict = field(default_factory=dict)
+
+
+def validate(req: LaunchRequest) -> None:
+    """Reject requests that would build a wrong or option-injecting torchrun argv."""
+    problems = []
+    if req.nproc < 1 or len(req.slots) != req.nproc:
+        problems.append(f"nproc={req.nproc} needs exactly that many slots, got {req.slots}")
+    if not 0 <= req.node_rank < req.nnodes:
+        problems.append(f"node_rank {req.node_rank} outside 0..{req.nnodes - 1}")
+    if req.device not in ("cpu", "cuda"):
+        problems.append(f"device {req.device!r} is not cpu|cuda")
+    if not 0 < req.rdzv_port < 65536:
+        problems.append(f"rdzv_port {req.rdzv_port} out of range")
+    if not _MODULE_RE.match(req.module):
+        problems.append(f"module {req.module!r} is not a dotted module name")
+    for name in ("rdzv_host", "local_addr"):
+        if not _HOST_RE.match(getattr(req, name)):
+            problems.append(f"{name} {getattr(req, name)!r} is not a host name or address")
+    if req.cores_per_slot < 1:
+        problems.append("cores_per_slot must be >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
+    # No --node-rank: torch 2.13 ignores it for c10d (and warns); c10d orders nodes by
+    # (local_addr, pid), which is why the runtime reports its own global rank.
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(req.nnodes),
+        "--nproc-per-node", str(req.nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{req.rdzv_host}:{req.rdzv_port}",
+        "--rdzv-id", f"attempt-{req.attempt_id}",
+        # Explicit: with loopback addresses torchrun's hostname heuristic makes every node
+        # on this machine think it hosts the store.
+        "--rdzv-conf", f"is_host={1 if req.node_rank == 0 else 0}",
+        "--local-addr", req.local_addr,
+        "--max-restarts", "0",  # restarts are the control plane's decision, on fresh nodes
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--log-dir", log_dir,
+        "--redirects", "3",
+        "--monitor-interval", str(MONITOR_INTERVAL_S),
+        "-m", req.module,
+        "--config", config_path,
+    ]
+
+
+def _loopback_ifname() -> str:
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+            return name
+    return "lo"
+
+
+def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    # An agent started under torchrun would pass these on; torchrun would then dump its
+    # root cause into someone else's error file and take defaults from PET_* variables.
+    for key in [k for k in env if k.startswith(("TORCHELASTIC_", "PET_"))]:
+        del env[key]
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    if REPO_ROOT not in paths:  # the agent may run from any cwd; runtime lives in this repo
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in paths if p])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = str(req.cores_per_slot)
+    env["TRAINYARD_NODE"] = req.node
+    env["TRAINYARD_RUN_DIR"] = os.path.abspath(req.run_dir)
+    env["TRAINYARD_JOB_ID"] = str(req.job_id)
+    env["TRAINYARD_ATTEMPT_ID"] = str(req.attempt_id)
+    env["TRAINYARD_LOCAL_ADDR"] = req.local_addr  # for a runtime that binds gloo/NCCL to it
+    if req.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in req.slots)
+    try:
+        loopback = ipaddress.ip_address(req.local_addr).is_loopback
+    except ValueError:
+        loopback = req.local_addr == "localhost"
+    if loopback and "GLOO_SOCKET_IFNAME" not in env:
+        # gloo binds to whatever the hostname resolves to; where that is a LAN address (or
+        # a stale /etc/hosts entry) loopback "nodes" would leave loopback or fail to bind.
+        env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    env.update({str(k): str(v) for k, v in req.env.items()})
+    return env
+
+
+def pick_free_port(host: str) -> int:
+    """A port free on `host` right now (another process may still take it before use)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
