@@ -4,6 +4,7 @@ import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
@@ -12,6 +13,8 @@ from jobs.routing import websocket_urlpatterns  # noqa: E402
 from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    # daphne serves no files itself: static/ (CSS, ES modules, vendored uPlot) comes through Django's
+    # finders, so a checkout works without collectstatic. Behind a CDN/nginx this is simply unused.
+    "http": ASGIStaticFilesHandler(django_asgi_app),
     "websocket": WebsocketAuthStack(URLRouter(websocket_urlpatterns)),
 })

@@ -117,7 +117,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
+        # channels_redis waits in BZPOPMIN for 5 s, and redis-py 8's default socket_timeout is also
+        # 5 s: the read then races the server's empty reply and an idle consumer dies with
+        # TimeoutError, closing its websocket. Reads must outlast the blocking pop.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 15}]},
     }
 }
 

@@ -1,49 +1,105 @@
-"""Server-rendered pages. Thin: parse, check access, call one service, render."""
+"""Server-rendered pages. Thin: parse, check access, call one service, render.
+
+Pages render meaningful HTML on their own (status, attempts, nodes, queue); static/js/*.js then
+keeps them live over the websockets, so after the first paint nothing polls."""
 from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.db.models import Avg, OuterRef, Subquery
 from django.http import Http404
-from django.shortcuts import get_object_or_404, redirect, render
+from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from . import selectors, services
-from .forms import JobSubmitForm
-from .models import Job, Node
-from .specs import SpecError
+from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
+from .models import Job, MetricSample, Node
+from .specs import SpecError, parse_text
+
+
+def _nodes() -> list[Node]:
+    nodes = list(Node.objects.order_by("name"))
+    used = selectors.slots_used_by_node()
+    for n in nodes:
+        n.slots_used = used.get(n.pk, 0)
+        n.slots_free = max(0, n.slots - n.slots_used)
+        n.slot_marks = [i < n.slots_used for i in range(n.slots)]
+        n.gpus = [d for d in (n.devices or []) if isinstance(d, dict) and d.get("kind") == "cuda"]
+        n.device_summary = _device_summary(n.devices)
+    return nodes
+
+
+def _device_summary(devices) -> str:
+    """[{kind: cpu}, {kind: cpu}, {kind: cuda, name: H100}] -> "2 × cpu, 1 × cuda H100"."""
+    counts: dict[str, int] = {}
+    for d in devices or []:
+        if isinstance(d, dict):
+            key = " ".join(str(x) for x in (d.get("kind"), d.get("name")) if x)
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} × {k}" for k, n in counts.items())
 
 
 @login_required
 def overview(request):
-    nodes = list(Node.objects.all())
-    used = selectors.slots_used_by_node()
-    for n in nodes:
-        n.slots_used = used.get(n.pk, 0)
-    queue = selectors.jobs_visible_to(request.user).filter(status=Job.Status.QUEUED).order_by("-priority", "id")
-    active = selectors.jobs_visible_to(request.user).filter(status__in=Job.ACTIVE).order_by("-id")
-    return render(request, "jobs/overview.html", {"nodes": nodes, "queue": queue, "active": active})
+    visible = selectors.jobs_visible_to(request.user)
+    positions = selectors.queue_positions()
+    queue = list(visible.filter(status=Job.Status.QUEUED).order_by("-priority", "id")[:200])
+    for j in queue:
+        j.queue_position = positions.get(j.pk)
+    active = visible.filter(status__in=Job.ACTIVE).order_by("-id")[:200]
+    return render(request, "jobs/overview.html", {"nodes": _nodes(), "queue": queue, "active": active})
+
+
+def _with_throughput(jobs):
+    """Annotate each job with `per_rank_sps`: the mean samples/s over the ranks of its newest step
+    (newest attempt). Correlated subqueries on the (job, step) index, so the whole list is one query
+    however many samples the jobs have; job throughput is that mean times the job's world size."""
+    newest = MetricSample.objects.filter(job=OuterRef("pk")).order_by("-step", "-attempt_id")
+    jobs = jobs.annotate(latest_step=Subquery(newest.values("step")[:1]),
+                         latest_attempt=Subquery(newest.values("attempt_id")[:1]))
+    mean = (MetricSample.objects.filter(job=OuterRef("pk"), step=OuterRef("latest_step"),
+                                        attempt_id=OuterRef("latest_attempt"))
+            .order_by().values("job").annotate(v=Avg("samples_per_s")).values("v"))
+    return jobs.annotate(per_rank_sps=Subquery(mean))
 
 
 @login_required
 def job_list(request):
-    jobs = selectors.jobs_visible_to(request.user).order_by("-id")[:200]
-    return render(request, "jobs/job_list.html", {"jobs": jobs, "positions": selectors.queue_positions()})
+    jobs = list(_with_throughput(selectors.jobs_visible_to(request.user)).order_by("-id")[:200])
+    positions = selectors.queue_positions()
+    for j in jobs:
+        j.queue_position = positions.get(j.pk)
+        j.throughput = j.per_rank_sps * j.slots if j.per_rank_sps is not None else None
+        j.progress_pct = min(100.0, 100.0 * j.step / j.total_steps) if j.total_steps else 0.0
+    return render(request, "jobs/job_list.html", {"jobs": jobs})
 
 
 @login_required
 def job_new(request):
     form = JobSubmitForm(request.POST or None)
-    spec_errors = None
-    if request.method == "POST" and form.is_valid():
-        try:
-            job = services.job_submit(request.user, form.cleaned_data["spec"])
-        except SpecError as exc:
-            spec_errors = exc.errors
+    errors: dict[str, list[str]] = {}
+    if request.method == "POST":
+        if form.is_valid():
+            try:
+                job = services.job_submit(request.user, form.cleaned_data["spec"])
+            except SpecError as exc:
+                errors = exc.errors
+            else:
+                messages.success(request, f"Job {job.pk} submitted.")
+                return redirect("job-detail", pk=job.pk)
         else:
-            messages.success(request, f"Job {job.pk} submitted.")
-            return redirect("job-detail", pk=job.pk)
-    status = 400 if request.method == "POST" else 200
-    return render(request, "jobs/job_new.html", {"form": form, "spec_errors": spec_errors}, status=status)
+            errors = {"spec": list(form.errors.get("spec", []))}
+    text = request.POST.get("spec", "") if request.method == "POST" else DEMO_SPEC
+    try:
+        parsed = parse_text(text)
+    except SpecError:
+        parsed = None
+    inline, other = split_errors(errors)
+    return render(request, "jobs/job_new.html", {
+        "form": form, "groups": field_groups(parsed, inline), "other_errors": other, "has_errors": bool(errors),
+        "inline_errors": bool(inline),
+        "demo_spec": DEMO_SPEC,
+    }, status=400 if request.method == "POST" else 200)
 
 
 def _visible_job(request, pk: int) -> Job:
@@ -53,17 +109,40 @@ def _visible_job(request, pk: int) -> Job:
         raise Http404("no such job") from None
 
 
+def _latest_step_summary(job: Job) -> dict:
+    newest = MetricSample.objects.filter(job=job).order_by("-step", "-attempt_id").values("step", "attempt_id").first()
+    if newest is None:
+        return {}
+    agg = MetricSample.objects.filter(job=job, step=newest["step"], attempt_id=newest["attempt_id"]).aggregate(
+        loss=Avg("loss"), sps=Avg("samples_per_s"), tps=Avg("tokens_per_s"), step_s=Avg("step_s"))
+    world = job.slots or 1
+    return {"step": newest["step"], "loss": agg["loss"], "step_s": agg["step_s"],
+            "samples_per_s": agg["sps"] * world if agg["sps"] is not None else None,
+            "tokens_per_s": agg["tps"] * world if agg["tps"] is not None else None}
+
+
 @login_required
 def job_detail(request, pk: int):
     job = _visible_job(request, pk)
-    metrics = list(selectors.job_metrics(job, limit=100000).values(
-        "rank", "step", "loss", "samples_per_s", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
-    latest = metrics[-10:]
+    can_cancel = request.user.is_staff or job.owner_id == request.user.pk
+    attempts = list(job.attempts.prefetch_related("allocations__node").order_by("-number"))
+    for a in attempts:
+        a.rank_rows = sorted(({"rank": r["rank"], "node": al.node.name, "pid": r.get("pid")}
+                              for al in a.allocations.all() for r in al.ranks), key=lambda r: r["rank"])
+    events = [selectors.event_dict(e) for e in job.events.order_by("-id")[:200]]
+    checkpoints = [{"id": c.pk, "step": c.step, "size_bytes": c.size_bytes, "blocking_s": c.blocking_s,
+                    "save_s": c.save_s, "superseded": c.superseded, "created_at": c.created_at.isoformat()}
+                   for c in job.checkpoints.order_by("-step")[:100]]
+    res = job.spec.get("resources", {})
+    summary = _latest_step_summary(job)
+    step = max(job.step, summary.get("step") or 0)
+    config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
+              "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel}
     return render(request, "jobs/job_detail.html", {
-        "job": job, "attempts": job.attempts.prefetch_related("allocations__node").order_by("-number"),
-        "events": job.events.order_by("-id")[:100], "latest": latest,
-        "logs": selectors.job_log_lines(job.pk, limit=200),
-        "can_cancel": job.status not in Job.TERMINAL and (request.user.is_staff or job.owner_id == request.user.pk),
+        "job": job, "attempts": attempts, "events": events, "checkpoints": checkpoints, "summary": summary,
+        "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
+        "logs": selectors.job_log_lines(job.pk, limit=200), "config": config,
+        "can_cancel": can_cancel and job.status not in Job.TERMINAL and job.status != Job.Status.STOPPING,
     })
 
 
@@ -84,8 +163,4 @@ def job_cancel(request, pk: int):
 
 @login_required
 def node_list(request):
-    nodes = list(Node.objects.all())
-    used = selectors.slots_used_by_node()
-    for n in nodes:
-        n.slots_used = used.get(n.pk, 0)
-    return render(request, "jobs/node_list.html", {"nodes": nodes})
+    return render(request, "jobs/node_list.html", {"nodes": _nodes()})

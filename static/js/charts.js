@@ -1,0 +1,234 @@
+// uPlot charts fed from a SampleStore. Each chart is rebuilt only when its set of series changes (a
+// rank appears); otherwise new points go in with setData, at most once per animation frame.
+import uPlot from '../vendor/uplot-1.6.32/uPlot.esm.js';
+import { fmtNum, fmtSeconds } from './util.js';
+
+export const PALETTE = ['#4fb3ff', '#ff9f43', '#3ecf8e', '#ff6b6b', '#c792ea', '#ffcc66', '#5ee6e6', '#f78fb3',
+  '#a3be8c', '#9aa5ce'];
+export const rankColor = (rank) => PALETTE[rank % PALETTE.length];
+
+const FONT = '11px system-ui, sans-serif';
+const axis = (extra = {}) => ({
+  stroke: '#8b96a3', font: FONT, size: 44, gap: 4,
+  grid: { stroke: 'rgba(139,150,163,0.14)', width: 1 },
+  ticks: { stroke: 'rgba(139,150,163,0.25)', width: 1, size: 4 },
+  ...extra,
+});
+const xAxis = () => axis({ size: 30, values: (u, ticks) => ticks.map((t) => fmtNum(t, 3)) });
+
+function line(label, stroke, extra = {}) {
+  return { label, stroke, width: 1.5, spanGaps: true, points: { show: false }, ...extra };
+}
+
+export class LiveChart {
+  // define(ctx) -> {key, series, axes?, scales?}; data(ctx) -> [xs, ...ys] aligned arrays.
+  constructor(root, { define, data, height = 220 }) {
+    this.root = root;
+    this.define = define;
+    this.dataFn = data;
+    this.height = height;
+    this.u = null;
+    this.key = null;
+    this.zoomed = false;
+    this.points = 0;
+    this.target = root.querySelector('.chart-plot') || root;
+    this.empty = root.querySelector('.chart-empty');
+    if (window.ResizeObserver) {
+      this.ro = new ResizeObserver(() => this._resize());
+      this.ro.observe(this.target);
+    }
+    this.target.addEventListener('dblclick', () => { this.zoomed = false; });
+  }
+
+  _size() {
+    const width = Math.max(200, Math.floor(this.target.clientWidth));
+    const height = window.innerWidth < 640 ? Math.round(this.height * 0.8) : this.height;
+    return { width, height };
+  }
+
+  _resize() {
+    if (!this.u) return;
+    const { width, height } = this._size();
+    if (width !== this.u.width || height !== this.u.height) this.u.setSize({ width, height });
+  }
+
+  update(ctx) {
+    const def = this.define(ctx);
+    const data = this.dataFn(ctx);
+    let points = 0;
+    for (let i = 1; i < data.length; i++) for (const v of data[i]) if (v !== null && v !== undefined) points++;
+    this.points = points;
+    this.root.dataset.points = String(points);
+    this.root.dataset.steps = String(data[0].length);
+    if (this.empty) this.empty.hidden = data[0].length > 0;
+    if (!data[0].length && !this.u) return;
+    if (!this.u || def.key !== this.key) {
+      if (this.u) this.u.destroy();
+      this.key = def.key;
+      this.zoomed = false;
+      const opts = {
+        ..._base(this._size()),
+        series: [{ label: 'step', value: (u, v) => (v === null || v === undefined ? '–' : String(v)) }, ...def.series]
+          .map(latestWhenIdle),
+        axes: def.axes || [xAxis(), axis()],
+        scales: { x: { time: false }, ...(def.scales || {}) },
+        hooks: { setSelect: [(u) => { if (u.select.width > 2) this.zoomed = true; }] },
+      };
+      this.u = new uPlot(opts, data, this.target);
+    } else {
+      this.u.setData(data, !this.zoomed);
+    }
+  }
+
+  // [{label, steps: [...]}] of the points actually drawn (tests read this through window.trainyard).
+  seriesSteps() {
+    if (!this.u) return [];
+    const xs = this.u.data[0];
+    return this.u.series.slice(1).map((s, i) => ({
+      label: s.label,
+      steps: xs.filter((_, j) => this.u.data[i + 1][j] !== null && this.u.data[i + 1][j] !== undefined),
+    }));
+  }
+}
+
+// With the cursor off the plot the legend shows each series' newest value instead of a dash.
+function latestWhenIdle(series) {
+  const fmt = series.value;
+  if (!fmt) return series;
+  return {
+    ...series,
+    value: (u, v, si, idx) => {
+      if (idx === null || idx === undefined) {
+        const col = u.data[si] || [];
+        let i = col.length - 1;
+        while (i >= 0 && (col[i] === null || col[i] === undefined)) i--;
+        if (i < 0) return '–';
+        return fmt(u, col[i], si, i);
+      }
+      return fmt(u, v, si, idx);
+    },
+  };
+}
+
+function _base({ width, height }) {
+  return {
+    width, height,
+    padding: [10, 18, 0, 0],
+    legend: { live: true },
+    cursor: { drag: { x: true, y: false }, points: { size: 6 } },
+  };
+}
+
+// ---------------------------------------------------------------- the job page's four charts
+
+export function lossChart(root) {
+  return new LiveChart(root, {
+    define: ({ store }) => {
+      const ranks = store.sortedRanks();
+      return {
+        key: ranks.join(','),
+        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtNum(v, 4) })),
+        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtNum(v, 3)) })],
+      };
+    },
+    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, 'loss'))],
+  });
+}
+
+// Job samples/s per step (thin) and its moving average (thick). Tokens/s is samples/s times the
+// tokens per sample, so it is the same curve: the right axis labels it instead of drawing it twice.
+const AVG_STEPS = 20;
+
+function movingAverage(values, n) {
+  const out = new Array(values.length).fill(null);
+  let sum = 0, count = 0;
+  const win = [];
+  values.forEach((v, i) => {
+    win.push(v);
+    if (v !== null) { sum += v; count++; }
+    if (win.length > n) {
+      const old = win.shift();
+      if (old !== null) { sum -= old; count--; }
+    }
+    out[i] = count ? sum / count : null;
+  });
+  return out;
+}
+
+export function throughputChart(root) {
+  let tokensPerSample = null;
+  return new LiveChart(root, {
+    define: () => ({
+      key: 'tp',
+      series: [
+        line('samples/s', 'rgba(79,179,255,0.45)', { width: 1, value: (u, v) => fmtNum(v) }),
+        line(`avg of ${AVG_STEPS} steps`, '#4fb3ff', { width: 2.5, value: (u, v) => fmtNum(v) }),
+      ],
+      scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
+      axes: [xAxis(),
+        axis({ values: (u, t) => t.map((v) => fmtNum(v, 3)), stroke: '#4fb3ff', label: 'samples/s',
+          labelSize: 14, labelFont: FONT }),
+        axis({ side: 1, grid: { show: false }, stroke: '#3ecf8e', label: 'tokens/s', labelSize: 14, labelFont: FONT,
+          values: (u, t) => t.map((v) => (tokensPerSample ? fmtNum(v * tokensPerSample, 3) : '')) })],
+    }),
+    data: ({ store, world }) => {
+      const sps = store.sumColumn('samples_per_s', world);
+      const tps = store.sumColumn('tokens_per_s', world);
+      for (let i = sps.length - 1; i >= 0; i--) {
+        if (sps[i] && tps[i]) { tokensPerSample = tps[i] / sps[i]; break; }
+      }
+      return [store.steps, sps, movingAverage(sps, AVG_STEPS)];
+    },
+  });
+}
+
+// Stacked: each band is drawn as its cumulative sum filled to zero, top band first, so the visible
+// slice of each colour is that phase's share; the legend shows the phase's own (not cumulative) time.
+const PHASES = [['optim_s', 'optimizer', '#c792ea'], ['comm_s', 'communication', '#ff9f43'],
+  ['compute_s', 'compute', '#4fb3ff'], ['data_s', 'data', '#3ecf8e']];
+
+export function breakdownChart(root) {
+  let raw = {};
+  return new LiveChart(root, {
+    define: () => ({
+      key: 'bd',
+      series: [
+        line('step (total)', '#e6e9ec', { width: 1, dash: [4, 3], value: (u, v) => fmtSeconds(v) }),
+        ...PHASES.map(([field, label, color]) => ({
+          label, stroke: color, fill: color + 'c0', width: 1, spanGaps: true, points: { show: false },
+          value: (u, v, si, idx) => (idx === null || idx === undefined ? '–' : fmtSeconds(raw[field]?.[idx])),
+        })),
+      ],
+      scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
+      axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtSeconds(v)), size: 56 })],
+    }),
+    data: ({ store }) => {
+      raw = {};
+      for (const [field] of PHASES) raw[field] = store.meanColumn(field);
+      // cumulative from the bottom band (data) up to the top band (optimizer)
+      const order = [...PHASES].reverse();
+      const cum = {};
+      let acc = store.steps.map(() => 0);
+      for (const [field] of order) {
+        acc = acc.map((a, i) => (raw[field][i] === null ? a : a + raw[field][i]));
+        cum[field] = acc.map((a, i) => (raw[field][i] === null ? null : a));
+      }
+      return [store.steps, store.meanColumn('step_s'), ...PHASES.map(([field]) => cum[field])];
+    },
+  });
+}
+
+export function rankStepChart(root) {
+  return new LiveChart(root, {
+    define: ({ store }) => {
+      const ranks = store.sortedRanks();
+      return {
+        key: ranks.join(','),
+        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtSeconds(v) })),
+        scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
+        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtSeconds(v)), size: 56 })],
+      };
+    },
+    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, 'step_s'))],
+  });
+}

@@ -1,0 +1,122 @@
+// Cluster overview and nodes page, live over /ws/cluster/: node cards (slots used/free, CPU, memory,
+// GPU utilisation, status, heartbeat age), running jobs with progress, and the queue.
+import { LiveSocket, bindIndicator } from './live.js';
+import { $, $$, el, fmtAgo, statusBadge } from './util.js';
+
+const state = { nodes: null, queue: null, running: null };
+
+function pct(v) {
+  return typeof v === 'number' && Number.isFinite(v) ? Math.max(0, Math.min(100, v)) : 0;
+}
+
+function meter(label, cls, value, text) {
+  return el('div', { class: 'meter' }, el('span', { class: 'k' }, label),
+    el('span', { class: `bar ${cls}` }, el('span', { style: { width: `${pct(value).toFixed(0)}%` } })),
+    el('span', { class: 'n' }, text));
+}
+
+function nodeCard(n) {
+  const used = n.slots_used || 0;
+  const slots = [];
+  for (let i = 0; i < (n.slots || 0); i++) slots.push(el('span', { class: i < used ? 'slot used' : 'slot' }));
+  const labels = Object.entries(n.labels || {}).map(([k, v]) => ` · ${k}=${v}`).join('');
+  const gpus = (n.devices || []).filter((d) => d && d.kind === 'cuda');
+  return el('article', { class: n.status === 'LOST' ? 'node s-lost-card' : 'node', dataset: { node: n.name } },
+    el('div', { class: 'node-head' }, el('b', {}, n.name), statusBadge(n.status)),
+    el('div', { class: 'sub' }, `${n.address || ''}${labels} · heartbeat `,
+      el('time', { datetime: n.last_heartbeat || '', 'data-ago': true }, fmtAgo(n.last_heartbeat))),
+    el('div', { class: 'meter' }, el('span', { class: 'k' }, 'Slots'),
+      el('span', { class: 'slots', title: `${used} used, ${Math.max(0, n.slots - used)} free` }, slots),
+      el('span', { class: 'n' }, `${used}/${n.slots}`)),
+    meter('CPU', 'cpu', n.cpu_percent, `${pct(n.cpu_percent).toFixed(0)}%`),
+    meter('Memory', 'mem', n.mem_percent, `${pct(n.mem_percent).toFixed(0)}%`),
+    gpus.map((g) => {
+      const memPct = g.memory_bytes ? (100 * (g.memory_used_bytes || 0)) / g.memory_bytes : null;
+      const util = typeof g.utilization === 'number' ? g.utilization : null;
+      return meter(`GPU ${g.index}`, 'gpu', util ?? memPct ?? 0,
+        util !== null ? `${util.toFixed(0)}%` : memPct !== null ? `mem ${memPct.toFixed(0)}%` : '–');
+    }));
+}
+
+// [{kind: cpu}, {kind: cpu}] -> "2 × cpu" (same as the server-rendered table)
+function deviceSummary(devices) {
+  const counts = new Map();
+  for (const d of devices || []) {
+    const key = [d.kind, d.name].filter(Boolean).join(' ');
+    counts.set(key, (counts.get(key) || 0) + 1);
+  }
+  return [...counts].map(([k, n]) => `${n} × ${k}`).join(', ');
+}
+
+function renderNodes() {
+  const nodes = state.nodes || [];
+  const box = $('#nodes');
+  if (box) {
+    box.replaceChildren(...(nodes.length ? nodes.map(nodeCard)
+      : [el('p', { class: 'muted' }, 'No node agent has registered yet.')]));
+  }
+  const summary = $('#nodes-summary');
+  if (summary) {
+    const ready = nodes.filter((n) => n.status === 'READY');
+    const slots = ready.reduce((a, n) => a + n.slots, 0);
+    const used = ready.reduce((a, n) => a + (n.slots_used || 0), 0);
+    summary.textContent = `${ready.length}/${nodes.length} ready · ${used}/${slots} slots in use`;
+  }
+  const table = $('#node-table');
+  if (table) {
+    table.replaceChildren(...(nodes.length ? nodes.map((n) => el('tr', {},
+      el('td', {}, n.name), el('td', {}, statusBadge(n.status)), el('td', {}, n.address || ''),
+      el('td', { class: 'num' }, `${n.slots_used || 0} / ${n.slots}`),
+      el('td', { class: 'num' }, `${pct(n.cpu_percent).toFixed(0)}%`),
+      el('td', { class: 'num' }, `${pct(n.mem_percent).toFixed(0)}%`),
+      el('td', {}, deviceSummary(n.devices)),
+      el('td', {}, Object.entries(n.labels || {}).map(([k, v]) => `${k}=${v}`).join(' '))))
+      : [el('tr', {}, el('td', { colspan: 8, class: 'muted' }, 'No node agent has registered yet.'))]));
+  }
+}
+
+function jobLink(j) {
+  return el('a', { href: `/jobs/${j.id}/` }, `${j.id} · ${j.name}`);
+}
+
+function renderJobs() {
+  const running = $('#running');
+  if (running && state.running) {
+    running.replaceChildren(...(state.running.length ? state.running.map((j) => {
+      const p = j.total_steps ? Math.min(100, (100 * j.step) / j.total_steps) : 0;
+      return el('tr', { dataset: { job: j.id } }, el('td', {}, jobLink(j)), el('td', {}, j.owner),
+        el('td', {}, statusBadge(j.status)),
+        el('td', {}, `${j.step} / ${j.total_steps}`,
+          el('div', { class: 'progress thin' }, el('span', { style: { width: `${p.toFixed(1)}%` } }))));
+    }) : [el('tr', {}, el('td', { colspan: 4, class: 'muted' }, 'Nothing running.'))]));
+  }
+  const queue = $('#queue');
+  if (queue && state.queue) {
+    queue.replaceChildren(...(state.queue.length ? state.queue.map((j) => el('tr', { dataset: { job: j.id } },
+      el('td', { class: 'num' }, j.queue_position ?? '–'), el('td', {}, jobLink(j)), el('td', {}, j.owner),
+      el('td', { class: 'num' }, j.slots), el('td', {}, j.status_reason || '')))
+      : [el('tr', {}, el('td', { colspan: 5, class: 'muted' }, 'The queue is empty.'))]));
+  }
+}
+
+function onMessage(msg) {
+  if (msg.type === 'snapshot' || msg.type === 'nodes') {
+    if (Array.isArray(msg.nodes)) {
+      state.nodes = msg.nodes;
+      renderNodes();
+    }
+  }
+  if (msg.type === 'snapshot' || msg.type === 'jobs') {
+    if (Array.isArray(msg.queue)) state.queue = msg.queue;
+    if (Array.isArray(msg.running)) state.running = msg.running;
+    renderJobs();
+  }
+}
+
+// Heartbeat ages tick locally; the data itself only changes when the server pushes.
+setInterval(() => {
+  for (const t of $$('time[data-ago]')) t.textContent = fmtAgo(t.getAttribute('datetime'));
+}, 1000);
+
+const socket = new LiveSocket('/ws/cluster/', { onMessage, onState: bindIndicator($('#live-indicator')) }).start();
+window.trainyard = { socket, state };

@@ -1,0 +1,117 @@
+// Small DOM and formatting helpers shared by the pages (no framework, no build step).
+
+export const TERMINAL = new Set(['SUCCEEDED', 'FAILED', 'CANCELLED']);
+
+export const $ = (sel, root = document) => root.querySelector(sel);
+export const $$ = (sel, root = document) => Array.from(root.querySelectorAll(sel));
+
+// el('td', {class: 'num', title: 'x'}, 'text', otherNode) -> element. null/false children are skipped.
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === 'class') node.className = v;
+    else if (k === 'dataset') Object.assign(node.dataset, v);
+    else if (k === 'style' && typeof v === 'object') Object.assign(node.style, v);
+    else node.setAttribute(k, v === true ? '' : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+export function statusBadge(status) {
+  return el('span', { class: `status s-${String(status || '').toLowerCase()}` }, status || '');
+}
+
+export function isNum(v) {
+  return typeof v === 'number' && Number.isFinite(v);
+}
+
+// 1234 -> "1.23k", 0.000123 -> "0.000123"
+export function fmtNum(v, digits = 3) {
+  if (!isNum(v)) return '–';
+  const a = Math.abs(v);
+  if (a >= 1e9) return (v / 1e9).toPrecision(digits) + 'G';
+  if (a >= 1e6) return (v / 1e6).toPrecision(digits) + 'M';
+  if (a >= 1e4) return (v / 1e3).toPrecision(digits) + 'k';
+  if (a >= 100) return v.toFixed(0);
+  if (a === 0) return '0';
+  return Number(v.toPrecision(digits)).toString();
+}
+
+export function fmtSeconds(s) {
+  if (!isNum(s)) return '–';
+  if (s === 0) return '0';
+  if (s < 1e-3) return (s * 1e6).toFixed(0) + ' µs';
+  if (s < 1) return (s * 1e3).toPrecision(3) + ' ms';
+  if (s < 120) return s.toPrecision(3) + ' s';
+  const m = Math.floor(s / 60), sec = Math.round(s % 60);
+  if (m < 120) return `${m} min ${sec} s`;
+  return `${Math.floor(m / 60)} h ${m % 60} min`;
+}
+
+export function fmtBytes(b) {
+  if (!isNum(b)) return '–';
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let i = 0;
+  while (Math.abs(b) >= 1024 && i < units.length - 1) { b /= 1024; i++; }
+  return `${b.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+export function fmtClock(iso) {
+  if (!iso) return '';
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return '';
+  return d.toLocaleTimeString([], { hour12: false });
+}
+
+export function fmtDateTime(iso) {
+  if (!iso) return '';
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return '';
+  return d.toLocaleString([], { hour12: false, year: 'numeric', month: '2-digit', day: '2-digit',
+    hour: '2-digit', minute: '2-digit', second: '2-digit' });
+}
+
+export function fmtAgo(iso, now = Date.now()) {
+  if (!iso) return 'never';
+  const s = Math.max(0, (now - new Date(iso).getTime()) / 1000);
+  if (s < 60) return `${Math.round(s)} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  return `${(s / 3600).toFixed(1)} h ago`;
+}
+
+export async function getJSON(url) {
+  const resp = await fetch(url, { credentials: 'same-origin', headers: { Accept: 'application/json' } });
+  if (!resp.ok) throw new Error(`${url}: HTTP ${resp.status}`);
+  return resp.json();
+}
+
+// Runs fn at most once per animation frame and at most every minMs: many socket messages, one redraw.
+export function frameThrottle(fn, minMs = 100) {
+  let queued = false, last = 0, timer = null;
+  const run = () => {
+    queued = false;
+    last = performance.now();
+    fn();
+  };
+  return function schedule() {
+    if (queued) return;
+    queued = true;
+    const wait = Math.max(0, minMs - (performance.now() - last));
+    clearTimeout(timer);
+    // rAF stops in hidden tabs; the timeout keeps data flowing into the DOM in the background too.
+    timer = setTimeout(() => {
+      if (document.hidden) run();
+      else requestAnimationFrame(run);
+    }, wait);
+  };
+}
+
+export function readJSONScript(id) {
+  const node = document.getElementById(id);
+  return node ? JSON.parse(node.textContent) : null;
+}
