@@ -34,8 +34,10 @@ test: venv test-deps
 test-fast: venv
 	$(PYTEST) -q -m "not procs"
 
+# Benchmarks print one JSON object each (BENCH_ARGS=--quick for a ~2 min telemetry run).
 bench: venv deps
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
 
 clean:
 	rm -rf var .pytest_cache

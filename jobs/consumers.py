@@ -15,22 +15,45 @@ import time
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.consumer import get_handler_name
 
 from . import selectors
 
 MAX_INFLIGHT = 32
 WINDOW_POINTS = 4000
+# Autobahn (daphne) refuses frames over 1 MiB and drops the socket; 1000 samples are ~330 KB,
+# so snapshots and windows go out in chunks of this many samples.
+CHUNK_SAMPLES = 1000
 CLUSTER_MIN_INTERVAL_S = 0.5  # node heartbeats and queue changes coalesce to at most 2 pushes/s
+
+
+# Messages whose handlers never touch the database. Channels runs close_old_connections in a
+# worker thread before every handler; for these that thread hop (~0.5 ms, twice per telemetry
+# message counting its ack) was ~12% of daphne's CPU at 2k samples/s. Handlers that do use the
+# database go through database_sync_to_async, which closes stale connections itself.
+NO_DB_MESSAGES = frozenset({"websocket.receive", "job.telemetry", "job.log"})
 
 
 class _FlowControlled(AsyncJsonWebsocketConsumer):
     seq = 0
     acked = 0
 
+    async def dispatch(self, message):
+        if message["type"] in NO_DB_MESSAGES:
+            handler = getattr(self, get_handler_name(message), None)
+            if handler:
+                return await handler(message)
+        return await super().dispatch(message)
+
     async def push(self, message: dict) -> None:
         self.seq += 1
         message["seq"] = self.seq
         await self.send(text_data=json.dumps(message, allow_nan=False, default=str))
+
+    async def push_encoded(self, kind: str, field: str, encoded: str) -> None:
+        """push({"type": kind, field: <value already encoded as JSON text>}) without decoding it."""
+        self.seq += 1
+        await self.send(text_data=f'{{"type":"{kind}","seq":{self.seq},"{field}":{encoded}}}')
 
     @property
     def congested(self) -> bool:
@@ -85,21 +108,40 @@ class JobConsumer(_FlowControlled):
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         snapshot = await database_sync_to_async(selectors.job_snapshot)(self.job_id, max_points=WINDOW_POINTS)
-        await self.push(snapshot)
+        await self.push_chunked(snapshot, "telemetry")
+
+    async def push_chunked(self, message: dict, rest_type: str) -> None:
+        """Send `message` with its first CHUNK_SAMPLES samples, the rest as `rest_type` messages
+        (clients merge every kind by (attempt, rank, step), so the split changes nothing for them)."""
+        samples = message["samples"]
+        message["samples"] = samples[:CHUNK_SAMPLES]
+        await self.push(message)
+        for i in range(CHUNK_SAMPLES, len(samples), CHUNK_SAMPLES):
+            extra = {k: message[k] for k in ("from_step", "downsampled") if k in message and rest_type == "window"}
+            await self.push({"type": rest_type, "samples": samples[i:i + CHUNK_SAMPLES], **extra})
 
     async def disconnect(self, code):
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def job_telemetry(self, event):
-        samples = event["samples"]
-        if not samples:
-            return
-        if self.behind_from is not None or self.congested:
+        encoded = event.get("samples_json")  # the relay's form: see jobs.telemetry.telemetry_message
+        if encoded is None:
+            samples = event["samples"]
+            if not samples:
+                return
             first = min(s["step"] for s in samples)
+        elif not event.get("count"):
+            return
+        else:
+            first = event["first_step"]
+        if self.behind_from is not None or self.congested:
             self.behind_from = first if self.behind_from is None else min(self.behind_from, first)
             return
-        await self.push({"type": "telemetry", "samples": samples})
+        if encoded is None:
+            await self.push({"type": "telemetry", "samples": samples})
+        else:
+            await self.push_encoded("telemetry", "samples", encoded)
 
     async def job_log(self, event):
         if self.behind_from is None and not self.congested:
@@ -122,8 +164,8 @@ class JobConsumer(_FlowControlled):
         samples, _ = await database_sync_to_async(selectors.metric_window)(
             self.job_id, from_step=from_step, max_points=WINDOW_POINTS)
         logs = await database_sync_to_async(selectors.job_log_lines)(self.job_id, limit=200)
-        await self.push({"type": "window", "from_step": from_step, "samples": samples, "downsampled": True,
-                         "logs": logs})
+        await self.push_chunked({"type": "window", "from_step": from_step, "samples": samples,
+                                 "downsampled": True, "logs": logs}, "window")
 
 
 class ClusterConsumer(_FlowControlled):

@@ -10,7 +10,7 @@ from datetime import timedelta
 from functools import partial
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from . import dispatch, selectors
@@ -304,38 +304,97 @@ def _attempt_maybe_finish(attempt: Attempt) -> None:
 # ---------------------------------------------------------------- telemetry
 
 METRIC_FIELDS = MetricSample.FIELDS
+_METRIC_TYPES = frozenset((int, float, type(None)))
+_INT64 = 2**63
+
+
+def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
+    """One sample's INSERT parameters, or None for a sample no database would accept (rank, step
+    and ts are required, rank/step non-negative ints, everything else a number or null), so one bad
+    sample never rejects the batch it came in. ~3 us: this runs for every sample."""
+    vals = tuple(map(s.get, METRIC_FIELDS))
+    rank, step = vals[0], vals[1]
+    if type(rank) is not int or type(step) is not int or rank < 0 or step < 0 or vals[2] is None:
+        return None
+    if not _METRIC_TYPES.issuperset(map(type, vals)):
+        return None
+    for v in vals:
+        if type(v) is int and not -_INT64 <= v < _INT64:
+            return None
+    return (job_id, attempt_id) + vals
+
+
+_TELEMETRY_SQL: dict[str, tuple[str, str, str]] = {}
+
+
+def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
+    """(attempt -> job lookup, sample INSERT, job step UPDATE) for this database.
+
+    Raw SQL: the ORM's bulk_create spent ~95% of the relay's time building SQL and model
+    instances (2.9k samples/s; ~40k/s with executemany), and the ORM lookup + update cost ~1.5 ms
+    of a ~3 ms round at low rates. The INSERT skips (attempt, rank, step) duplicates: OR IGNORE on
+    SQLite, ON CONFLICT DO NOTHING on PostgreSQL."""
+    from django.db import connection
+    from django.db.models.constants import OnConflict
+
+    if vendor in _TELEMETRY_SQL:
+        return _TELEMETRY_SQL[vendor]
+    ops, qn = connection.ops, connection.ops.quote_name
+    meta, att, job = MetricSample._meta, Attempt._meta, Job._meta
+    columns = [meta.get_field("job").column, meta.get_field("attempt").column,
+               *(meta.get_field(f).column for f in METRIC_FIELDS)]
+    insert = " ".join(filter(None, [
+        ops.insert_statement(on_conflict=OnConflict.IGNORE), qn(meta.db_table),
+        "(" + ", ".join(qn(c) for c in columns) + ")",
+        "VALUES (" + ", ".join(["%s"] * len(columns)) + ")",
+        ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None)]))
+    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)} FROM {qn(att.db_table)} "
+              f"WHERE {qn(att.pk.column)} IN ")
+    step = qn(job.get_field("step").column)
+    update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
+    _TELEMETRY_SQL[vendor] = lookup, insert, update
+    return lookup, insert, update
 
 
 def telemetry_ingest(samples: list[dict], events: list[dict]) -> dict[int, int]:
     """Store a batch of metric samples (idempotent: duplicates of (attempt, rank, step) are skipped)
-    and runtime events. Returns job id -> highest step seen in the batch."""
-    attempts = dict(Attempt.objects.filter(
-        pk__in={s.get("attempt") for s in samples} | {e.get("attempt") for e in events}
-    ).values_list("pk", "job_id"))
-    rows, top = [], {}
-    for s in samples:
-        job_id = attempts.get(s.get("attempt"))
-        if job_id is None:
-            continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
-        try:
-            rows.append(MetricSample(job_id=job_id, attempt_id=s["attempt"],
-                                     **{f: s.get(f) for f in METRIC_FIELDS}))
-        except (KeyError, TypeError, ValueError):
-            log.warning("dropping malformed sample %r", s)
-            continue
-        top[job_id] = max(top.get(job_id, 0), int(s["step"]))
-    with transaction.atomic():
-        try:
-            MetricSample.objects.bulk_create(rows, ignore_conflicts=True, batch_size=500)
-        except IntegrityError:
-            log.exception("metric batch rejected")
+    and runtime events, in one transaction. Returns job id -> highest step seen in the batch."""
+    from django.db import connection
+
+    lookup, insert, update = _telemetry_sql(connection.vendor)
+    wanted = {a for a in (s.get("attempt") for s in samples) if type(a) is int}
+    wanted |= {a for a in (e.get("attempt") for e in events) if type(a) is int}
+    with transaction.atomic(), connection.cursor() as cursor:
+        # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
+        attempts: dict[int, int] = {}
+        if wanted:
+            cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
+            attempts = dict(cursor.fetchall())
+        rows, top, malformed = [], {}, 0
+        for s in samples:
+            attempt_id = s.get("attempt")
+            job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
+            if job_id is None:
+                continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
+            row = _metric_row(job_id, attempt_id, s)
+            if row is None:
+                malformed += 1
+                continue
+            rows.append(row)
+            if row[3] > top.get(job_id, 0):
+                top[job_id] = row[3]
+        if malformed:
+            log.warning("dropped %d malformed metric samples", malformed)
+        if rows:
+            cursor.executemany(insert, rows)
         for job_id, step in top.items():
-            Job.objects.filter(pk=job_id, step__lt=step).update(step=step)
+            cursor.execute(update, [step, job_id, step])
         for e in events:
-            job_id = attempts.get(e.get("attempt"))
+            attempt_id = e.get("attempt")
+            job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
             if job_id is None or e.get("kind") not in ("telemetry_dropped",):
                 continue
-            JobEvent.objects.create(job_id=job_id, attempt_id=e["attempt"], kind=e["kind"],
+            JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=e["kind"],
                                     message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "
                                             "while Redis was unreachable", data=e)
     return top

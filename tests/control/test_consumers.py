@@ -168,3 +168,22 @@ def test_cluster_socket_snapshot_and_changes(app, job, user):
         comm, _ = await connect(app, "/ws/cluster/", [(b"host", b"testserver"), (b"origin", b"http://testserver")])
         assert (await comm.receive_output(timeout=5))["code"] == 4401
     run(go)
+
+
+def test_large_snapshot_goes_out_in_frames_under_daphnes_1mib_limit(app, job, user):
+    attempt = job.attempts.get()
+    services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(6, 1801) for r in (0, 1)], [])
+    headers = session_headers(user)
+
+    async def go():
+        comm, _ = await connect(app, f"/ws/jobs/{job.pk}/", headers)
+        frames = [await comm.receive_output(timeout=5)]
+        while not await comm.receive_nothing(timeout=0.3):
+            frames.append(await comm.receive_output())
+        bodies = [json.loads(f["text"]) for f in frames]
+        assert bodies[0]["type"] == "snapshot" and all(b["type"] == "telemetry" for b in bodies[1:])
+        assert all(len(f["text"].encode()) < 1 << 20 for f in frames)
+        keys = {(s["rank"], s["step"]) for b in bodies for s in b["samples"]}
+        assert len(keys) == sum(len(b["samples"]) for b in bodies) == 3600
+        await comm.disconnect()
+    run(go)

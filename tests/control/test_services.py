@@ -169,8 +169,11 @@ def test_telemetry_ingest_is_idempotent(user, nodes):
     job.refresh_from_db()
     assert job.step == 5
     assert JobEvent.objects.filter(job=job, kind="telemetry_dropped").count() == 1
-    # samples of unknown attempts are dropped, not crashed on
-    services.telemetry_ingest([dict(samples[0], attempt=123456)], [])
+    # samples of unknown attempts or with bad values are dropped alone, never the whole batch
+    services.telemetry_ingest([dict(samples[0], attempt=123456), dict(samples[0], step="x"),
+                               dict(samples[0], step=-3), dict(samples[0], attempt=[1]),
+                               dict(samples[0], rank=0, step=6)], [])
+    assert MetricSample.objects.filter(job=job).count() == 11
 
 
 @pytest.mark.django_db(transaction=True)
