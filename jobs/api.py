@@ -1,7 +1,6 @@
 """REST API under /api/v1/ (DESIGN.md section 4). Thin: parse, check access, call one service."""
 from __future__ import annotations
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action

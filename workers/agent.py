@@ -152,16 +152,11 @@ class Agent:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 try:
                     # Claim the launch marker so a launch message still in flight starts nothing.
-                    fd = os.open(run_dir / "launched", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                    os.close(fd)
-                    claimed = True
-                except FileExistsError:
-                    claimed = False
-                if claimed:
+                    os.close(os.open(run_dir / "launched", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
                     log.info("stop for attempt %s before its launch: it will not start here", attempt_id)
-                    self._report_never_started(attempt_id, reason)
-                    return
-                log.info("stop for attempt %s: nothing running here", attempt_id)
+                except FileExistsError:
+                    log.info("stop for attempt %s: nothing running here", attempt_id)
+                # Either way this node holds nothing of the attempt: say so, so its slots free up.
                 self._report_never_started(attempt_id, reason)
                 return
         log.info("stopping attempt %s on %s (%s)", attempt_id, self.name, reason)

@@ -7,7 +7,7 @@ from django.db import connections
 from django.utils import timezone
 
 from jobs import services
-from jobs.models import Allocation, Attempt, Job, JobEvent, MetricSample, Node
+from jobs.models import Allocation, Job, JobEvent, MetricSample, Node
 from jobs.specs import SpecError
 
 pytestmark = pytest.mark.django_db
