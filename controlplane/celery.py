@@ -16,6 +16,8 @@ from workers.celery_app import app  # noqa: E402
 app.conf.beat_schedule = {
     "schedule-tick": {"task": "workers.tasks.schedule_tick", "schedule": 2.0, "options": {"expires": 4}},
     "nodes-check": {"task": "workers.tasks.nodes_check", "schedule": 2.0, "options": {"expires": 4}},
+    # Hang and straggler detection over the relay's committed telemetry.
+    "attempts-check": {"task": "workers.tasks.attempts_check", "schedule": 2.0, "options": {"expires": 4}},
 }
 
 __all__ = ["app"]

@@ -152,6 +152,11 @@ TRAINYARD_CHECKPOINT_ROOT = Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", VAR
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.
 TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", "120"))
+# hang_timeout_s: auto never goes below this (a checkpoint load or an eval pauses progress too).
+TRAINYARD_HANG_FLOOR_S = float(os.environ.get("TRAINYARD_HANG_FLOOR_S", "60"))
+# A node implicated in two failures within this window is quarantined until an admin clears it.
+TRAINYARD_QUARANTINE_WINDOW_S = float(os.environ.get("TRAINYARD_QUARANTINE_WINDOW_S", "3600"))
+TRAINYARD_QUARANTINE_FAILURES = int(os.environ.get("TRAINYARD_QUARANTINE_FAILURES", "2"))
 
 LOGGING = {
     "version": 1,

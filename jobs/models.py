@@ -25,6 +25,10 @@ class Node(models.Model):
     agent_id = models.CharField(max_length=64, blank=True, help_text="changes when the agent restarts")
     registered_at = models.DateTimeField(auto_now_add=True)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
+    # Set when the node was implicated in repeated failures; only an admin clears it. Kept apart from
+    # `status` so a quarantined node that goes LOST and comes back is still quarantined.
+    quarantined_at = models.DateTimeField(null=True, blank=True)
+    quarantine_reason = models.CharField(max_length=500, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -60,6 +64,9 @@ class Job(models.Model):
     step = models.PositiveIntegerField(default=0)
     restarts = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
+    # Nodes the next attempt should not use (the node that failed to join a rendezvous, ...);
+    # ignored when the job could not fit without them.
+    avoid_nodes = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -90,10 +97,12 @@ class Checkpoint(models.Model):
     superseded = models.BooleanField(default=False)
     pinned = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
+    deleted_at = models.DateTimeField(null=True, blank=True, help_text="files removed by retention")
 
     class Meta:
         ordering = ["-step", "-id"]
         indexes = [models.Index(fields=["job", "-step"])]
+        constraints = [models.UniqueConstraint(fields=["job", "path"], name="checkpoint_path_unique")]
 
 
 class Attempt(models.Model):
@@ -112,6 +121,10 @@ class Attempt(models.Model):
     failure = models.JSONField(default=dict, blank=True, help_text="evidence behind a failed outcome")
     resumed_from = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+    # Progress as the relay committed it: the hang detector's evidence.
+    last_step = models.PositiveIntegerField(default=0)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+    stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)

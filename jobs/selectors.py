@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
-from .models import Allocation, Job, MetricSample, Node
+from .models import Allocation, Attempt, Checkpoint, Job, MetricSample, Node
 from .policy.scheduler import NodeState, QueuedJob
 
 
@@ -20,15 +20,17 @@ def cluster_snapshot() -> list[NodeState]:
     for node_id, slot_ids in Allocation.objects.filter(active=True).values_list("node_id", "slot_ids"):
         used.setdefault(node_id, set()).update(slot_ids)
     return [
-        NodeState(n.name, n.address, n.slots, frozenset(used.get(n.pk, ())), n.status == Node.Status.READY)
+        NodeState(n.name, n.address, n.slots, frozenset(used.get(n.pk, ())),
+                  n.status == Node.Status.READY and n.quarantined_at is None)
         for n in Node.objects.all()
     ]
 
 
 def queue_snapshot() -> list[QueuedJob]:
     return [
-        QueuedJob(j.pk, j.priority, j.spec["resources"]["nodes"], j.spec["resources"]["procs_per_node"])
-        for j in Job.objects.filter(status=Job.Status.QUEUED).only("id", "priority", "spec")
+        QueuedJob(j.pk, j.priority, j.spec["resources"]["nodes"], j.spec["resources"]["procs_per_node"],
+                  frozenset(j.avoid_nodes or ()))
+        for j in Job.objects.filter(status=Job.Status.QUEUED).only("id", "priority", "spec", "avoid_nodes")
     ]
 
 
@@ -39,8 +41,23 @@ def slots_used_by_node() -> dict[int, int]:
     return used
 
 
-def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = None, limit: int = 1000):
+def lineage_filter(job_id: int) -> Q:
+    """The samples a job's charts show: each step once per rank. An attempt that resumed from step S
+    (a restart from a checkpoint, or a rollback) replaces every earlier attempt's samples after S."""
+    attempts = list(Attempt.objects.filter(job_id=job_id).order_by("number").values_list("pk", "resumed_from_step"))
+    q = Q()
+    cutoff = None  # min resumed_from_step over the attempts after this one
+    for pk, start in reversed(attempts):
+        q |= Q(attempt_id=pk) if cutoff is None else Q(attempt_id=pk, step__lte=cutoff)
+        cutoff = (start or 0) if cutoff is None else min(cutoff, start or 0)
+    return q if attempts else Q(pk__in=[])
+
+
+def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = None, limit: int = 1000,
+                attempt: int | None = None):
+    """Metrics as the charts show them (see lineage_filter), or one attempt's own samples."""
     qs = MetricSample.objects.filter(job=job)
+    qs = qs.filter(attempt_id=attempt) if attempt is not None else qs.filter(lineage_filter(job.pk))
     if since_step is not None:
         qs = qs.filter(step__gt=since_step)
     if rank is not None:
@@ -100,7 +117,7 @@ def _metric_dicts(qs) -> list[dict]:
 
 def metric_window(job_id: int, *, from_step: int | None = None, max_points: int = 4000) -> tuple[list[dict], bool]:
     """Samples for a live chart: from `from_step` on (default: everything), at most max_points."""
-    qs = MetricSample.objects.filter(job_id=job_id)
+    qs = MetricSample.objects.filter(job_id=job_id).filter(lineage_filter(job_id))
     if from_step is not None:
         qs = qs.filter(step__gte=from_step)
     return downsample(_metric_dicts(qs.order_by("step", "rank", "attempt_id")), max_points)
@@ -120,7 +137,43 @@ def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
         "type": "snapshot", "job": JobSerializer(job).data, "samples": samples, "downsampled": downsampled,
         "logs": job_log_lines(job_id, limit=1000),
         "events": [event_dict(e) for e in job.events.order_by("-id")[:200]][::-1],
+        "checkpoints": [checkpoint_dict(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],
     }
+
+
+def checkpoint_dict(c: Checkpoint) -> dict:
+    from .api import CheckpointSerializer
+
+    return dict(CheckpointSerializer(c).data)
+
+
+RELAY_ALIVE_KEY = "trainyard:relay:alive"
+
+
+def relay_alive() -> bool:
+    """The relay refreshes this key (10 s expiry) every second while it runs."""
+    import redis
+    from django.conf import settings
+
+    try:
+        return bool(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+                    .exists(RELAY_ALIVE_KEY))
+    except redis.RedisError:
+        return False
+
+
+STRAGGLER_WINDOW_STEPS = 20
+
+
+def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
+    """The attempt's samples of its last STRAGGLER_WINDOW_STEPS steps, every rank."""
+    return list(MetricSample.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
+                .values("rank", "step", "step_s", "data_s", "compute_s", "optim_s"))
+
+
+def attempt_rank_nodes(attempt_id: int) -> dict[int, str]:
+    return {r["rank"]: a.node.name for a in Allocation.objects.filter(attempt_id=attempt_id).select_related("node")
+            for r in a.ranks}
 
 
 def cluster_state(user) -> dict:

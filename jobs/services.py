@@ -5,16 +5,21 @@ side effects (Celery sends) run only after commit.
 """
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import time
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from . import dispatch, selectors
-from .models import Allocation, Attempt, Job, JobEvent, MetricSample, Node, SchedulerLock
+from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, SchedulerLock
+from .policy import checkpoints as ckpt_policy
 from .policy import diagnosis, scheduler
 from .specs import SpecError, parse_job_spec
 
@@ -73,9 +78,7 @@ def job_submit(user, data) -> Job:
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     stored = spec.to_json()
     plan = {"dp": spec.dp, "tp": 1, "pp": 1, "fsdp": False, "world_size": r.world_size,
-            "mesh": {"dp": spec.dp},
-            "notes": ["checkpointing, hang detection and restarts from checkpoints are not implemented yet: "
-                      "checkpoint settings are recorded but no checkpoints are written"]}
+            "mesh": {"dp": spec.dp}, "notes": []}
     if spec.parallel == "auto":
         plan["source"] = "auto: data parallel over all processes (the strategy planner is not available yet)"
     else:
@@ -152,7 +155,13 @@ def _start_attempt(placement: scheduler.Placement) -> bool:
                            + ", ".join(s.node for s in placement.shares)):
         return False
     number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-    attempt = Attempt.objects.create(job=job, number=number)
+    checkpoints_reconcile(job)
+    resume = _resume_checkpoint(job)
+    attempt = Attempt.objects.create(
+        job=job, number=number, resumed_from=resume,
+        resumed_from_step=resume.step if resume else (0 if number > 1 else None))
+    if number > 1:  # progress restarts where this attempt resumes; the charts rewind there too
+        Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
     host = placement.shares[0]
     stream = job_stream(job.pk)
@@ -164,11 +173,15 @@ def _start_attempt(placement: scheduler.Placement) -> bool:
             "nnodes": len(placement.shares), "nproc": len(share.slot_ids), "slots": list(share.slot_ids),
             "device": job.spec["resources"]["device"], "rdzv_host": host.address, "local_addr": share.address,
             "stream": stream, "spec": job.spec,
+            "resume": ({"path": resume.path, "step": resume.step, "checkpoint_id": resume.pk} if resume else None),
         }
         transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
-    _event(job, "attempt_started", f"attempt {number} placed on " + ", ".join(
-        f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares), attempt=attempt,
-        nodes=[s.node for s in placement.shares])
+    where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
+    origin = (f"resuming from the checkpoint at step {resume.step}" if resume
+              else "from step 0 (no checkpoint yet)" if number > 1 else "")
+    _event(job, "attempt_started", f"attempt {number} placed on {where}" + (f", {origin}" if origin else ""),
+           attempt=attempt, nodes=[s.node for s in placement.shares],
+           resume_step=attempt.resumed_from_step, checkpoint=resume.pk if resume else None)
     return True
 
 
@@ -190,8 +203,9 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
             was_lost = node.status == Node.Status.LOST
             Node.objects.filter(pk=node.pk).update(**fields)
             if was_lost:
-                Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=Node.Status.READY)
-                log.info("node %s is back", name)
+                back = Node.Status.QUARANTINED if node.quarantined_at else Node.Status.READY
+                Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
+                log.info("node %s is back (%s)", name, back)
             node.refresh_from_db()
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
         running = set(int(a) for a in payload.get("attempts") or [])
@@ -260,45 +274,370 @@ def _attempt_maybe_finish(attempt: Attempt) -> None:
         return
     attempt.refresh_from_db()
     job = Job.objects.get(pk=attempt.job_id)
-    reports = [a.result or {} for a in attempt.allocations.all()]
-    reason = attempt.stop_reason
-    # A lost node is the cause even when its peers' comm errors (consequences) were reported first.
-    lost_node = next((r.get("node") for r in reports if r.get("node_lost")), None)
-    failure: dict = {}
-    if job.cancel_requested or reason == "cancel":
-        outcome = "cancelled"
-    elif not reason and reports and all(r.get("exit_code") == 0 for r in reports):
-        outcome = "succeeded"
-    elif reason == "launch_timeout":
-        outcome = "failed:launch_timeout"
-        failure = {"class": "launch_timeout", "retry": True,
-                   "message": f"ranks did not start within {settings.TRAINYARD_LAUNCH_TIMEOUT_S:.0f} s"}
-    else:
-        d = diagnosis.diagnose(reports, node_lost=lost_node)
-        outcome = "lost" if d.failure_class == "lost" else f"failed:{d.failure_class}"
-        failure = {"class": d.failure_class, "retry": d.retry, "rank": d.rank, "node": d.node,
-                   "message": d.message, "traceback": d.traceback}
+    outcome, failure = _attempt_outcome(job, attempt)
     if not Attempt.objects.filter(pk=attempt.pk).exclude(status=Attempt.Status.ENDED).update(
             status=Attempt.Status.ENDED, outcome=outcome, failure=failure, ended_at=timezone.now()):
         return
     _event(job, "attempt_ended", f"attempt {attempt.number} ended: {outcome}", attempt=attempt,
            outcome=outcome, **({"evidence": failure} if failure else {}))
+    if failure.get("node") and failure.get("class") in diagnosis.NODE_FAULT_CLASSES:
+        _node_maybe_quarantine(failure["node"], job, attempt)
     if outcome == "succeeded":
         _set_job_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
         _event(job, "succeeded", f"finished {job.total_steps} steps", attempt=attempt)
     elif outcome == "cancelled":
         _set_job_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
         _event(job, "cancelled", "all processes stopped", attempt=attempt)
+    elif outcome == "rolled_back":
+        point = _resume_checkpoint(job)
+        _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"rolling back to step {point.step if point else 0}",
+                        avoid_nodes=[])
     elif failure.get("retry") and job.restarts < job.spec.get("max_restarts", 0):
-        _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"restarting after {outcome}",
-                        restarts=job.restarts + 1)
-        _event(job, "restart", f"restart {job.restarts} of {job.spec.get('max_restarts')} after {outcome} "
-                               "(from step 0: checkpoints are not implemented yet)", attempt=attempt)
+        checkpoints_reconcile(job)
+        point = _resume_checkpoint(job)
+        origin = f"from the checkpoint at step {point.step}" if point else "from step 0 (no checkpoint yet)"
+        _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"restarting after {outcome}, {origin}",
+                        restarts=job.restarts + 1, avoid_nodes=list(failure.get("exclude") or []))
+        _event(job, "restart", f"restart {job.restarts} of {job.spec.get('max_restarts')} after {outcome}, {origin}"
+               + (f"; avoiding {', '.join(failure['exclude'])}" if failure.get("exclude") else ""),
+               attempt=attempt, resume_step=point.step if point else 0, checkpoint=point.pk if point else None,
+               failure_class=failure.get("class"))
     else:
         why = ("not retried: " if not failure.get("retry") else "no restarts left: ") + (failure.get("message") or outcome)
+        if failure.get("suggestion"):
+            why += f" ({failure['suggestion']})"
         _set_job_status(job, Job.ACTIVE, Job.Status.FAILED, why[:500])
-        _event(job, "failed", why, attempt=attempt)
+        _event(job, "failed", why, attempt=attempt, failure_class=failure.get("class"))
     transaction.on_commit(dispatch.request_tick)
+
+
+def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
+    """The attempt's outcome and, for a failure, the evidence and the policy (retry, exclude)."""
+    allocs = list(attempt.allocations.select_related("node"))
+    reports = [a.result or {} for a in allocs]
+    reason = attempt.stop_reason
+    # A lost node is the cause even when its peers' comm errors (consequences) were reported first.
+    lost_node = next((r.get("node") for r in reports if r.get("node_lost")), None)
+    not_joined = tuple(a.node.name for a in allocs if not a.ranks)
+    if job.cancel_requested or reason == "cancel":
+        return "cancelled", {}
+    if reason == "rollback":
+        return "rolled_back", {}
+    if not reason and reports and all(r.get("exit_code") == 0 for r in reports):
+        return "succeeded", {}
+    if reason == "hang":
+        return "failed:hang", attempt.failure  # the detector wrote the evidence when it stopped it
+    if reason == "launch_timeout":
+        return "failed:launch_timeout", {
+            "class": "launch_timeout", "retry": True, "node": not_joined[0] if not_joined else None,
+            "exclude": list(not_joined),
+            "message": f"ranks did not start within {settings.TRAINYARD_LAUNCH_TIMEOUT_S:.0f} s"
+                       + (f" on {', '.join(not_joined)}" if not_joined else "")}
+    d = diagnosis.diagnose(reports, node_lost=lost_node, not_joined=not_joined if len(not_joined) < len(allocs) else (),
+                           node_mem_percent={a.node.name: a.node.mem_percent or 0.0 for a in allocs})
+    outcome = "lost" if d.failure_class == "lost" else f"failed:{d.failure_class}"
+    return outcome, {"class": d.failure_class, "retry": d.retry, "rank": d.rank, "node": d.node,
+                     "message": d.message, "traceback": d.traceback, "suggestion": d.suggestion,
+                     "exclude": list(d.exclude)}
+
+
+def _node_maybe_quarantine(name: str, job: Job, attempt: Attempt) -> None:
+    """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES failures within the window."""
+    cutoff = timezone.now() - timedelta(seconds=settings.TRAINYARD_QUARANTINE_WINDOW_S)
+    recent = Attempt.objects.filter(ended_at__gte=cutoff, status=Attempt.Status.ENDED).exclude(failure={})
+    hits = [a for a in recent.only("id", "failure")
+            if a.failure.get("node") == name and a.failure.get("class") in diagnosis.NODE_FAULT_CLASSES]
+    if len(hits) < settings.TRAINYARD_QUARANTINE_FAILURES:
+        return
+    window_min = settings.TRAINYARD_QUARANTINE_WINDOW_S / 60
+    reason = (f"implicated in {len(hits)} failures within {window_min:.0f} min (attempts "
+              + ", ".join(str(a.pk) for a in hits) + ")")
+    if not Node.objects.filter(name=name, quarantined_at__isnull=True).update(
+            quarantined_at=timezone.now(), quarantine_reason=reason[:500]):
+        return
+    Node.objects.filter(name=name).exclude(status=Node.Status.LOST).update(status=Node.Status.QUARANTINED)
+    _event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
+           attempt=attempt, node=name, failures=[a.pk for a in hits])
+    transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+
+
+def node_clear(user, node: Node) -> Node:
+    """Lift a quarantine (staff; the API checks). The node takes work again unless it is LOST."""
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(quarantined_at=None, quarantine_reason="")
+        Node.objects.filter(pk=node.pk, status=Node.Status.QUARANTINED).update(status=Node.Status.READY)
+        log.info("node %s cleared by %s", node.name, user.get_username())
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+        transaction.on_commit(dispatch.request_tick)
+    node.refresh_from_db()
+    return node
+
+
+# ---------------------------------------------------------------- hangs and stragglers
+
+def attempts_check() -> dict:
+    """Stop hung attempts and flag stragglers, from the telemetry the relay committed. Hangs are
+    judged only while the relay is alive: a stopped relay also stops progress in the database."""
+    relay_ok = selectors.relay_alive()
+    now = timezone.now()
+    hung, flagged = [], {}
+    for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING).select_related("job"):
+        recent = selectors.attempt_recent_samples(attempt.pk, attempt.last_step)
+        if relay_ok and _attempt_hang_check(attempt, recent, now):
+            hung.append(attempt.pk)
+            continue
+        ranks = _attempt_stragglers_check(attempt, recent)
+        if ranks:
+            flagged[attempt.pk] = ranks
+    return {"hung": hung, "stragglers": flagged, "relay_alive": relay_ok}
+
+
+def _attempt_hang_check(attempt: Attempt, recent: list[dict], now) -> bool:
+    started = attempt.started_at or attempt.created_at
+    check = diagnosis.hang_check(
+        now=now.timestamp(), started=started.timestamp(),
+        last_progress=attempt.last_progress_at.timestamp() if attempt.last_progress_at else None,
+        spec_timeout=attempt.job.spec.get("hang_timeout_s", "auto"),
+        recent_step_s=[s["step_s"] for s in recent if s["step_s"] is not None],
+        floor_s=settings.TRAINYARD_HANG_FLOOR_S)
+    if not check.hung:
+        return False
+    with transaction.atomic():
+        evidence = {"class": "hang", "retry": True, "rank": None, "node": None,
+                    "message": f"no step progress for {check.idle_s:.0f} s (timeout {check.timeout_s:.0f} s, "
+                               f"{check.source}) after step {attempt.last_step}",
+                    "last_step": attempt.last_step, "idle_s": round(check.idle_s, 1),
+                    "timeout_s": round(check.timeout_s, 1), "timeout_source": check.source}
+        if not Attempt.objects.filter(pk=attempt.pk, status=Attempt.Status.RUNNING, stop_reason="").update(
+                failure=evidence):
+            return False
+        _event(attempt.job, "hang_detected", evidence["message"], attempt=attempt, evidence=evidence)
+        _attempt_stop(attempt, "hang")
+    return True
+
+
+def _attempt_stragglers_check(attempt: Attempt, recent: list[dict]) -> list[int]:
+    work: dict[int, list[float]] = {}
+    for s in recent:
+        parts = (s["data_s"], s["compute_s"], s["optim_s"])
+        if None not in parts:
+            work.setdefault(s["rank"], []).append(sum(parts))
+    before = {f["rank"]: f for f in attempt.stragglers or []}
+    found = diagnosis.stragglers(work, frozenset(before))
+    nodes = selectors.attempt_rank_nodes(attempt.pk)
+    step = attempt.last_step
+    now = [{"rank": f.rank, "node": nodes.get(f.rank), "ratio": f.ratio, "work_s": round(f.work_s, 6),
+            "median_s": round(f.median_s, 6), "since_step": before.get(f.rank, {}).get("since_step", step)}
+           for f in found]
+    if {f["rank"] for f in now} == set(before) and not now:
+        return []
+    with transaction.atomic():
+        Attempt.objects.filter(pk=attempt.pk).update(stragglers=now)
+        for f in now:
+            if f["rank"] not in before:
+                _event(attempt.job, "straggler",
+                       f"rank {f['rank']} on {f['node']} is {(f['ratio'] - 1) * 100:.0f}% slower than the median "
+                       f"of its peers ({f['work_s'] * 1000:.1f} ms vs {f['median_s'] * 1000:.1f} ms of work per step)",
+                       attempt=attempt, **f)
+        for rank, f in before.items():
+            if rank not in {x["rank"] for x in now}:
+                _event(attempt.job, "straggler_cleared", f"rank {rank} on {f.get('node')} has recovered",
+                       attempt=attempt, rank=rank, node=f.get("node"))
+        if {f["rank"] for f in now} != set(before):
+            _publish_status(attempt.job)
+    return [f["rank"] for f in now]
+
+
+# ---------------------------------------------------------------- checkpoints and rollback
+
+def _checkpoint_root() -> Path:
+    return Path(settings.TRAINYARD_CHECKPOINT_ROOT).resolve()
+
+
+def _job_checkpoint_dir(job_id: int) -> Path:
+    return _checkpoint_root() / f"job-{job_id}"
+
+
+def _ckpt_states(job: Job) -> list[ckpt_policy.CheckpointState]:
+    return [ckpt_policy.CheckpointState(c.pk, c.step, c.created_at.timestamp(), c.superseded, c.pinned,
+                                        c.deleted_at is not None) for c in job.checkpoints.all()]
+
+
+def _resume_checkpoint(job: Job) -> Checkpoint | None:
+    """The checkpoint the next attempt loads; one whose directory vanished (deleted by hand) is
+    written off instead of failing the attempt on a missing path."""
+    while (point := ckpt_policy.resume_point(_ckpt_states(job))) is not None:
+        c = Checkpoint.objects.get(pk=point.id)
+        if Path(c.path).is_dir():
+            return c
+        log.warning("checkpoint %s of job %s is missing on disk (%s): skipping it", c.pk, job.pk, c.path)
+        Checkpoint.objects.filter(pk=c.pk).update(deleted_at=timezone.now())
+        _publish_checkpoint(c)
+    return None
+
+
+def _publish_checkpoint(c: Checkpoint) -> None:
+    payload = {"type": "job.checkpoint", "checkpoint": selectors.checkpoint_dict(c)}
+    transaction.on_commit(partial(dispatch.publish, f"job.{c.job_id}", payload))
+
+
+def _is_superseded(job: Job, attempt: Attempt, step: int) -> bool:
+    """A checkpoint registered late (Redis was away; a save finished while its attempt stopped)
+    belongs to a discarded future when a later attempt resumed from an earlier step or an admin
+    rolled back behind it since its attempt began."""
+    later = job.attempts.filter(number__gt=attempt.number).values_list("resumed_from_step", flat=True)
+    if any((r or 0) < step for r in later):
+        return True
+    rollbacks = job.events.filter(kind="rollback", created_at__gte=attempt.created_at).values_list("data", flat=True)
+    return any(int(d.get("step", 0)) < step for d in rollbacks)
+
+
+def checkpoint_register(attempt_id: int, data: dict) -> Checkpoint | None:
+    """Register a complete checkpoint, reported by the runtime's rank 0 after its directory got its
+    final name (or found on disk by checkpoints_reconcile). Idempotent per (job, path)."""
+    attempt = Attempt.objects.select_related("job").filter(pk=attempt_id).first()
+    if attempt is None:
+        return None
+    job = attempt.job
+    try:
+        step, path = int(data["step"]), Path(str(data["path"])).resolve()
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring malformed checkpoint report for attempt %s: %r", attempt_id, data)
+        return None
+    if path.parent != _job_checkpoint_dir(job.pk) or step < 0:
+        log.warning("ignoring checkpoint %s of job %s: not under %s", path, job.pk, _job_checkpoint_dir(job.pk))
+        return None
+    with transaction.atomic():
+        existing = Checkpoint.objects.filter(job=job, path=str(path)).first()
+        if existing is not None:
+            return existing
+
+        def num(key: str) -> float:
+            v = data.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+        c = Checkpoint.objects.create(job=job, attempt=attempt, step=step, path=str(path),
+                                      size_bytes=int(num("size_bytes")), blocking_s=num("blocking_s"),
+                                      save_s=num("save_s"), superseded=_is_superseded(job, attempt, step))
+        _publish_checkpoint(c)
+        _apply_retention(job)
+    return c
+
+
+def _apply_retention(job: Job) -> None:
+    keep = int((job.spec.get("checkpoint") or {}).get("keep", 3))
+    doomed = ckpt_policy.retention(_ckpt_states(job), keep)
+    if not doomed:
+        return
+    Checkpoint.objects.filter(pk__in=doomed).update(deleted_at=timezone.now())
+    for c in Checkpoint.objects.filter(pk__in=doomed):
+        _publish_checkpoint(c)
+        transaction.on_commit(partial(_delete_checkpoint_files, c.path))
+
+
+def _delete_checkpoint_files(path: str) -> None:
+    p = Path(path).resolve()
+    if _checkpoint_root() not in p.parents:
+        log.error("refusing to delete %s: outside the checkpoint root %s", p, _checkpoint_root())
+        return
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoints_reconcile(job: Job) -> int:
+    """Register complete checkpoints found on disk but never reported (the runtime died, or Redis
+    lost the report, between its rename and its report). A directory counts only with its
+    manifest trainyard.json, which rank 0 writes last, before the rename."""
+    root = _job_checkpoint_dir(job.pk)
+    if not root.is_dir():
+        return 0
+    known = set(job.checkpoints.values_list("path", flat=True))
+    found = 0
+    for manifest in sorted(root.glob("step-*/trainyard.json")):
+        if str(manifest.parent.resolve()) in known:
+            continue
+        try:
+            meta = json.loads(manifest.read_text())
+            attempt_id = int(meta["attempt_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("unreadable checkpoint manifest %s", manifest)
+            continue
+        if not job.attempts.filter(pk=attempt_id).exists():
+            continue
+        if checkpoint_register(attempt_id, {**meta, "path": str(manifest.parent)}) is not None:
+            found += 1
+            log.info("registered checkpoint %s from its manifest", manifest.parent)
+    return found
+
+
+def checkpoint_pin(user, checkpoint: Checkpoint, pinned: bool) -> Checkpoint:
+    with transaction.atomic():
+        c = Checkpoint.objects.select_for_update().get(pk=checkpoint.pk)
+        if c.deleted_at is not None:
+            raise TransitionError("the checkpoint's files were deleted by retention; it cannot be pinned")
+        if c.pinned != pinned:
+            Checkpoint.objects.filter(pk=c.pk).update(pinned=pinned)
+            c.refresh_from_db()
+            _event(c.job, "checkpoint_pinned" if pinned else "checkpoint_unpinned",
+                   f"checkpoint at step {c.step} {'pinned' if pinned else 'unpinned'} by {user.get_username()}",
+                   actor=user, checkpoint=c.pk, step=c.step)
+            _publish_checkpoint(c)
+            if not pinned:
+                _apply_retention(c.job)
+    return c
+
+
+def job_rollback(user, job: Job, checkpoint_id) -> Job:
+    """Rewind a job to one of its checkpoints: later checkpoints are superseded, a running attempt
+    stops (outcome rolled_back), and the next attempt resumes from the checkpoint. A finished job
+    runs again. Raises SpecError (field errors) for a bad checkpoint, TransitionError when the job
+    is being cancelled."""
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str)) or not str(checkpoint_id).isdigit():
+        raise SpecError({"checkpoint": ["must be the id of one of this job's checkpoints"]})
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        target = Checkpoint.objects.filter(pk=int(checkpoint_id)).first()
+        if not job.checkpoints.exists():
+            raise SpecError({"checkpoint": [f"job {job.pk} has no checkpoints to roll back to"]})
+        if target is None or target.job_id != job.pk:
+            raise SpecError({"checkpoint": [f"checkpoint {checkpoint_id} is not a checkpoint of job {job.pk}"]})
+        if target.deleted_at is not None:
+            raise SpecError({"checkpoint": [f"checkpoint {target.pk} (step {target.step}) was deleted by retention; "
+                                            "pick a checkpoint that still exists"]})
+        if not Path(target.path).is_dir():
+            raise SpecError({"checkpoint": [f"checkpoint {target.pk} (step {target.step}): its files are missing "
+                                            f"at {target.path}"]})
+        if job.cancel_requested and job.status not in Job.TERMINAL:
+            raise TransitionError("the job is being cancelled")
+        doomed = ckpt_policy.rollback_supersedes(_ckpt_states(job), next(
+            s for s in _ckpt_states(job) if s.id == target.pk))
+        Checkpoint.objects.filter(pk__in=doomed).update(superseded=True)
+        Checkpoint.objects.filter(pk=target.pk).update(superseded=False)
+        for c in Checkpoint.objects.filter(pk__in=[*doomed, target.pk]):
+            _publish_checkpoint(c)
+        who = user.get_username()
+        _event(job, "rollback", f"{who} rolled back to the checkpoint at step {target.step}"
+               + (f"; {len(doomed)} later checkpoint(s) superseded" if doomed else ""),
+               actor=user, checkpoint=target.pk, step=target.step, superseded=doomed, from_status=job.status)
+        reason = f"rolling back to step {target.step} ({who})"
+        if job.status in Job.TERMINAL:
+            _set_job_status(job, Job.TERMINAL, Job.Status.QUEUED, reason, finished_at=None, restarts=0,
+                            cancel_requested=False, avoid_nodes=[])
+            transaction.on_commit(dispatch.request_tick)
+        elif job.status == Job.Status.QUEUED:
+            Job.objects.filter(pk=job.pk).update(status_reason=reason, restarts=0)
+        else:
+            Job.objects.filter(pk=job.pk).update(restarts=0)
+            _set_job_status(job, Job.ACTIVE, Job.Status.STOPPING, reason)
+            attempt = job.attempts.exclude(status=Attempt.Status.ENDED).order_by("-number").first()
+            if attempt is not None:
+                Attempt.objects.filter(pk=attempt.pk).update(stop_reason="rollback")
+                attempt.refresh_from_db()
+                _attempt_stop(attempt, "rollback")
+            else:
+                _set_job_status(job, Job.Status.STOPPING, Job.Status.QUEUED, reason)
+                transaction.on_commit(dispatch.request_tick)
+    job.refresh_from_db()
+    return job
 
 
 # ---------------------------------------------------------------- telemetry
@@ -370,7 +709,7 @@ def telemetry_ingest(samples: list[dict], events: list[dict]) -> dict[int, int]:
         if wanted:
             cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
             attempts = dict(cursor.fetchall())
-        rows, top, malformed = [], {}, 0
+        rows, top, attempt_top, malformed = [], {}, {}, 0
         for s in samples:
             attempt_id = s.get("attempt")
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
@@ -383,18 +722,36 @@ def telemetry_ingest(samples: list[dict], events: list[dict]) -> dict[int, int]:
             rows.append(row)
             if row[3] > top.get(job_id, 0):
                 top[job_id] = row[3]
+            if row[3] > attempt_top.get(attempt_id, -1):
+                attempt_top[attempt_id] = row[3]
         if malformed:
             log.warning("dropped %d malformed metric samples", malformed)
         if rows:
             cursor.executemany(insert, rows)
         for job_id, step in top.items():
             cursor.execute(update, [step, job_id, step])
+        now = timezone.now()
+        for attempt_id, step in attempt_top.items():  # the hang detector's evidence
+            Attempt.objects.filter(pk=attempt_id, last_step__lt=step).update(last_step=step, last_progress_at=now)
         for e in events:
             attempt_id = e.get("attempt")
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
-            if job_id is None or e.get("kind") not in ("telemetry_dropped",):
-                continue
-            JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=e["kind"],
-                                    message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "
-                                            "while Redis was unreachable", data=e)
+            if job_id is not None:
+                _runtime_event(job_id, attempt_id, e)
     return top
+
+
+def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:
+    kind = e.get("kind")
+    if kind == "checkpoint":
+        checkpoint_register(attempt_id, e)
+    elif kind == "resumed":
+        load_s = e.get("load_s") if isinstance(e.get("load_s"), (int, float)) else None
+        job = Job.objects.get(pk=job_id)
+        _event(job, "resumed", f"rank {e.get('rank')} loaded the checkpoint at step {e.get('step')}"
+               + (f" in {load_s:.2f} s" if load_s is not None else ""), attempt=Attempt(pk=attempt_id),
+               step=e.get("step"), load_s=load_s, path=e.get("path"))
+    elif kind == "telemetry_dropped":
+        JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=kind,
+                                message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "
+                                        "while Redis was unreachable", data=e)

@@ -26,7 +26,7 @@ import orjson
 import redis
 from django.conf import settings
 
-from . import services
+from . import selectors, services
 from .models import Job
 
 log = logging.getLogger("trainyard.relay")
@@ -161,6 +161,8 @@ class Relay:
         """Read and commit one round of entries; returns how many entries were handled."""
         if time.monotonic() - self._last_scan > 1.0:
             self.discover()
+            # The hang detector trusts "no progress in the database" only while this key lives.
+            self.r.set(selectors.RELAY_ALIVE_KEY, time.time(), ex=10)
         if not self.streams:
             time.sleep(self.block_ms / 1000)
             return 0

@@ -126,6 +126,7 @@ class Agent:
             "checkpoint_dir": str(Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "var/checkpoints")).resolve()
                                   / f"job-{job_id}"),
             "spec": p["spec"],
+            "resume": p.get("resume"),  # {"path", "step", "checkpoint_id"} or None
         }
         req = LaunchRequest(
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=int(p["node_rank"]),

@@ -26,6 +26,13 @@ def nodes_check() -> list[str]:
     return services.nodes_check()
 
 
+@app.task(name="workers.tasks.attempts_check", time_limit=60, soft_time_limit=50)
+def attempts_check() -> dict:
+    from jobs import services
+
+    return services.attempts_check()
+
+
 @app.task(name="workers.tasks.node_heartbeat", time_limit=30, expires=10)
 def node_heartbeat(payload: dict) -> None:
     from jobs import dispatch, services

@@ -1,4 +1,5 @@
-"""Map an attempt's exit evidence to a failure class and a restart decision (pure).
+"""Map an attempt's evidence to a failure class and a restart decision; hang and straggler
+detection (all pure: evidence in, decision out).
 
 Evidence is the agents' exit reports: per node, the exit code/signal of torchrun and the failures
 read from the ranks' error files, each with a timestamp. The cause is the earliest failure across
@@ -7,6 +8,7 @@ consequences, not causes.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 # Python exceptions that come from the job's own model/data/config code: retrying cannot help.
@@ -18,6 +20,16 @@ COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 
 
+# A SIGKILLed rank on a node whose memory use was at least this high was most likely the kernel's
+# OOM killer (the kernel says so only in dmesg, which an unprivileged agent cannot read).
+OOM_KILL_MEM_PERCENT = 90.0
+OOM_SUGGESTION = ("reduce train.global_batch (the per-rank micro-batch) or model size, or enable activation "
+                  "recompute; retrying the same configuration would run out of memory again")
+# Classes that say something about the node the failing rank ran on (user errors and OOM say
+# something about the job). Two of these on one node within the quarantine window quarantine it.
+NODE_FAULT_CLASSES = frozenset({"signal", "comm", "lost", "launch_timeout", "unknown"})
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     failure_class: str      # user_error | oom | signal | comm | lost | unknown
@@ -26,6 +38,8 @@ class Diagnosis:
     node: str | None
     message: str
     traceback: str = ""
+    suggestion: str = ""
+    exclude: tuple[str, ...] = ()  # nodes the retry should not use (failed to join the rendezvous)
 
 
 def first_failure(reports: list[dict]) -> tuple[dict | None, str | None]:
@@ -38,9 +52,13 @@ def first_failure(reports: list[dict]) -> tuple[dict | None, str | None]:
     return best, best_node
 
 
-def diagnose(reports: list[dict], *, node_lost: str | None = None) -> Diagnosis:
+def diagnose(reports: list[dict], *, node_lost: str | None = None,
+             node_mem_percent: dict[str, float] | None = None, not_joined: tuple[str, ...] = ()) -> Diagnosis:
+    """`node_mem_percent`: each node's memory use at its last heartbeat; `not_joined`: nodes whose
+    ranks never started (they failed to join the rendezvous)."""
     if node_lost:
         return Diagnosis("lost", True, None, node_lost, f"node {node_lost} stopped sending heartbeats")
+    mem = node_mem_percent or {}
     failure, node = first_failure(reports)
     if failure is None:
         codes = [r.get("exit_code") for r in reports if r.get("exit_code") not in (0, None)]
@@ -51,13 +69,91 @@ def diagnose(reports: list[dict], *, node_lost: str | None = None) -> Diagnosis:
     text = f"{failure.get('message', '')}\n{failure.get('traceback', '')}"
     rank = failure.get("rank")
     if "CUDA out of memory" in text or "OutOfMemoryError" in text:
-        return Diagnosis("oom", False, rank, node, failure.get("message", ""), failure.get("traceback", ""))
+        return Diagnosis("oom", False, rank, node, failure.get("message", ""), failure.get("traceback", ""),
+                         suggestion=OOM_SUGGESTION)
     if failure.get("signal"):
+        if failure["signal"] == "SIGKILL" and mem.get(node or "", 0.0) >= OOM_KILL_MEM_PERCENT:
+            return Diagnosis("oom", False, rank, node,
+                             f"rank {rank} was SIGKILLed while {node} used {mem[node]:.0f}% of its memory: "
+                             "most likely the kernel's OOM killer", suggestion=OOM_SUGGESTION)
         return Diagnosis("signal", True, rank, node, f"rank {rank} killed by {failure['signal']}",
                          failure.get("traceback", ""))
     exc_type = (failure.get("message") or "").split(":", 1)[0].strip()
     if any(m in text for m in COMM_MARKERS):
-        return Diagnosis("comm", True, rank, node, failure.get("message", ""), failure.get("traceback", ""))
+        exclude = tuple(not_joined)
+        why = f" ({', '.join(exclude)} failed to join; the retry avoids it)" if exclude else ""
+        return Diagnosis("comm", True, rank, exclude[0] if exclude else node, failure.get("message", "") + why,
+                         failure.get("traceback", ""), exclude=exclude)
     if exc_type.endswith(USER_ERROR_TYPES) or any(f"{t}:" in text for t in USER_ERROR_TYPES):
         return Diagnosis("user_error", False, rank, node, failure.get("message", ""), failure.get("traceback", ""))
     return Diagnosis("unknown", True, rank, node, failure.get("message", ""), failure.get("traceback", ""))
+
+
+# ---------------------------------------------------------------- hangs
+
+HANG_FACTOR = 10  # a step 10x slower than the recent median is no longer "slow", it is stuck
+STARTUP_GRACE_S = 180.0  # before the first step: imports, data, rendezvous and checkpoint load
+
+
+@dataclass(frozen=True)
+class HangCheck:
+    hung: bool
+    timeout_s: float
+    source: str  # "spec" | "auto"
+    idle_s: float
+
+
+def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], floor_s: float) -> tuple[float, str]:
+    """The seconds without step progress after which an attempt counts as hung. "auto": HANG_FACTOR
+    times the median recent step time, never under floor_s (a checkpoint save or an eval can
+    legitimately pause progress for a while)."""
+    if isinstance(spec_timeout, (int, float)) and not isinstance(spec_timeout, bool):
+        return float(spec_timeout), "spec"
+    median = statistics.median(recent_step_s) if recent_step_s else 0.0
+    return max(floor_s, HANG_FACTOR * median), "auto"
+
+
+def hang_check(*, now: float, started: float, last_progress: float | None, spec_timeout, recent_step_s: list[float],
+               floor_s: float) -> HangCheck:
+    """`started`/`last_progress`/`now` in epoch seconds. Before the first step the timeout is at
+    least STARTUP_GRACE_S."""
+    timeout, source = hang_timeout(spec_timeout, recent_step_s, floor_s)
+    if last_progress is None:
+        timeout = max(timeout, STARTUP_GRACE_S)
+    idle = now - (last_progress if last_progress is not None else started)
+    return HangCheck(idle > timeout, timeout, source, idle)
+
+
+# ---------------------------------------------------------------- stragglers
+
+STRAGGLER_RATIO = 1.20   # flagged above 20% slower than its peers' median
+STRAGGLER_CLEAR = 1.10   # cleared below 10%: the gap stops flapping a rank near the threshold
+STRAGGLER_MIN_STEPS = 10  # "persistently": a median over at least this many of its recent steps
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    ratio: float
+    work_s: float
+    median_s: float
+
+
+def stragglers(work_s: dict[int, list[float]], flagged: frozenset[int] = frozenset()) -> list[Straggler]:
+    """Ranks whose own work per step (data + compute + optimizer: time not spent waiting for peers
+    in collectives) is persistently above the median of the other ranks of the job. In synchronous
+    data parallel every rank's step_s is the same (everyone waits for the slowest), so step_s itself
+    cannot name the straggler; the wait moves into its peers' comm time. `flagged`: ranks flagged
+    now, which stay flagged until they drop under STRAGGLER_CLEAR."""
+    per_rank = {r: statistics.median(v) for r, v in work_s.items() if len(v) >= STRAGGLER_MIN_STEPS}
+    if len(per_rank) < 2:
+        return []
+    out = []
+    for rank, mine in sorted(per_rank.items()):
+        peers = statistics.median(v for r, v in per_rank.items() if r != rank)
+        if peers <= 0:
+            continue
+        ratio = mine / peers
+        if ratio > STRAGGLER_RATIO or (rank in flagged and ratio > STRAGGLER_CLEAR):
+            out.append(Straggler(rank, round(ratio, 3), mine, peers))
+    return out

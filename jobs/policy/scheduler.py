@@ -5,6 +5,8 @@ a job or none) and first fit over READY nodes in name order, one share of `procs
 on each of `nodes` distinct nodes. The queue is strict: when the head job does not fit, jobs
 behind it wait too, so a large job is never starved by a stream of small ones. A job that cannot
 fit even on an empty copy of today's READY nodes does not block the queue (it waits for nodes).
+A restarted job avoids the nodes its last failure implicated (`avoid`) unless it could never fit
+on the others.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class QueuedJob:
     priority: int
     nodes: int
     procs_per_node: int
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -75,17 +78,23 @@ def schedule(nodes: list[NodeState], queue: list[QueuedJob]) -> Decision:
         if blocked_by is not None:
             waiting[job.id] = f"behind job {blocked_by} in the queue"
             continue
-        placement = _place(job, free, nodes)
+        usable = nodes
+        if job.avoid:
+            without = [n for n in nodes if n.name not in job.avoid]
+            if _place(job, empty, without) is not None:
+                usable = without
+        placement = _place(job, free, usable)
         if placement is not None:
             placements.append(placement)
             for share in placement.shares:
                 free[share.node] = tuple(i for i in free[share.node] if i not in share.slot_ids)
             continue
-        if _place(job, empty, nodes) is None:
+        if _place(job, empty, usable) is None:
             waiting[job.id] = (f"needs {job.nodes} schedulable node(s) with {job.procs_per_node} slot(s) each; "
                                f"waiting for nodes")
             continue
-        waiting[job.id] = "waiting for free slots"
+        waiting[job.id] = "waiting for free slots" + (
+            f" (avoiding {', '.join(sorted(job.avoid))})" if usable is not nodes else "")
         blocked_by = job.id
     return Decision(tuple(placements), waiting)
 

@@ -55,3 +55,19 @@ def test_never_double_books_a_slot():
 @pytest.mark.parametrize("nodes_needed,ppn,expected", [(2, 2, True), (3, 1, False), (1, 3, False)])
 def test_fits_cluster(nodes_needed, ppn, expected):
     assert fits_cluster([n("a"), n("b")], nodes_needed, ppn) is expected
+
+
+def test_restart_avoids_implicated_node_when_it_can():
+    from jobs.policy.scheduler import NodeState, QueuedJob, schedule
+
+    nodes = [NodeState("a", "127.0.0.1", 2, frozenset()), NodeState("b", "127.0.0.2", 2, frozenset()),
+             NodeState("c", "127.0.0.3", 2, frozenset())]
+    d = schedule(nodes, [QueuedJob(1, 1, 2, 1, avoid=frozenset({"a"}))])
+    assert [s.node for s in d.placements[0].shares] == ["b", "c"]
+    # without the avoided node it could never fit: it runs there anyway rather than wait forever
+    d = schedule(nodes[:2], [QueuedJob(1, 1, 2, 1, avoid=frozenset({"a"}))])
+    assert [s.node for s in d.placements[0].shares] == ["a", "b"]
+    # it fits without "a" but "b" is busy: wait, and say why
+    busy = [nodes[0], NodeState("b", "127.0.0.2", 2, frozenset({0, 1})), nodes[2]]
+    d = schedule(busy, [QueuedJob(1, 1, 2, 1, avoid=frozenset({"a"}))])
+    assert not d.placements and "avoiding a" in d.waiting[1]
