@@ -100,7 +100,7 @@ class CheckpointSerializer(serializers.ModelSerializer):
         return obj.deleted_at is not None
 
 
-class CheckpointPagination(PageNumberPagination):
+class CheckpointPagination(PageNumberPagination):  # also the events timeline
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 500
@@ -183,6 +183,15 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             limit=_int_param(request, "limit", minimum=1, maximum=MAX_METRICS_LIMIT, default=1000),
             attempt=_int_param(request, "attempt"))
         return Response(MetricSerializer(rows, many=True).data)
+
+    @extend_schema(responses={200: {"type": "object"}})
+    @action(detail=True, methods=["get"], pagination_class=CheckpointPagination)
+    def events(self, request, pk=None):
+        """The job's timeline: every decision (placement, failure class, restart, rollback, hang,
+        straggler, quarantine) with its evidence, oldest first."""
+        job = self.get_object()
+        page = self.paginate_queryset(job.events.order_by("id"))
+        return self.get_paginated_response([selectors.event_dict(e) for e in page])
 
     @extend_schema(responses=CheckpointSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=CheckpointPagination)

@@ -320,3 +320,17 @@ def test_straggler_is_flagged_with_its_node_and_cleared_on_recovery(user, nodes,
     assert JobEvent.objects.filter(job=job, kind="straggler_cleared").count() == 1
     assert staff_api.get(f"/api/v1/jobs/{job.pk}/").json()["stragglers"] == []
     assert MetricSample.objects.filter(attempt=attempt).count() == 80
+
+
+def test_events_timeline_api_lists_decisions_with_evidence(user, other, nodes):
+    job = submit(user, max_restarts=1)
+    kill(start(job), node="node-b", rank=1)
+    c = APIClient()
+    c.force_authenticate(user)
+    body = c.get(f"/api/v1/jobs/{job.pk}/events/").json()
+    kinds = [e["kind"] for e in body["results"]]
+    assert kinds[:4] == ["submitted", "attempt_started", "running", "attempt_ended"] and "restart" in kinds
+    ended = body["results"][3]
+    assert ended["data"]["evidence"]["class"] == "signal" and ended["data"]["evidence"]["node"] == "node-b"
+    c.force_authenticate(other)
+    assert c.get(f"/api/v1/jobs/{job.pk}/events/").status_code == 404
