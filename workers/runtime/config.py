@@ -2,9 +2,9 @@
 
 The control plane has already validated the JobSpec (jobs/specs.py) and filled every default,
 but the runtime must not import it (it runs under torchrun, without Django), so it parses the
-subset it honours here. Keys it does not use yet (checkpoint, priority, max_restarts, ...) are
-ignored; values it cannot honour in this milestone (tensor/pipeline parallel, compression, local
-SGD) are refused with a clear error instead of being silently trained the wrong way.
+subset it honours here. Keys it does not use (priority, max_restarts, ...) are ignored; values
+it cannot honour in this milestone (tensor/pipeline parallel, compression, local SGD) are refused
+with a clear error instead of being silently trained the wrong way.
 """
 from __future__ import annotations
 
@@ -75,6 +75,22 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 50
+    async_: bool = True  # spec key "async" (a Python keyword)
+    keep: int = 3  # retention is the control plane's call (it knows which are superseded)
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    """Top-level launch key `resume`: the complete checkpoint this attempt starts from."""
+
+    path: Path
+    step: int
+    checkpoint_id: int | None = None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     job_id: int
     attempt_id: int
@@ -90,6 +106,8 @@ class RunConfig:
     resources: ResourcesConfig
     parallel: ParallelConfig
     comm: CommConfig
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    resume: ResumeConfig | None = None
 
     def per_rank_batch(self, world_size: int) -> int:
         if self.train.global_batch % world_size:
@@ -113,6 +131,25 @@ def _parallel(spec: dict[str, Any]) -> ParallelConfig:
     if raw == "auto":
         return ParallelConfig()
     return _section(spec, "parallel", ParallelConfig)
+
+
+def _checkpoint(spec: dict[str, Any]) -> CheckpointConfig:
+    raw = dict(spec.get("checkpoint") or {})
+    if "async" in raw:
+        raw["async_"] = raw.pop("async")
+    return _section({"checkpoint": raw}, "checkpoint", CheckpointConfig)
+
+
+def _resume(raw: Any) -> ResumeConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or "path" not in raw or "step" not in raw:
+        raise ConfigError(f"resume must be null or an object with path and step, got {raw!r}")
+    try:
+        return ResumeConfig(path=Path(raw["path"]), step=int(raw["step"]),
+                            checkpoint_id=raw.get("checkpoint_id"))
+    except (TypeError, ValueError):
+        raise ConfigError(f"resume.path must be a string and resume.step an integer, got {raw!r}") from None
 
 
 def _check(cfg: RunConfig) -> None:
@@ -147,6 +184,12 @@ def _check(cfg: RunConfig) -> None:
     if c.compression != "none" or c.sync != "allreduce":
         raise ConfigError(
             f"this runtime supports comm.compression=none and comm.sync=allreduce only; got {c}")
+    if int(cfg.checkpoint.every_steps) < 1:
+        raise ConfigError(f"checkpoint.every_steps must be >= 1, got {cfg.checkpoint.every_steps}")
+    if cfg.resume is not None and not cfg.resume.path.is_absolute():
+        raise ConfigError(f"resume.path must be absolute, got {str(cfg.resume.path)!r}")
+    if cfg.resume is not None and cfg.resume.step < 0:
+        raise ConfigError(f"resume.step must be >= 0, got {cfg.resume.step}")
 
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
@@ -168,6 +211,8 @@ def parse_run_config(raw: dict[str, Any]) -> RunConfig:
             resources=_section(spec, "resources", ResourcesConfig),
             parallel=_parallel(spec),
             comm=_section(spec, "comm", CommConfig),
+            checkpoint=_checkpoint(spec),
+            resume=_resume(raw.get("resume")),
         )
     except KeyError as e:
         raise ConfigError(f"launch config is missing key {e.args[0]!r}") from None

@@ -10,8 +10,11 @@ CUDA events for the collectives, see comm.py):
   compute_s + comm_s >= forward+backward; the overlap is the comm hidden behind compute.
 - optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
   optimizer's kernels, so the time lands here rather than in the next step).
-- step_s: from asking for the batch to the end of the optimizer step;
-  step_s ~= data_s + compute_s + exposed comm + optim_s (+ microseconds of bookkeeping).
+- step_s: from asking for the batch to the end of the optimizer step, plus, on a checkpoint
+  step, the time the save blocked this rank (staging the state copy; see checkpoint.py);
+  step_s ~= data_s + compute_s + exposed comm + optim_s + checkpoint blocking (+ microseconds
+  of bookkeeping). A chaos-slowed rank (chaos.py) shows its sleep in compute_s; its peers wait
+  for it in their all-reduces, which lands in their comm_s, not their compute_s.
 samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
 is their sum over ranks. bytes_sent is what this rank handed to gradient collectives.
 mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
@@ -33,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .chaos import Chaos
+from .checkpoint import Checkpointer, is_due, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, counting_allreduce_hook
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
@@ -111,15 +116,17 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         # so a failing rank does not first wait for its peers.
         check_world(cfg, env)
         batch = cfg.per_rank_batch(env.world_size)
+        # grad_accum is 1: a checkpoint at step S has consumed S batches on every rank
+        start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
         batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=env.rank,
                                      world_size=env.world_size, batch=batch, seed=cfg.train.seed,
-                                     pin_memory=cuda)
+                                     pin_memory=cuda, start_batch=start_batch)
         if cuda:  # device_id binds the NCCL communicator to this rank's GPU up front
             dist.init_process_group(backend="nccl", device_id=device)
         else:
             dist.init_process_group(backend="gloo")
         try:
-            return _train(cfg, env, device, reporter, batches, val)
+            return _train(cfg, env, device, reporter, batches, val, start_batch)
         finally:
             dist.destroy_process_group()
     finally:
@@ -127,24 +134,31 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
 
 
 def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporter,
-           batches: Iterator[Batch], val: np.ndarray | None) -> dict:
+           batches: Iterator[Batch], val: np.ndarray | None, start_batch: int = 0) -> dict:
     train, mcfg = cfg.train, cfg.model
     batch = cfg.per_rank_batch(env.world_size)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = build_model(mcfg).to(device)
+    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, job_id=cfg.job_id,
+                        attempt_id=cfg.attempt_id, rank=env.rank, world_size=env.world_size,
+                        device=device, reporter=reporter)
     clock = CudaClock(device) if device.type == "cuda" else CpuClock()
     counter = CommCounter(clock)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    first = 1
+    if cfg.resume is not None:
+        first = _resume(cfg, env, ckpt, ddp, opt, reporter, start_batch) + 1
+    chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
     proc = psutil.Process()
     log_every = max(1, train.steps // 10)
     tokens_per_batch = batch * mcfg.seq_len
     start = time.time()
     loss_v = float("nan")
 
-    for step in range(1, train.steps + 1):
+    for step in range(first, train.steps + 1):
         lr = lr_at(step, train)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -152,6 +166,8 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t1 = time.perf_counter()
+        if chaos is not None:
+            chaos.before_compute(step)
         ref = clock.mark()
         loss = lm_loss(ddp(x), y)
         loss.backward()
@@ -162,9 +178,12 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         opt.zero_grad(set_to_none=True)
         loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
         t3 = time.perf_counter()
+        ckpt.poll()
+        if is_due(step, cfg.checkpoint.every_steps, train.steps):
+            ckpt.save(step, ddp, opt)
         comm = counter.take()
         comm_s, exposed_s = comm.measure(clock, ref, backward_end)
-        step_s = t3 - t0
+        step_s = time.perf_counter() - t0
         reporter.metric({
             "rank": env.rank, "step": step, "ts": time.time(), "loss": loss_v,
             "samples_per_s": batch / step_s, "tokens_per_s": tokens_per_batch / step_s,
@@ -177,6 +196,10 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         if step == 1 or step % log_every == 0 or step == train.steps:
             _say(f"rank {env.rank} step {step}/{train.steps} loss {loss_v:.4f} lr {lr:.2e} "
                  f"step_ms {step_s * 1000:.1f} samples/s {batch / step_s:.1f}")
+        if chaos is not None:
+            chaos.after_step(step)
+
+    ckpt.close()  # the last save is published (and reported) before this rank says it finished
 
     val_loss = _val_loss(model, val, mcfg.seq_len, batch, device)
     wall_s = time.time() - start
@@ -184,6 +207,23 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
     _say(f"rank {env.rank} finished steps {train.steps} final_loss {loss_v:.4f} "
          f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
     return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+
+
+def _resume(cfg: RunConfig, env: DistEnv, ckpt: Checkpointer, model: torch.nn.Module,
+            opt: torch.optim.Optimizer, reporter: Reporter, start_batch: int) -> int:
+    """Load the resume checkpoint into model and optimizer; returns its step."""
+    path = cfg.resume.path
+    r = ckpt.load(path, model, opt, seed=cfg.train.seed)
+    if r.batches_consumed != start_batch:  # the data iterator was positioned from the manifest
+        raise RuntimeError(f"{path}: the trainer state consumed {r.batches_consumed} batches but "
+                           f"its manifest says step {start_batch}")
+    if not r.rng_restored:
+        _say(f"rank {env.rank}: {path} holds no RNG state for rank {env.rank} (saved with another "
+             f"world size); seeded its RNGs deterministically from (seed, step, rank) instead")
+    if env.rank == 0:
+        reporter.event("resumed", step=r.step, path=str(path), load_s=r.load_s)
+    _say(f"rank {env.rank} resumed from step {r.step} ({path}) in {r.load_s:.2f} s")
+    return r.step
 
 
 def _say(line: str) -> None:

@@ -1,0 +1,103 @@
+"""Test-only fault injection: hangs, stragglers and crashes on cue. Off unless the environment
+sets TRAINYARD_CHAOS_DIR; then the runtime reads `<dir>/job-<job_id>.json` if it exists:
+
+    {"hang_at_step": 7,    "hang_rank": 0,    # after reporting step 7, that rank sleeps forever
+     "slow_rank": 1,       "slow_s": 0.2,     # that rank sleeps 0.2 s per step in its compute phase
+     "exit_at_step": 9,    "exit_rank": 0}    # after step 9, that rank calls os._exit(137)
+
+Every key is optional (null or absent: off). The file is re-read when it changes (one os.stat
+per step, ~2 us), so a test can turn slowness off mid-run and watch the job recover; write it
+with os.replace so a half-written file is never seen (an unparsable one is retried next step).
+A hang or an exit fires once per job: before firing, the rank creates `<dir>/job-<id>.hang-fired`
+(or `.exit-fired`) with O_CREAT|O_EXCL, and if that file exists it does not fire, so the
+attempt that restarts the job runs through the same step.
+
+Where the effects land in the telemetry: the slow sleep sits between fetching the batch and the
+forward pass, so it is in the slow rank's compute_s; its peers wait for it inside their gradient
+all-reduces, which is exposed comm (in their comm_s and step_s, not their compute_s).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+ENV = "TRAINYARD_CHAOS_DIR"
+EXIT_CODE = 137  # what a SIGKILLed process reports (128 + 9): the OOM killer's signature
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    hang_at_step: int | None = None
+    hang_rank: int = 0
+    slow_rank: int | None = None
+    slow_s: float = 0.0
+    exit_at_step: int | None = None
+    exit_rank: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ChaosPlan":
+        names = {f.name for f in fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ValueError(f"unknown chaos keys {sorted(unknown)}; known: {sorted(names)}")
+        defaults = cls()
+        # null means "off" (or the default rank), as if the key were absent
+        return cls(**{k: (getattr(defaults, k) if v is None else v) for k, v in raw.items()})
+
+
+class Chaos:
+    def __init__(self, directory: Path, job_id: int, rank: int, say: Callable[[str], None] = print):
+        self.dir = Path(directory)
+        self.job_id, self.rank, self.say = job_id, rank, say
+        self.path = self.dir / f"job-{job_id}.json"
+        self.plan = ChaosPlan()
+        self._seen: tuple | None = None
+
+    @classmethod
+    def from_environ(cls, job_id: int, rank: int, say: Callable[[str], None] = print) -> "Chaos | None":
+        directory = os.environ.get(ENV, "")
+        return cls(Path(directory), job_id, rank, say) if directory else None
+
+    def refresh(self) -> ChaosPlan:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)  # os.replace changes the inode
+        except FileNotFoundError:
+            key = None
+        if key != self._seen:
+            try:
+                self.plan = ChaosPlan.from_dict(json.loads(self.path.read_text())) if key else ChaosPlan()
+            except (OSError, json.JSONDecodeError):
+                return self.plan  # vanished or half-written: keep the old plan, retry next step
+            self._seen = key
+        return self.plan
+
+    def before_compute(self, step: int) -> None:
+        """Once per step, after the batch is fetched and before the forward pass."""
+        plan = self.refresh()
+        if plan.slow_rank == self.rank and plan.slow_s > 0:
+            time.sleep(plan.slow_s)
+
+    def after_step(self, step: int) -> None:
+        """Once per step, after the step's sample was reported (and its checkpoint started)."""
+        plan = self.plan
+        if plan.exit_at_step == step and plan.exit_rank == self.rank and self._fire("exit"):
+            self.say(f"rank {self.rank} chaos: exiting with {EXIT_CODE} after step {step}")
+            os._exit(EXIT_CODE)
+        if plan.hang_at_step == step and plan.hang_rank == self.rank and self._fire("hang"):
+            self.say(f"rank {self.rank} chaos: hanging after step {step}")
+            while True:  # peers block in the next collective; only a kill ends this
+                time.sleep(3600)
+
+    def _fire(self, what: str) -> bool:
+        """True once per job and `what`: whoever creates the marker first fires."""
+        try:
+            os.close(os.open(self.dir / f"job-{self.job_id}.{what}-fired",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return False
+        return True
