@@ -38,6 +38,7 @@ test-fast: venv
 bench: venv deps
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf var .pytest_cache

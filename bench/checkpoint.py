@@ -16,9 +16,12 @@ Sections (`--sections a,b`, default: all):
     async_fresh  plain dcp.async_save (a new stager per call): `async_fresh_blocking_s`.
   Per size, medians over `--repeats`: {"mb", "sync_s", "async_blocking_s", "async_total_s",
   "ratio_blocking_to_sync", ...}; "target_met": ratio <= 0.10 at every size >= 100 MB.
+- recovery: bench/recovery.py: SIGKILL one rank of the demo job on a real Trainyard (Redis,
+  daphne, Celery, relay, two agents), time to its first new step with the breakdown (detection,
+  scheduling, process start, checkpoint load), beside the same job's cold start.
 Everything is written under a temporary directory in /tmp, removed at the end.
 
-Usage: python bench/checkpoint.py [--sizes 10,100,500] [--repeats 3] [--sections save_blocking]
+Usage: python bench/checkpoint.py [--sizes 10,100,500] [--repeats 3] [--sections save_blocking,recovery]
 """
 from __future__ import annotations
 
@@ -139,7 +142,14 @@ def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
 
 
 # name -> function(args, work_dir) -> JSON-able dict; each section sets up what it needs.
-SECTIONS = {"save_blocking": save_blocking}
+def recovery(args, work: Path) -> dict:
+    """SIGKILL of a rank -> the first new step, on a real single-machine Trainyard (bench/recovery.py)."""
+    import recovery as rec  # bench/ is on sys.path when this file runs as a script
+
+    return rec.measure(log=log)
+
+
+SECTIONS = {"save_blocking": save_blocking, "recovery": recovery}
 
 
 def main(argv: list[str] | None = None) -> None:
