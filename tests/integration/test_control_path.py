@@ -154,8 +154,11 @@ def test_node_lost_ends_attempt_lost_and_job_reruns_when_node_returns(cluster):
     cluster.start_proc("node-b")  # the machine comes back
     done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
     assert done["status"] == "SUCCEEDED" and done["restarts"] == 1 and len(done["attempts"]) == 2, done
-    last = done["attempts"][1]["id"]
-    assert len([r for r in cluster.metrics(job["id"]) if r["attempt"] == last]) == steps * 2
+    last = done["attempts"][1]
+    rows = cluster.metrics(job["id"])  # each step once: the rerun replaces the lost attempt's steps after its resume point
+    assert sorted((r["rank"], r["step"]) for r in rows) == [(k, s) for k in (0, 1) for s in range(1, steps + 1)]
+    resumed = last["resumed_from_step"] or 0
+    assert len([r for r in rows if r["attempt"] == last["id"]]) == (steps - resumed) * 2
 
 
 def test_user_error_fails_fast_with_the_first_failing_ranks_traceback(cluster):
