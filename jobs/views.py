@@ -121,6 +121,16 @@ def _latest_step_summary(job: Job) -> dict:
             "tokens_per_s": agg["tps"] * world if agg["tps"] is not None else None}
 
 
+def _checkpoint_row(c) -> dict:
+    """The API's checkpoint JSON (the page seeds its table with it), plus what the first paint shows."""
+    from .api import CheckpointSerializer
+
+    row = dict(CheckpointSerializer(c).data)
+    row["attempt_number"] = c.attempt.number if c.attempt else None
+    row["state"] = "deleted" if row["deleted"] else "superseded" if c.superseded else "active"
+    return row
+
+
 @login_required
 def job_detail(request, pk: int):
     job = _visible_job(request, pk)
@@ -130,14 +140,14 @@ def job_detail(request, pk: int):
         a.rank_rows = sorted(({"rank": r["rank"], "node": al.node.name, "pid": r.get("pid")}
                               for al in a.allocations.all() for r in al.ranks), key=lambda r: r["rank"])
     events = [selectors.event_dict(e) for e in job.events.order_by("-id")[:200]]
-    checkpoints = [{"id": c.pk, "step": c.step, "size_bytes": c.size_bytes, "blocking_s": c.blocking_s,
-                    "save_s": c.save_s, "superseded": c.superseded, "created_at": c.created_at.isoformat()}
-                   for c in job.checkpoints.order_by("-step")[:100]]
+    checkpoints = [_checkpoint_row(c)
+                   for c in job.checkpoints.select_related("attempt").order_by("-step", "-id")[:100]]
     res = job.spec.get("resources", {})
     summary = _latest_step_summary(job)
     step = max(job.step, summary.get("step") or 0)
     config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
-              "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel}
+              "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel,
+              "is_staff": request.user.is_staff}
     return render(request, "jobs/job_detail.html", {
         "job": job, "attempts": attempts, "events": events, "checkpoints": checkpoints, "summary": summary,
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,

@@ -20,8 +20,50 @@ function line(label, stroke, extra = {}) {
   return { label, stroke, width: 1.5, spanGaps: true, points: { show: false }, ...extra };
 }
 
+// Vertical dashed lines where a newer attempt took over: ctx.markers = [{step, label}] with label
+// "rollback" (an admin rolled the job back to that step) or "restart" (resumed after a failure).
+const MARKER_COLORS = { rollback: '#ffcc66', restart: '#ff9f43' };
+
+function drawMarkers(u, markers) {
+  const { ctx, bbox } = u;
+  const { min, max } = u.scales.x;
+  if (!markers.length || min === null || max === null || min === undefined) return 0;
+  const px = uPlot.pxRatio || window.devicePixelRatio || 1;
+  let drawn = 0;
+  ctx.save();
+  ctx.beginPath();
+  ctx.rect(bbox.left, bbox.top, bbox.width, bbox.height);
+  ctx.clip();
+  ctx.font = `${Math.round(10 * px)}px system-ui, sans-serif`;
+  ctx.textBaseline = 'top';
+  for (const m of markers) {
+    if (m.step < min || m.step > max) continue;
+    const color = MARKER_COLORS[m.label] || MARKER_COLORS.restart;
+    const x = Math.round(u.valToPos(m.step, 'x', true)) + 0.5;
+    ctx.strokeStyle = color;
+    ctx.lineWidth = px;
+    ctx.setLineDash([5 * px, 4 * px]);
+    ctx.beginPath();
+    ctx.moveTo(x, bbox.top);
+    ctx.lineTo(x, bbox.top + bbox.height);
+    ctx.stroke();
+    ctx.setLineDash([]);
+    ctx.fillStyle = color;
+    // Label on the right of the line, or on its left near the right edge so it stays inside the plot.
+    const right = x + 3 * px + ctx.measureText(m.label).width < bbox.left + bbox.width;
+    ctx.textAlign = right ? 'left' : 'right';
+    ctx.fillText(m.label, right ? x + 3 * px : x - 3 * px, bbox.top + 2 * px);
+    drawn += 1;
+  }
+  ctx.restore();
+  return drawn;
+}
+
+const markerKey = (markers) => markers.map((m) => `${m.label}@${m.step}`).join(',');
+
 export class LiveChart {
   // define(ctx) -> {key, series, axes?, scales?}; data(ctx) -> [xs, ...ys] aligned arrays.
+  // ctx.markers (optional) -> dashed vertical lines at those steps (drawMarkers).
   constructor(root, { define, data, height = 220 }) {
     this.root = root;
     this.define = define;
@@ -31,6 +73,8 @@ export class LiveChart {
     this.key = null;
     this.zoomed = false;
     this.points = 0;
+    this.markers = [];
+    this.markersDrawn = 0;
     this.target = root.querySelector('.chart-plot') || root;
     this.empty = root.querySelector('.chart-empty');
     if (window.ResizeObserver) {
@@ -60,6 +104,8 @@ export class LiveChart {
     this.points = points;
     this.root.dataset.points = String(points);
     this.root.dataset.steps = String(data[0].length);
+    this.markers = ctx.markers || [];
+    this.root.dataset.markers = markerKey(this.markers);
     if (this.empty) this.empty.hidden = data[0].length > 0;
     if (!data[0].length && !this.u) return;
     if (!this.u || def.key !== this.key) {
@@ -72,7 +118,10 @@ export class LiveChart {
           .map(latestWhenIdle),
         axes: def.axes || [xAxis(), axis()],
         scales: { x: { time: false }, ...(def.scales || {}) },
-        hooks: { setSelect: [(u) => { if (u.select.width > 2) this.zoomed = true; }] },
+        hooks: {
+          setSelect: [(u) => { if (u.select.width > 2) this.zoomed = true; }],
+          draw: [(u) => { this.markersDrawn = drawMarkers(u, this.markers); }],
+        },
       };
       this.u = new uPlot(opts, data, this.target);
     } else {
@@ -231,4 +280,35 @@ export function rankStepChart(root) {
     },
     data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, 'step_s'))],
   });
+}
+
+// Chart markers from the job's attempts: every attempt after the first that resumed from a checkpoint
+// marks the step it resumed at, labelled "rollback" when an admin rolled the job back there, else
+// "restart" (failure, lost node, preemption). A rollback shows as: the attempt before ended
+// rolled_back (the job was running), or it had ended succeeded/cancelled (only a rollback runs a finished
+// job again), or a `rollback` event falls between the two attempts (a job that had FAILED for good).
+const ROLLBACK_AFTER = new Set(['rolled_back', 'succeeded', 'cancelled']);
+
+function rollbackBetween(prev, a, rollbacks) {
+  const from = Date.parse(prev.ended_at || '');
+  const to = Date.parse(a.created_at || a.started_at || '');
+  if (Number.isNaN(from) || Number.isNaN(to)) return false;
+  return rollbacks.some((e) => {
+    const t = Date.parse(e.created_at || '');
+    return t >= from && t <= to;
+  });
+}
+
+export function attemptMarkers(attempts, events = []) {
+  const byNumber = new Map((attempts || []).map((a) => [a.number, a]));
+  const rollbacks = (events || []).filter((e) => e && e.kind === 'rollback');
+  const out = [];
+  for (const a of attempts || []) {
+    if (!(a.number > 1) || a.resumed_from_step === null || a.resumed_from_step === undefined) continue;
+    const prev = byNumber.get(a.number - 1);
+    const rollback = !!prev && (ROLLBACK_AFTER.has(prev.outcome) || prev.stop_reason === 'rollback'
+      || rollbackBetween(prev, a, rollbacks));
+    out.push({ step: a.resumed_from_step, label: rollback ? 'rollback' : 'restart', attempt: a.number });
+  }
+  return out.sort((x, y) => x.step - y.step || x.attempt - y.attempt);
 }

@@ -1,7 +1,8 @@
 // Cluster overview and nodes page, live over /ws/cluster/: node cards (slots used/free, CPU, memory,
-// GPU utilisation, status, heartbeat age), running jobs with progress, and the queue.
+// GPU utilisation, status, heartbeat age, quarantine), running jobs with progress, and the queue.
+// Staff get a "Clear quarantine" button on quarantined nodes (POST /api/v1/nodes/<name>/clear/).
 import { LiveSocket, bindIndicator } from './live.js';
-import { $, $$, el, fmtAgo, statusBadge } from './util.js';
+import { $, $$, el, fmtAgo, fmtDateTime, statusBadge, postJSON, errorText } from './util.js';
 
 const state = { nodes: null, queue: null, running: null };
 
@@ -15,16 +16,33 @@ function meter(label, cls, value, text) {
     el('span', { class: 'n' }, text));
 }
 
+// Quarantine is kept apart from status on the server (a quarantined node that went LOST stays quarantined).
+const quarantined = (n) => !!n.quarantined_at || n.status === 'QUARANTINED';
+const canClear = () => $('#nodes')?.dataset.canClear === '1';
+
+function quarantineBox(n) {
+  if (!quarantined(n)) return null;
+  return el('div', { class: 'quarantine' },
+    el('div', {}, el('b', {}, 'Quarantined'),
+      n.quarantined_at ? [' ', el('time', { datetime: n.quarantined_at, 'data-ago': true,
+        title: fmtDateTime(n.quarantined_at) }, fmtAgo(n.quarantined_at))] : '',
+      n.quarantine_reason ? [': ', el('span', { class: 'q-reason' }, n.quarantine_reason)] : ''),
+    canClear() ? el('button', { type: 'button', class: 'small', dataset: { action: 'clear', node: n.name } },
+      'Clear quarantine') : '');
+}
+
 function nodeCard(n) {
   const used = n.slots_used || 0;
   const slots = [];
   for (let i = 0; i < (n.slots || 0); i++) slots.push(el('span', { class: i < used ? 'slot used' : 'slot' }));
   const labels = Object.entries(n.labels || {}).map(([k, v]) => ` · ${k}=${v}`).join('');
   const gpus = (n.devices || []).filter((d) => d && d.kind === 'cuda');
-  return el('article', { class: n.status === 'LOST' ? 'node s-lost-card' : 'node', dataset: { node: n.name } },
+  const cls = ['node', n.status === 'LOST' ? 's-lost-card' : '', quarantined(n) ? 's-quarantined-card' : ''];
+  return el('article', { class: cls.filter(Boolean).join(' '), dataset: { node: n.name } },
     el('div', { class: 'node-head' }, el('b', {}, n.name), statusBadge(n.status)),
     el('div', { class: 'sub' }, `${n.address || ''}${labels} · heartbeat `,
       el('time', { datetime: n.last_heartbeat || '', 'data-ago': true }, fmtAgo(n.last_heartbeat))),
+    quarantineBox(n),
     el('div', { class: 'meter' }, el('span', { class: 'k' }, 'Slots'),
       el('span', { class: 'slots', title: `${used} used, ${Math.max(0, n.slots - used)} free` }, slots),
       el('span', { class: 'n' }, `${used}/${n.slots}`)),
@@ -64,8 +82,10 @@ function renderNodes() {
   }
   const table = $('#node-table');
   if (table) {
-    table.replaceChildren(...(nodes.length ? nodes.map((n) => el('tr', {},
-      el('td', {}, n.name), el('td', {}, statusBadge(n.status)), el('td', {}, n.address || ''),
+    table.replaceChildren(...(nodes.length ? nodes.map((n) => el('tr', { dataset: { node: n.name } },
+      el('td', {}, n.name),
+      el('td', { title: quarantined(n) ? `quarantined: ${n.quarantine_reason || ''}` : null }, statusBadge(n.status)),
+      el('td', {}, n.address || ''),
       el('td', { class: 'num' }, `${n.slots_used || 0} / ${n.slots}`),
       el('td', { class: 'num' }, `${pct(n.cpu_percent).toFixed(0)}%`),
       el('td', { class: 'num' }, `${pct(n.mem_percent).toFixed(0)}%`),
@@ -113,10 +133,41 @@ function onMessage(msg) {
   }
 }
 
+function showNodeError(text) {
+  const box = $('#node-error');
+  if (!box) return;
+  box.textContent = text || '';
+  box.hidden = !text;
+}
+
+async function clearQuarantine(name, button) {
+  button.disabled = true;
+  const r = await postJSON(`/api/v1/nodes/${encodeURIComponent(name)}/clear/`, {});
+  if (!r.ok) {
+    button.disabled = false;
+    showNodeError(`Clear quarantine of ${name} refused: ${errorText(r.data, r.status)}`);
+    return;
+  }
+  showNodeError('');
+  // The cluster socket pushes the change too; the answer updates the card at once.
+  if (r.data && r.data.name === name && state.nodes) {
+    state.nodes = state.nodes.map((n) => (n.name === name ? { ...n, ...r.data } : n));
+    renderNodes();
+  }
+}
+
+const nodesBox = $('#nodes');
+if (nodesBox) {
+  nodesBox.addEventListener('click', (ev) => {
+    const b = ev.target.closest('button[data-action="clear"]');
+    if (b) clearQuarantine(b.dataset.node, b);
+  });
+}
+
 // Heartbeat ages tick locally; the data itself only changes when the server pushes.
 setInterval(() => {
   for (const t of $$('time[data-ago]')) t.textContent = fmtAgo(t.getAttribute('datetime'));
 }, 1000);
 
 const socket = new LiveSocket('/ws/cluster/', { onMessage, onState: bindIndicator($('#live-indicator')) }).start();
-window.trainyard = { socket, state };
+window.trainyard = { socket, state, onMessage };

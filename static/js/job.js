@@ -1,11 +1,13 @@
 // Job detail page: everything after the first paint arrives over /ws/jobs/<id>/ (no metric polling).
-// The only HTTP request it makes is one GET of the job on a `status` message, to refresh attempts.
+// The only HTTP GET it makes is of the job itself, after a burst of `status` messages or of events that
+// change what the job JSON says (stragglers, hangs, restarts, rollbacks), to refresh attempts.
+// Staff also get Roll back / Pin buttons on the checkpoints (POSTs to the API with the CSRF token).
 import { LiveSocket, bindIndicator } from './live.js';
 import { SampleStore } from './store.js';
-import { lossChart, throughputChart, breakdownChart, rankStepChart } from './charts.js';
+import { lossChart, throughputChart, breakdownChart, rankStepChart, attemptMarkers } from './charts.js';
 import { LogPane } from './logs.js';
 import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
-  readJSONScript, statusBadge, isNum } from './util.js';
+  readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
 
 const cfg = readJSONScript('job-config');
 const store = new SampleStore({ maxSteps: 2000 });
@@ -22,10 +24,14 @@ const state = {
   step: cfg.step,
   world: cfg.world,
   events: new Map(),       // id -> event
-  checkpoints: new Map(),  // step -> checkpoint
+  checkpoints: new Map(),  // id -> checkpoint (after a rollback two checkpoints can share a step)
+  markers: [],             // [{step, label}] rollback/restart lines on the charts
   statusMessages: 0,
+  eventRefreshes: 0,       // events that asked for a job refresh (straggler, rollback, ...)
   jobFetches: 0,
 };
+// Events after which the job JSON (stragglers, health, attempts) is stale.
+const REFRESH_KINDS = new Set(['straggler', 'straggler_cleared', 'hang_detected', 'rollback', 'restart']);
 
 // ---------------------------------------------------------------- header
 
@@ -37,6 +43,7 @@ function setStatus(status, reason) {
     document.body.dataset.jobStatus = status;
   }
   if (reason !== undefined && reason !== null) $('#job-reason').textContent = reason;
+  if (TERMINAL.has(state.status) && $('#job-alerts')) $('#job-alerts').hidden = true;
   const cancel = $('#cancel-form');
   if (cancel) cancel.hidden = !cfg.can_cancel || TERMINAL.has(state.status) || state.status === 'STOPPING';
 }
@@ -68,62 +75,235 @@ function ranksCell(ranks) {
     el('b', {}, `r${r.rank}`), ` ${r.node}`, r.pid ? el('span', { class: 'muted' }, ` pid ${r.pid}`) : '')));
 }
 
+function resumedCell(a, marker) {
+  if (a.resumed_from_step === null || a.resumed_from_step === undefined) return 'start';
+  return [`step ${a.resumed_from_step}`, marker ? el('span', { class: 'muted' }, ` (${marker.label})`) : ''];
+}
+
+function failureRow(a) {
+  const f = a.failure || {};
+  if (!(f.message || f.traceback || f.class)) return null;
+  const where = [f.rank !== undefined && f.rank !== null ? `rank ${f.rank}` : '', f.node || ''].filter(Boolean).join(' on ');
+  return el('tr', { class: 'failure-row', dataset: { failure: a.id } }, el('td', {}), el('td', { colspan: 6 },
+    el('details', { dataset: { key: `tb-${a.id}` } },
+      el('summary', {}, el('b', {}, f.class || 'failure'), where ? ` (${where})` : '', ': ', f.message || ''),
+      el('pre', { class: 'tb' }, f.traceback || '(no traceback captured)')),
+    f.suggestion ? el('p', { class: 'suggestion' }, el('b', {}, 'Suggestion: '), f.suggestion) : ''));
+}
+
+function outcomeClass(outcome) {
+  if (!outcome) return '';
+  if (outcome === 'succeeded') return 'ok';
+  if (outcome.startsWith('failed') || outcome === 'lost') return 'bad';
+  return 'warn';  // rolled_back, preempted, cancelled
+}
+
 function renderAttempts(attempts) {
   const body = $('#attempts-body');
   if (!body) return;
   const rows = [];
+  const markers = new Map(state.markers.map((m) => [m.attempt, m]));
   const sorted = [...(attempts || [])].sort((a, b) => b.number - a.number);
   for (const a of sorted) {
-    const f = a.failure || {};
-    rows.push(el('tr', { dataset: { attempt: a.id } },
+    rows.push(el('tr', { dataset: { attempt: a.id, number: a.number, outcome: a.outcome || '' } },
       el('td', {}, `#${a.number}`),
       el('td', {}, statusBadge(a.status)),
-      el('td', {}, a.outcome || (a.status === 'ENDED' ? '' : '…'), a.stop_reason ? el('div', { class: 'muted' }, a.stop_reason) : ''),
+      el('td', {}, el('span', { class: `outcome o-${outcomeClass(a.outcome)}` },
+        a.outcome || (a.status === 'ENDED' ? '' : '…')),
+        a.stop_reason ? el('div', { class: 'muted' }, a.stop_reason) : ''),
       el('td', {}, ranksCell(a.ranks)),
-      el('td', {}, a.resumed_from_step === null || a.resumed_from_step === undefined ? 'start' : `step ${a.resumed_from_step}`),
+      el('td', {}, resumedCell(a, markers.get(a.number))),
       el('td', {}, el('time', { datetime: a.started_at || '' }, fmtDateTime(a.started_at))),
       el('td', {}, el('time', { datetime: a.ended_at || '' }, fmtDateTime(a.ended_at)))));
-    if (f.message || f.traceback || f.class) {
-      const where = [f.rank !== undefined && f.rank !== null ? `rank ${f.rank}` : '', f.node || ''].filter(Boolean).join(' on ');
-      rows.push(el('tr', { class: 'failure-row' }, el('td', {}), el('td', { colspan: 6 },
-        el('details', {}, el('summary', {}, el('b', {}, f.class || 'failure'), where ? ` (${where})` : '', ': ', f.message || ''),
-          el('pre', { class: 'tb' }, f.traceback || '(no traceback captured)')))));
-    }
+    const failure = failureRow(a);
+    if (failure) rows.push(failure);
   }
   if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 7, class: 'muted' }, 'No attempt yet: the job is waiting for slots.')));
-  body.replaceChildren(...rows);
+  replaceKeepingOpen(body, rows);
+}
+
+// ---------------------------------------------------------------- checkpoints (+ staff actions)
+
+function checkpointState(c) {
+  if (c.deleted) return 'deleted';
+  if (c.superseded) return 'superseded';
+  return 'active';
+}
+
+// Checkpoint JSON names its attempt by id (as metrics and events do); the table shows the attempt's number.
+function attemptLabel(c) {
+  const attempts = (state.job && state.job.attempts) || [];
+  const a = attempts.find((x) => x.id === c.attempt);
+  if (a) return `#${a.number}`;
+  if (isNum(c.attempt_number)) return `#${c.attempt_number}`;
+  return '–';
+}
+
+function checkpointActions(c) {
+  if (!cfg.is_staff) return null;
+  const buttons = [];
+  if (!c.deleted) {
+    buttons.push(el('button', { type: 'button', class: 'small warn', dataset: { action: 'rollback', id: c.id } },
+      'Roll back'));
+    buttons.push(el('button', { type: 'button', class: 'small ghost', dataset: { action: 'pin', id: c.id } },
+      c.pinned ? 'Unpin' : 'Pin'));
+  }
+  return el('td', { class: 'actions-cell' }, buttons);
+}
+
+function checkpointRow(c) {
+  const st = checkpointState(c);
+  const dataset = { checkpoint: c.id, step: c.step, state: st, pinned: c.pinned ? '1' : '' };
+  return el('tr', { class: `ck-${st}`, dataset },
+    el('td', {}, `step ${c.step}`),
+    el('td', {}, attemptLabel(c)),
+    el('td', {}, el('time', { datetime: c.created_at || '', title: fmtDateTime(c.created_at) },
+      fmtClock(c.created_at))),
+    el('td', { class: 'num' }, fmtBytes(c.size_bytes)),
+    el('td', { class: 'num' }, `${fmtSeconds(c.blocking_s)} / ${fmtSeconds(c.save_s)}`),
+    el('td', { class: 'ck-badges' }, el('span', { class: `badge b-${st}` }, st),
+      c.pinned ? el('span', { class: 'badge b-pinned' }, 'pinned') : ''),
+    checkpointActions(c));
 }
 
 function renderCheckpoints() {
   const list = $('#checkpoints-body');
-  const items = [...state.checkpoints.values()].sort((a, b) => b.step - a.step);
+  const items = [...state.checkpoints.values()].sort((a, b) => b.step - a.step || (b.id || 0) - (a.id || 0));
   if (!items.length) {
-    list.replaceChildren(el('tr', {}, el('td', { colspan: 5, class: 'muted empty-state' }, 'No checkpoints yet.')));
+    const colspan = cfg.is_staff ? 7 : 6;
+    list.replaceChildren(el('tr', {}, el('td', { colspan, class: 'muted empty-state' }, 'No checkpoints yet.')));
     return;
   }
-  list.replaceChildren(...items.map((c) => el('tr', { class: c.superseded ? 'muted' : '' },
-    el('td', {}, `step ${c.step}`), el('td', {}, fmtBytes(c.size_bytes)),
-    el('td', {}, fmtSeconds(c.blocking_s)), el('td', {}, fmtSeconds(c.save_s)),
-    el('td', {}, el('time', { datetime: c.created_at || '' }, fmtClock(c.created_at))))));
+  list.replaceChildren(...items.map(checkpointRow));
 }
 
-function eventKindClass(kind) {
-  if (/fail|lost|error|crash/i.test(kind)) return 'ev-bad';
-  if (/succeed|finish|start|running/i.test(kind)) return 'ev-ok';
-  if (/cancel|stop|queue|restart|retry/i.test(kind)) return 'ev-warn';
+function addCheckpoint(c) {
+  if (!c || !Number.isInteger(c.step)) return;
+  const key = c.id ?? `step:${c.step}`;
+  state.checkpoints.set(key, { ...state.checkpoints.get(key), ...c });
+}
+
+function setNote(text, bad = false) {
+  const note = $('#checkpoint-note');
+  if (!note) return;
+  note.textContent = text || '';
+  note.hidden = !text;
+  note.classList.toggle('bad', bad);
+  if (bad) note.setAttribute('role', 'alert'); else note.removeAttribute('role');
+}
+
+let pendingRollback = null;
+
+function askRollback(c) {
+  pendingRollback = c;
+  setNote('');
+  $('#rollback-question').textContent =
+    `Roll back job ${cfg.id} to step ${c.step}? The running attempt stops; later checkpoints are superseded.`;
+  $('#rollback-confirm').hidden = false;
+  $('#rollback-yes').disabled = false;
+  $('#rollback-yes').focus();
+}
+
+function closeRollback() {
+  pendingRollback = null;
+  $('#rollback-confirm').hidden = true;
+}
+
+async function confirmRollback() {
+  const c = pendingRollback;
+  if (!c) return;
+  $('#rollback-yes').disabled = true;
+  const r = await postJSON(`/api/v1/jobs/${cfg.id}/rollback/`, { checkpoint: c.id });
+  closeRollback();
+  if (!r.ok) {
+    setNote(`Roll back to step ${c.step} refused: ${errorText(r.data, r.status)}`, true);
+    return;
+  }
+  setNote(`Rollback to step ${c.step} requested: the job restarts from that checkpoint.`);
+  if (r.data && r.data.id === cfg.id) applyJob(r.data);
+  refreshJobSoon();
+}
+
+async function togglePin(c, button) {
+  button.disabled = true;
+  const r = await postJSON(`/api/v1/jobs/${cfg.id}/checkpoints/${c.id}/pin/`, { pinned: !c.pinned });
+  button.disabled = false;
+  if (!r.ok) {
+    setNote(`${c.pinned ? 'Unpin' : 'Pin'} of step ${c.step} refused: ${errorText(r.data, r.status)}`, true);
+    return;
+  }
+  setNote('');
+  addCheckpoint(r.data && Number.isInteger(r.data.step) ? r.data : { ...c, pinned: !c.pinned });
+  renderCheckpoints();
+}
+
+function bindCheckpointActions() {
+  if (!cfg.is_staff) return;
+  $('#checkpoints-body').addEventListener('click', (ev) => {
+    const b = ev.target.closest('button[data-action]');
+    if (!b) return;
+    const c = [...state.checkpoints.values()].find((x) => String(x.id) === b.dataset.id);
+    if (!c) return;
+    if (b.dataset.action === 'rollback') askRollback(c);
+    else if (b.dataset.action === 'pin') togglePin(c, b);
+  });
+  $('#rollback-yes').addEventListener('click', confirmRollback);
+  $('#rollback-no').addEventListener('click', closeRollback);
+}
+
+// ---------------------------------------------------------------- timeline
+
+const KIND_CLASS = {
+  attempt_started: 'ok', running: 'ok', succeeded: 'ok', straggler_cleared: 'ok', node_cleared: 'ok',
+  failed: 'bad', hang_detected: 'bad', node_quarantined: 'bad', lost: 'bad',
+  restart: 'warn', rollback: 'warn', straggler: 'warn', preempted: 'warn', cancelled: 'warn',
+  checkpoint: 'info', checkpoint_saved: 'info', checkpoint_deleted: 'info', resumed: 'info',
+};
+
+// failures red, restarts/rollbacks amber, checkpoints/resumes blue, success green
+function eventClass(e) {
+  const kind = e.kind || '';
+  if (kind === 'attempt_ended') return outcomeClass(e.data && e.data.outcome) || 'warn';
+  if (KIND_CLASS[kind]) return KIND_CLASS[kind];
+  if (/fail|lost|error|crash|hang|quarantin/i.test(kind)) return 'bad';
+  if (/checkpoint|resum/i.test(kind)) return 'info';
+  if (/rollback|restart|retry|preempt|cancel|stop|straggler|queue|drain/i.test(kind)) return 'warn';
+  if (/succeed|finish|start|running|clear/i.test(kind)) return 'ok';
   return '';
 }
 
+function evidenceOf(e) {
+  const data = e.data || {};
+  const nonEmpty = (x) => !!x && typeof x === 'object' && Object.keys(x).length > 0;
+  if (nonEmpty(data.evidence)) return data.evidence;
+  return nonEmpty(data) ? data : null;
+}
+
+function eventNode(e) {
+  const cls = eventClass(e);
+  const evidence = evidenceOf(e);
+  return el('li', { class: cls ? `ev-${cls}` : '', dataset: { id: e.id ?? '', kind: e.kind || '' } },
+    el('time', { datetime: e.created_at || '', title: fmtDateTime(e.created_at) }, fmtClock(e.created_at)),
+    el('span', { class: `ev-kind kb-${cls || 'plain'}` }, e.kind || ''),
+    el('span', { class: 'ev-msg' }, e.message || ''),
+    evidence ? el('details', { class: 'ev-evidence' }, el('summary', {}, 'evidence'),
+      el('pre', {}, JSON.stringify(evidence, null, 2))) : '');
+}
+
+// Events never change once written, so each keeps its <li> (and any evidence the user expanded).
+const eventNodes = new Map();
+
 function renderEvents() {
   const list = $('#events');
-  const items = [...state.events.values()].sort((a, b) => (b.id || 0) - (a.id || 0)).slice(0, 200);
+  const items = [...state.events.entries()].sort(([, a], [, b]) => (b.id || 0) - (a.id || 0)).slice(0, 200);
   if (!items.length) {
     list.replaceChildren(el('li', { class: 'muted' }, 'No events yet.'));
     return;
   }
-  list.replaceChildren(...items.map((e) => el('li', { class: eventKindClass(e.kind || ''), dataset: { id: e.id } },
-    el('time', { datetime: e.created_at || '' }, fmtClock(e.created_at)),
-    el('span', { class: 'ev-kind' }, e.kind || ''), el('span', { class: 'ev-msg' }, e.message || ''))));
+  list.replaceChildren(...items.map(([key, e]) => {
+    if (!eventNodes.has(key)) eventNodes.set(key, eventNode(e));
+    return eventNodes.get(key);
+  }));
 }
 
 function addEvent(e) {
@@ -131,15 +311,38 @@ function addEvent(e) {
   state.events.set(e.id ?? `${e.kind}:${e.created_at}`, e);
 }
 
-function addCheckpoint(c) {
-  if (!c || !Number.isInteger(c.step)) return;
-  state.checkpoints.set(c.step, { ...state.checkpoints.get(c.step), ...c });
+// ---------------------------------------------------------------- stragglers and health
+
+function stragglerAlert(s) {
+  const pct = isNum(s.ratio) ? Math.round((s.ratio - 1) * 100) : null;
+  const detail = [
+    isNum(s.work_s) && isNum(s.median_s) ? `${fmtSeconds(s.work_s)} vs ${fmtSeconds(s.median_s)} a step` : '',
+    isNum(s.since_step) ? `since step ${s.since_step}` : ''].filter(Boolean).join(', ');
+  return el('div', { class: 'alert warn', dataset: { rank: s.rank, node: s.node || '' } },
+    el('b', {}, 'Straggler: '),
+    `rank ${s.rank} on ${s.node || '?'} is ${pct === null ? 'slower than' : `${pct}% slower than`} the median`,
+    detail ? el('span', { class: 'muted' }, ` (${detail})`) : '');
+}
+
+function renderAlerts(job) {
+  const box = $('#job-alerts');
+  if (!box) return;
+  // A straggler is news only while the job runs (the server lists the current attempt's).
+  const live = !TERMINAL.has(job.status);
+  const alerts = live ? (job.stragglers || []).map(stragglerAlert) : [];
+  box.replaceChildren(...alerts);
+  box.hidden = !alerts.length;
+  const hang = $('#job-hang');
+  const h = job.health || {};
+  if (!hang) return;
+  const source = h.hang_timeout_source === 'auto' ? ' (auto)' : '';
+  hang.textContent = isNum(h.hang_timeout_s) ? `hang timeout ${fmtSeconds(h.hang_timeout_s)}${source}` : '';
 }
 
 // ---------------------------------------------------------------- socket messages
 
 const redrawCharts = frameThrottle(() => {
-  const ctx = { store, world: state.world };
+  const ctx = { store, world: state.world, markers: state.markers };
   for (const c of Object.values(charts)) c.update(ctx);
   renderHeader();
 }, 100);
@@ -147,7 +350,8 @@ const redrawEvents = frameThrottle(renderEvents, 200);
 
 let fetchTimer = null;
 function refreshJobSoon() {
-  // One GET per burst of status messages: attempts/ranks/failure live on the job, not in the message.
+  // One GET per burst of status messages/events: attempts, ranks, failures and stragglers live on the
+  // job, not in the message.
   clearTimeout(fetchTimer);
   fetchTimer = setTimeout(async () => {
     state.jobFetches += 1;
@@ -169,18 +373,22 @@ function applyJob(job) {
   $('#job-restarts').textContent = String(job.restarts ?? 0);
   const qp = $('#job-queue');
   if (qp) qp.textContent = job.queue_position ? `#${job.queue_position} in queue` : '';
+  state.markers = attemptMarkers(job.attempts, [...state.events.values()]);
   renderAttempts(job.attempts);
+  renderAlerts(job);
+  renderCheckpoints();  // attempt numbers come from the job
   renderHeader();
+  redrawCharts();
 }
 
 function onMessage(msg) {
   switch (msg.type) {
     case 'snapshot':
+      for (const e of msg.events || []) addEvent(e);  // before the job: chart markers read rollback events
+      for (const c of msg.checkpoints || []) addCheckpoint(c);
       applyJob(msg.job);
       store.merge(msg.samples, { downsampled: !!msg.downsampled });
       logs.reset(msg.logs || []);
-      for (const e of msg.events || []) addEvent(e);
-      for (const c of msg.checkpoints || []) addCheckpoint(c);
       renderCheckpoints();
       redrawEvents();
       redrawCharts();
@@ -208,6 +416,10 @@ function onMessage(msg) {
     case 'event':
       addEvent(msg.event);
       redrawEvents();
+      if (msg.event && REFRESH_KINDS.has(msg.event.kind)) {
+        state.eventRefreshes += 1;
+        refreshJobSoon();
+      }
       break;
     case 'checkpoint':
       addCheckpoint(msg.checkpoint || msg);
@@ -229,12 +441,15 @@ for (const e of readJSONScript('job-events') || []) addEvent(e);
 for (const c of readJSONScript('job-checkpoints') || []) addCheckpoint(c);
 setStatus(cfg.status);
 renderHeader();
+renderEvents();
+renderCheckpoints();
+bindCheckpointActions();
 
 const socket = new LiveSocket(`/ws/jobs/${cfg.id}/`, { onMessage, onState: bindIndicator($('#live-indicator')) }).start();
 
 // For the browser tests and for poking around in the console.
 window.trainyard = {
-  store, charts, socket, logs, state,
+  store, charts, socket, logs, state, onMessage,
   stats: () => store.stats(),
   chartSteps: (name) => charts[name].seriesSteps(),
 };

@@ -115,3 +115,52 @@ export function readJSONScript(id) {
   const node = document.getElementById(id);
   return node ? JSON.parse(node.textContent) : null;
 }
+
+// Django's CSRF token: the csrftoken cookie, else the hidden input of any form on the page (base.html's
+// logout form always has one). DRF's session auth wants it in X-CSRFToken on every unsafe request.
+export function csrfToken() {
+  const m = document.cookie.match(/(?:^|;\s*)csrftoken=([^;]+)/);
+  if (m) return decodeURIComponent(m[1]);
+  const input = document.querySelector('input[name=csrfmiddlewaretoken]');
+  return input ? input.value : '';
+}
+
+// POST a JSON body with the session and CSRF token -> {ok, status, data}; never throws on a 4xx/5xx.
+export async function postJSON(url, body = {}) {
+  let resp;
+  try {
+    resp = await fetch(url, {
+      method: 'POST', credentials: 'same-origin', body: JSON.stringify(body),
+      headers: { Accept: 'application/json', 'Content-Type': 'application/json', 'X-CSRFToken': csrfToken() },
+    });
+  } catch (err) {
+    return { ok: false, status: 0, data: { errors: { detail: [`network error: ${err.message || err}`] } } };
+  }
+  let data = null;
+  try {
+    data = await resp.json();
+  } catch (err) {
+    data = null;
+  }
+  return { ok: resp.ok, status: resp.status, data };
+}
+
+// The API's {"errors": {"field": ["msg", ...]}} (or DRF's bare {"detail": "..."}) as one line of text.
+export function errorText(data, status) {
+  const errors = (data && (data.errors || data)) || {};
+  const parts = [];
+  for (const [field, msgs] of Object.entries(errors)) {
+    const text = (Array.isArray(msgs) ? msgs : [msgs]).filter((m) => typeof m === 'string').join(' ');
+    if (text) parts.push(field === 'detail' || field === 'non_field_errors' ? text : `${field}: ${text}`);
+  }
+  return parts.join('; ') || `the server answered HTTP ${status || '?'}`;
+}
+
+// Replace a container's children, keeping open the <details data-key> that were open before, so a
+// live re-render does not snap shut what the user expanded.
+export function replaceKeepingOpen(container, nodes) {
+  const open = new Set($$('details[open][data-key]', container).map((d) => d.dataset.key));
+  container.replaceChildren(...nodes);
+  if (!open.size) return;
+  for (const d of $$('details[data-key]', container)) if (open.has(d.dataset.key)) d.open = true;
+}

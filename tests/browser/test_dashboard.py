@@ -176,10 +176,10 @@ def test_submit_from_form_charts_fill_live_until_succeeded(page, base, cluster):
     assert not navigations, f"the page navigated: {navigations}"
 
     # No polling: after load the page asked for no metrics and nothing but the job itself, once per
-    # status message (to refresh attempts).
+    # status message (to refresh attempts) or event that changes the job (a straggler flagged, ...).
     wait_js(page, "() => window.trainyard.state.jobFetches >= 1", 10, "the attempts refresh")
     page.wait_for_timeout(500)
-    status_msgs = page.evaluate("() => window.trainyard.state.statusMessages")
+    status_msgs = page.evaluate("() => window.trainyard.state.statusMessages + window.trainyard.state.eventRefreshes")
     non_static = [(m_, u) for m_, u in after_load if "/static/" not in u]
     assert not [u for _, u in non_static if "/metrics" in u], non_static
     assert all(m_ == "GET" and u == f"{base}/api/v1/jobs/{job_id}/" for m_, u in non_static), non_static
@@ -208,7 +208,14 @@ def test_submit_from_form_charts_fill_live_until_succeeded(page, base, cluster):
     assert page.evaluate("() => window.trainyard.logs.total") > 0
     assert page.text_content("#job-step").strip() == "150 / 150"
     assert page.locator("#cancel-form").count() == 0 or page.locator("#cancel-form").is_hidden()
-    assert page.text_content("#checkpoints-body").strip() == "No checkpoints yet."
+    # The checkpoints table shows what the API lists (default checkpoint.every_steps: 50).
+    api_steps = [c["step"] for c in cluster.get(f"/api/v1/jobs/{job_id}/checkpoints/")["results"]]
+    wait_js(page, f"() => document.querySelectorAll('#checkpoints-body tr[data-checkpoint]').length === {len(api_steps)}",
+            15, "the checkpoints table")
+    assert page.evaluate("() => [...document.querySelectorAll('#checkpoints-body tr[data-checkpoint]')]"
+                         ".map(r => +r.dataset.step)") == api_steps
+    if not api_steps:
+        assert page.text_content("#checkpoints-body").strip() == "No checkpoints yet."
     sock = page.evaluate("() => window.trainyard.socket.stats")
     unsequenced = sock["byType"].get("pong", 0) + sock["byType"].get("error", 0)
     assert sock["acks"] == sock["messages"] - unsequenced and sock["byType"].get("error", 0) == 0, sock
