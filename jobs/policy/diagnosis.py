@@ -129,6 +129,9 @@ def hang_check(*, now: float, started: float, last_progress: float | None, spec_
 STRAGGLER_RATIO = 1.20   # flagged above 20% slower than its peers' median
 STRAGGLER_CLEAR = 1.10   # cleared below 10%: the gap stops flapping a rank near the threshold
 STRAGGLER_MIN_STEPS = 10  # "persistently": a median over at least this many of its recent steps
+# ...and by at least this much: on a shared 2-core machine, CPU ranks of ~20 ms steps drift 5 ms
+# (25%) apart from scheduler noise alone; a real straggler is slower by a lot more than that.
+STRAGGLER_MIN_EXCESS_S = 0.010
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,8 @@ def stragglers(work_s: dict[int, list[float]], flagged: frozenset[int] = frozens
         if peers <= 0:
             continue
         ratio = mine / peers
+        if mine - peers < STRAGGLER_MIN_EXCESS_S:
+            continue
         if ratio > STRAGGLER_RATIO or (rank in flagged and ratio > STRAGGLER_CLEAR):
             out.append(Straggler(rank, round(ratio, 3), mine, peers))
     return out

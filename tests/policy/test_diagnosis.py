@@ -92,6 +92,7 @@ STRAGGLER_CASES = [
     ("one slow spike is not persistent", {0: [0.10] * 12, 1: [0.10] * 11 + [5.0]}, frozenset(), []),
     ("four ranks, one slow", {r: [0.10] * 12 for r in range(3)} | {3: [0.2] * 12}, frozenset(), [3]),
     ("single rank: no peers", {0: [0.10] * 12}, frozenset(), []),
+    ("30% of a 20 ms step is scheduler noise", {0: [0.020] * 12, 1: [0.026] * 12}, frozenset(), []),
 ]
 
 
