@@ -157,6 +157,11 @@ TRAINYARD_HANG_FLOOR_S = float(os.environ.get("TRAINYARD_HANG_FLOOR_S", "60"))
 # A node implicated in two failures within this window is quarantined until an admin clears it.
 TRAINYARD_QUARANTINE_WINDOW_S = float(os.environ.get("TRAINYARD_QUARANTINE_WINDOW_S", "3600"))
 TRAINYARD_QUARANTINE_FAILURES = int(os.environ.get("TRAINYARD_QUARANTINE_FAILURES", "2"))
+# A preempted attempt has this long to checkpoint and exit before its processes are stopped.
+TRAINYARD_PREEMPT_GRACE_S = float(os.environ.get("TRAINYARD_PREEMPT_GRACE_S", "60"))
+# Quota device-hours are counted over this rolling window; fair share decays usage with this half-life.
+TRAINYARD_QUOTA_WINDOW_S = float(os.environ.get("TRAINYARD_QUOTA_WINDOW_S", str(7 * 86400)))
+TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 
 LOGGING = {
     "version": 1,

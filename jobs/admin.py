@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota
+from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange
 
 
 @admin.register(Node)
@@ -58,6 +58,25 @@ class CheckpointAdmin(admin.ModelAdmin):
 class QuotaAdmin(admin.ModelAdmin):
     list_display = ("id", "team", "user", "max_slots", "device_hours", "updated_at")
     search_fields = ("team__name", "user__username")
+
+    def save_model(self, request, obj, form, change):
+        from django.db import transaction
+
+        from . import services
+
+        with transaction.atomic():
+            before = Quota.objects.filter(pk=obj.pk).values("max_slots", "device_hours").first() if change else None
+            super().save_model(request, obj, form, change)
+            services.quota_audit(request.user, obj, before)
+
+
+@admin.register(QuotaChange)
+class QuotaChangeAdmin(admin.ModelAdmin):
+    list_display = ("id", "subject", "old", "new", "actor", "created_at")
+    search_fields = ("subject",)
+
+    def has_change_permission(self, request, obj=None):
+        return False  # an audit log
 
 
 @admin.register(JobEvent)

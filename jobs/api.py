@@ -9,6 +9,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from . import selectors, services
 from .models import Attempt, Checkpoint, Job, MetricSample, Node
@@ -112,7 +113,7 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = ["name", "status", "slots", "slots_used", "address", "labels", "devices", "cpu_percent",
-                  "mem_percent", "last_heartbeat", "quarantined_at", "quarantine_reason"]
+                  "mem_percent", "last_heartbeat", "quarantined_at", "quarantine_reason", "drain_mode"]
 
     def get_slots_used(self, obj) -> int:
         used = self.context.get("slots_used")
@@ -256,6 +257,36 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     lookup_field = "name"
     lookup_value_regex = "[^/]+"
 
+    def _schedulable(self, request, action: str):
+        node = self.get_object()
+        if not request.user.is_staff:
+            return _forbidden(f"only staff may {action} nodes")
+        mode = request.data.get("mode") if isinstance(request.data, dict) else None
+        try:
+            node = services.node_set_schedulable(request.user, node, action, mode)
+        except SpecError as exc:
+            return Response({"errors": exc.errors}, status=status.HTTP_400_BAD_REQUEST)
+        return Response(NodeSerializer(node).data)
+
+    @extend_schema(request={"application/json": {"type": "object", "properties": {
+        "mode": {"type": "string", "enum": ["finish", "preempt"]}}, "required": ["mode"]}}, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request, name=None):
+        """No new work; running jobs finish ("finish") or checkpoint and move ("preempt") (staff)."""
+        return self._schedulable(request, "drain")
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request, name=None):
+        """No new work; running jobs continue (staff)."""
+        return self._schedulable(request, "cordon")
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request, name=None):
+        """The node takes new work again (staff)."""
+        return self._schedulable(request, "uncordon")
+
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def clear(self, request, name=None):
@@ -265,3 +296,26 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
             return _forbidden("only staff may clear a quarantine")
         node = services.node_clear(request.user, node)
         return Response(NodeSerializer(node).data)
+
+
+class QuotaView(APIView):
+    """GET: every team's (and quota'd user's) quota, in use, borrowed, queued demand and device-hours
+    used in the rolling window. PUT (staff): one quota object or a list; all or nothing; takes
+    effect at the next scheduling tick and lands in the quota audit log."""
+
+    @extend_schema(responses={200: {"type": "object"}})
+    def get(self, request):
+        rows = selectors.quota_table()
+        return Response({"count": len(rows), "next": None, "previous": None, "results": rows})
+
+    @extend_schema(request={"application/json": {"type": "array", "items": {"type": "object", "properties": {
+        "team": {"type": "string"}, "user": {"type": "string"}, "max_slots": {"type": "integer"},
+        "device_hours": {"type": "number", "nullable": True}}}}}, responses={200: {"type": "object"}})
+    def put(self, request):
+        if not request.user.is_staff:
+            return _forbidden("only staff may change quotas")
+        try:
+            services.quotas_update(request.user, request.data)
+        except SpecError as exc:
+            return Response({"errors": exc.errors}, status=status.HTTP_400_BAD_REQUEST)
+        return self.get(request)

@@ -35,3 +35,20 @@ def publish(group: str, message: dict) -> None:
 
 def publish_cluster_changed(what: str) -> None:
     publish("cluster", {"type": "cluster.changed", "what": what})
+
+
+def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
+    """Ask an attempt's ranks to checkpoint and exit (workers/runtime/preempt.py). Best effort: if
+    Redis is away the grace period ends in a stop anyway."""
+    import json
+
+    import redis
+    from django.conf import settings
+
+    from workers.runtime.preempt import preempt_key
+
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(
+            preempt_key(attempt_id), json.dumps({"reason": reason, "grace_s": grace_s}), ex=int(max(600, 4 * grace_s)))
+    except redis.RedisError as exc:
+        log.warning("could not request preemption of attempt %s: %s", attempt_id, exc)

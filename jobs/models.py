@@ -29,6 +29,8 @@ class Node(models.Model):
     # `status` so a quarantined node that goes LOST and comes back is still quarantined.
     quarantined_at = models.DateTimeField(null=True, blank=True)
     quarantine_reason = models.CharField(max_length=500, blank=True)
+    # DRAINING: "finish" lets running attempts end on their own, "preempt" checkpoints them away.
+    drain_mode = models.CharField(max_length=16, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -67,6 +69,9 @@ class Job(models.Model):
     # Nodes the next attempt should not use (the node that failed to join a rendezvous, ...);
     # ignored when the job could not fit without them.
     avoid_nodes = models.JSONField(default=list, blank=True)
+    predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")
+    predicted_start_at = models.DateTimeField(null=True, blank=True, help_text="ETA while queued")
+    borrowing = models.BooleanField(default=False, help_text="runs beyond its team's quota on idle capacity")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -125,6 +130,8 @@ class Attempt(models.Model):
     last_step = models.PositiveIntegerField(default=0)
     last_progress_at = models.DateTimeField(null=True, blank=True)
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
+    preempt_requested_at = models.DateTimeField(null=True, blank=True)
+    preempt_reason = models.CharField(max_length=500, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
@@ -175,6 +182,22 @@ class Quota(models.Model):
                 name="quota_team_xor_user",
             )
         ]
+
+
+class QuotaChange(models.Model):
+    """The quota audit log: who changed what, when (API, quota page and Django admin alike)."""
+
+    team = models.ForeignKey(Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                             related_name="+")
+    subject = models.CharField(max_length=200, help_text="team:<name> or user:<name>, kept if the row goes")
+    old = models.JSONField(null=True, blank=True)
+    new = models.JSONField(null=True, blank=True)
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-id"]
 
 
 class JobEvent(models.Model):

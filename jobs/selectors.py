@@ -188,3 +188,60 @@ def cluster_state(user) -> dict:
                 "total_steps": j.total_steps} for j in visible.filter(status__in=Job.ACTIVE).order_by("-id")[:200]]
     nodes = NodeSerializer(Node.objects.order_by("name"), many=True).data
     return {"nodes": list(nodes), "queue": queue, "running": running}
+
+
+# ---------------------------------------------------------------- quotas and usage
+
+def slot_seconds_by_owner(since, now) -> tuple[dict[str, float], dict[str, float]]:
+    """Slot-seconds used since `since` per team name and per username (attempts that ran)."""
+    teams: dict[str, float] = {}
+    users: dict[str, float] = {}
+    qs = (Attempt.objects.filter(started_at__isnull=False).filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
+          .select_related("job__team", "job__owner").only("started_at", "ended_at", "job__slots", "job__team__name",
+                                                          "job__owner__username"))
+    for a in qs:
+        start, end = max(a.started_at, since), a.ended_at or now
+        used = max(0.0, (end - start).total_seconds()) * a.job.slots
+        if a.job.team is not None:
+            teams[a.job.team.name] = teams.get(a.job.team.name, 0.0) + used
+        users[a.job.owner.username] = users.get(a.job.owner.username, 0.0) + used
+    return teams, users
+
+
+def quota_table() -> list[dict]:
+    """Per team (and per user with a quota): the quota, slots in use, borrowed, queued demand and
+    device-hours used in the rolling window: the quota page and GET /api/v1/quotas/."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.contrib.auth.models import Group
+    from django.utils import timezone
+
+    from .models import Quota
+
+    now = timezone.now()
+    window = timedelta(seconds=settings.TRAINYARD_QUOTA_WINDOW_S)
+    team_s, user_s = slot_seconds_by_owner(now - window, now)
+    rows: dict[tuple[str, str], dict] = {}
+
+    def row(kind: str, name: str) -> dict:
+        return rows.setdefault((kind, name), {
+            "team": name if kind == "team" else None, "user": name if kind == "user" else None,
+            "max_slots": None, "device_hours": None, "in_use": 0, "borrowed": 0, "queued": 0,
+            "device_hours_used": round((team_s if kind == "team" else user_s).get(name, 0.0) / 3600, 3)})
+
+    for q in Quota.objects.select_related("team", "user"):
+        r = row("team", q.team.name) if q.team else row("user", q.user.username)
+        r["max_slots"], r["device_hours"] = q.max_slots, q.device_hours
+    for name in Group.objects.values_list("name", flat=True):
+        row("team", name)
+    jobs = Job.objects.filter(status__in=(*Job.ACTIVE, Job.Status.QUEUED), team__isnull=False).values_list(
+        "team__name", "status", "slots", "borrowing")
+    for team, status, slots, borrowing in jobs:
+        r = row("team", team)
+        if status == Job.Status.QUEUED:
+            r["queued"] += slots
+        else:
+            r["in_use"] += slots
+            r["borrowed"] += slots if borrowing else 0
+    return sorted(rows.values(), key=lambda r: (r["team"] is None, r["team"] or r["user"]))

@@ -18,7 +18,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import dispatch, selectors
-from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, SchedulerLock
+from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange,
+                     SchedulerLock)
 from .policy import checkpoints as ckpt_policy
 from .policy import diagnosis, scheduler
 from .specs import SpecError, parse_job_spec
@@ -203,7 +204,9 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
             was_lost = node.status == Node.Status.LOST
             Node.objects.filter(pk=node.pk).update(**fields)
             if was_lost:
-                back = Node.Status.QUARANTINED if node.quarantined_at else Node.Status.READY
+                back = (Node.Status.QUARANTINED if node.quarantined_at else
+                        Node.Status.CORDONED if node.drain_mode == "cordon" else
+                        Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
                 Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
                 log.info("node %s is back (%s)", name, back)
             node.refresh_from_db()
@@ -288,6 +291,14 @@ def _attempt_maybe_finish(attempt: Attempt) -> None:
     elif outcome == "cancelled":
         _set_job_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
         _event(job, "cancelled", "all processes stopped", attempt=attempt)
+    elif outcome == "preempted":
+        point = _resume_checkpoint(job)
+        origin = f"resumes from the checkpoint at step {point.step}" if point else "no checkpoint: restarts from step 0"
+        _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"preempted ({attempt.preempt_reason}); {origin}"[:500],
+                        borrowing=False)
+        _event(job, "preempted", f"preempted: {attempt.preempt_reason}; {origin}", attempt=attempt,
+               reason=attempt.preempt_reason, resume_step=point.step if point else 0,
+               checkpoint=point.pk if point else None)
     elif outcome == "rolled_back":
         point = _resume_checkpoint(job)
         _set_job_status(job, Job.ACTIVE, Job.Status.QUEUED, f"rolling back to step {point.step if point else 0}",
@@ -323,8 +334,10 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
         return "cancelled", {}
     if reason == "rollback":
         return "rolled_back", {}
-    if not reason and reports and all(r.get("exit_code") == 0 for r in reports):
-        return "succeeded", {}
+    if reason in ("", "preempt") and reports and all(r.get("exit_code") == 0 for r in reports):
+        return "succeeded", {}  # a job that finished during its preemption grace period simply finished
+    if reason == "preempt":
+        return "preempted", {"class": "preempted", "retry": True, "message": attempt.preempt_reason}
     if reason == "hang":
         return "failed:hang", attempt.failure  # the detector wrote the evidence when it stopped it
     if reason == "launch_timeout":
@@ -365,12 +378,150 @@ def node_clear(user, node: Node) -> Node:
     """Lift a quarantine (staff; the API checks). The node takes work again unless it is LOST."""
     with transaction.atomic():
         Node.objects.filter(pk=node.pk).update(quarantined_at=None, quarantine_reason="")
-        Node.objects.filter(pk=node.pk, status=Node.Status.QUARANTINED).update(status=Node.Status.READY)
+        Node.objects.filter(pk=node.pk, status=Node.Status.QUARANTINED).update(status=_node_base_status(node))
         log.info("node %s cleared by %s", node.name, user.get_username())
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
         transaction.on_commit(dispatch.request_tick)
     node.refresh_from_db()
     return node
+
+
+def _node_base_status(node: Node) -> str:
+    """What a node that is neither lost nor quarantined is: its drain/cordon state or READY."""
+    return (Node.Status.CORDONED if node.drain_mode == "cordon" else
+            Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
+
+
+NODE_ACTIONS = ("drain", "cordon", "uncordon")
+DRAIN_MODES = ("finish", "preempt")
+
+
+def node_set_schedulable(user, node: Node, action: str, mode: str | None = None) -> Node:
+    """Staff controls (the API checks): `cordon` (no new work, running work continues), `drain`
+    (no new work; mode "finish" lets running attempts end, "preempt" checkpoints them away so they
+    resume elsewhere) and `uncordon` (takes work again). Raises SpecError for bad input."""
+    if action not in NODE_ACTIONS:
+        raise SpecError({"action": [f"must be one of {', '.join(NODE_ACTIONS)}"]})
+    if action == "drain" and mode not in DRAIN_MODES:
+        raise SpecError({"mode": ["must be \"finish\" (running jobs finish) or \"preempt\" (running jobs "
+                                  "checkpoint and move)"]})
+    who = user.get_username()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        drain_mode = {"drain": mode, "cordon": "cordon", "uncordon": ""}[action]
+        Node.objects.filter(pk=node.pk).update(drain_mode=drain_mode)
+        node.drain_mode = drain_mode
+        if node.status != Node.Status.LOST and not node.quarantined_at:
+            Node.objects.filter(pk=node.pk).update(status=_node_base_status(node))
+        log.info("node %s: %s%s by %s", node.name, action, f" ({mode})" if mode else "", who)
+        if action == "drain" and mode == "preempt":
+            for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt__job"):
+                _attempt_preempt(alloc.attempt, f"node {node.name} is being drained by {who}")
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+        transaction.on_commit(dispatch.request_tick)
+    node.refresh_from_db()
+    return node
+
+
+def _attempt_preempt(attempt: Attempt, reason: str, *, for_job: int | None = None) -> bool:
+    """Ask a running attempt to checkpoint and exit (cooperative preemption). It ends `preempted`,
+    and its job goes back to the queue and resumes from that checkpoint. One still launching
+    cannot checkpoint yet and is stopped at once. False if it is already stopping."""
+    now = timezone.now()
+    if not Attempt.objects.filter(pk=attempt.pk, status__in=(Attempt.Status.STARTING, Attempt.Status.RUNNING),
+                                  stop_reason="").update(stop_reason="preempt", preempt_requested_at=now,
+                                                         preempt_reason=reason[:500]):
+        return False
+    attempt.refresh_from_db()
+    job = attempt.job
+    grace = settings.TRAINYARD_PREEMPT_GRACE_S
+    Job.objects.filter(pk=job.pk).update(status_reason=f"preempting: {reason}"[:500])
+    _event(job, "preempt_requested", f"preemption requested: {reason}", attempt=attempt, reason=reason,
+           for_job=for_job, grace_s=grace)
+    if attempt.status == Attempt.Status.STARTING:
+        _attempt_stop(attempt, "preempt")
+    else:
+        transaction.on_commit(partial(dispatch.request_preempt, attempt.pk, reason, grace))
+    _publish_status(job)
+    return True
+
+
+# ---------------------------------------------------------------- quotas
+
+QUOTA_KEYS = {"team", "user", "max_slots", "device_hours"}
+
+
+def quotas_update(actor, entries) -> list[Quota]:
+    """Create or change quotas, all or nothing, each change in the audit log (QuotaChange). Entries:
+    {"team": name} or {"user": name}, "max_slots": int >= 0, "device_hours": number > 0 or null
+    (kept as is when absent). Raises SpecError with per-entry field errors ("0.max_slots")."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    if isinstance(entries, dict):
+        entries = [entries]
+    if not isinstance(entries, list) or not entries:
+        raise SpecError({"quotas": ["send a quota object or a non-empty list of them"]})
+    errors: dict[str, list[str]] = {}
+    parsed = []
+    for i, e in enumerate(entries):
+        where = f"{i}." if len(entries) > 1 else ""
+        if not isinstance(e, dict):
+            errors[f"{i}"] = ["must be an object"]
+            continue
+        for k in sorted(set(e) - QUOTA_KEYS):
+            errors[f"{where}{k}"] = ["unknown field"]
+        if ("team" in e) == ("user" in e):
+            errors[f"{where}team"] = ["give exactly one of team or user"]
+            continue
+        kind = "team" if "team" in e else "user"
+        name = e[kind]
+        owner = (Group.objects.filter(name=name).first() if kind == "team"
+                 else get_user_model().objects.filter(username=name).first()) if isinstance(name, str) else None
+        if owner is None:
+            errors[f"{where}{kind}"] = [f"no {kind} named {name!r}"]
+        slots = e.get("max_slots")
+        if "max_slots" not in e:
+            errors[f"{where}max_slots"] = ["required"]
+        elif isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= 1_000_000:
+            errors[f"{where}max_slots"] = [f"must be a whole number of slots >= 0, got {slots!r}"]
+        hours = e.get("device_hours")
+        if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float))
+                                  or not 0 < hours < 1e9):
+            errors[f"{where}device_hours"] = [f"must be a positive number of device-hours or null, got {hours!r}"]
+        parsed.append((kind, owner, slots, hours, "device_hours" in e))
+    if errors:
+        raise SpecError(errors)
+    out = []
+    with transaction.atomic():
+        for kind, owner, slots, hours, has_hours in parsed:
+            quota = Quota.objects.select_for_update().filter(**{kind: owner}).first()
+            old = {"max_slots": quota.max_slots, "device_hours": quota.device_hours} if quota else None
+            if quota is None:
+                quota = Quota.objects.create(**{kind: owner}, max_slots=slots, device_hours=hours)
+            else:
+                quota.max_slots = slots
+                if has_hours:
+                    quota.device_hours = hours
+                quota.save(update_fields=["max_slots", "device_hours", "updated_at"])
+            quota_audit(actor, quota, old)
+            out.append(quota)
+        transaction.on_commit(dispatch.request_tick)
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "quotas"))
+    return out
+
+
+def quota_audit(actor, quota: Quota, old: dict | None) -> None:
+    """Record a quota change (the API, the quota page and the Django admin all come here) and let
+    the scheduler see it at its next tick."""
+    new = {"max_slots": quota.max_slots, "device_hours": quota.device_hours}
+    if new == old:
+        return
+    subject = f"team:{quota.team.name}" if quota.team_id else f"user:{quota.user.get_username()}"
+    QuotaChange.objects.create(team=quota.team, user=quota.user, subject=subject, old=old, new=new, actor=actor)
+    log.info("quota %s: %s -> %s by %s", subject, old, new, actor)
+    transaction.on_commit(dispatch.request_tick)
+    transaction.on_commit(partial(dispatch.publish_cluster_changed, "quotas"))
 
 
 # ---------------------------------------------------------------- hangs and stragglers
@@ -381,6 +532,13 @@ def attempts_check() -> dict:
     relay_ok = selectors.relay_alive()
     now = timezone.now()
     hung, flagged = [], {}
+    grace = timedelta(seconds=settings.TRAINYARD_PREEMPT_GRACE_S)
+    for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING, stop_reason="preempt",
+                                          preempt_requested_at__lt=now - grace).select_related("job"):
+        with transaction.atomic():  # it did not checkpoint and exit in time: stop it
+            _event(attempt.job, "preempt_forced", f"attempt {attempt.number} did not exit within "
+                   f"{settings.TRAINYARD_PREEMPT_GRACE_S:.0f} s of its preemption request: stopping it", attempt=attempt)
+            _attempt_stop(attempt, "preempt")
     for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING).select_related("job"):
         recent = selectors.attempt_recent_samples(attempt.pk, attempt.last_step)
         if relay_ok and _attempt_hang_check(attempt, recent, now):
