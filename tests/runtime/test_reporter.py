@@ -79,3 +79,19 @@ def test_after_an_outage_the_buffer_is_flushed_and_evictions_are_reported(redis_
     assert [s["step"] for s in samples] == list(range(201, 301))
     assert events == [{"kind": "telemetry_dropped", "rank": 0, "attempt": 4, "count": 200}]
     assert len(samples) + events[0]["count"] == 300
+
+
+@pytest.mark.procs
+def test_preemption_request_is_seen_within_a_poll_period(redis_server):
+    import redis
+
+    from workers.runtime.preempt import POLL_S, preempt_key
+
+    rep = Reporter(redis_server.url, "s", rank=0, attempt=5, preempt_key=preempt_key(5))
+    time.sleep(2 * POLL_S)
+    assert not rep.preempt_requested.is_set()
+    redis.Redis.from_url(redis_server.url).set(preempt_key(5), "{}")
+    t0 = time.monotonic()
+    assert rep.preempt_requested.wait(5 * POLL_S)
+    assert time.monotonic() - t0 <= 2 * POLL_S + 0.3
+    rep.close()

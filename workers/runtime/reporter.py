@@ -50,6 +50,7 @@ IDLE_WAKE_S = 1.0  # the flush thread re-checks its state at least this often wh
 CHUNK_ENTRIES = 5_000  # buffered items per round trip, so one write fits the socket timeout
 BACKOFF_MAX_S = 2.0
 
+from .preempt import POLL_S as PREEMPT_POLL_S  # noqa: E402
 METRIC, EVENT = "metrics", "event"
 _WAKE = ("wake", None)  # put by close(): the flush thread stops waiting for samples
 
@@ -92,7 +93,7 @@ def buffer_size_from_env() -> int:
 
 class Reporter:
     def __init__(self, redis_url: str, stream: str, *, rank: int, attempt: int | None = None,
-                 buffer: int | None = None,
+                 buffer: int | None = None, preempt_key: str | None = None,
                  min_flush_gap_s: float = MIN_FLUSH_GAP_S, connect_timeout_s: float = 0.5,
                  socket_timeout_s: float = 1.0):
         self.stream = stream
@@ -112,6 +113,11 @@ class Reporter:
         self.failures = 0
         self._stop = threading.Event()
         self._deadline = math.inf
+        # Set once the control plane asks this attempt to checkpoint and exit (preempt.py); polled
+        # here, off the training thread, every PREEMPT_POLL_S.
+        self.preempt_requested = threading.Event()
+        self._preempt_key = preempt_key
+        self._next_preempt_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="trainyard-reporter", daemon=True)
         self._thread.start()
 
@@ -156,6 +162,7 @@ class Reporter:
                 if gap > 0 and not stopping:
                     stopping = self._stop.wait(gap)  # coalesce a fast rank's samples
             self._drain_inbox()
+            self._poll_preempt()
             last_flush = time.monotonic()
             try:
                 self._flush()
@@ -172,12 +179,22 @@ class Reporter:
                     return
                 backoff = min(backoff, max(0.0, self._deadline - time.monotonic()))
 
+    def _poll_preempt(self) -> None:
+        if self._preempt_key is None or self.preempt_requested.is_set() or time.monotonic() < self._next_preempt_poll:
+            return
+        self._next_preempt_poll = time.monotonic() + PREEMPT_POLL_S
+        try:
+            if self._client.exists(self._preempt_key):
+                self.preempt_requested.set()
+        except redis.RedisError:
+            pass  # Redis away: the control plane's grace period still ends the attempt
+
     def _wait_for_work(self) -> bool:
         """Block until something is queued (or close() was called); True once stopping."""
         if self._stop.is_set():
             return True
         try:
-            self._take(self._inbox.get(timeout=IDLE_WAKE_S))
+            self._take(self._inbox.get(timeout=PREEMPT_POLL_S if self._preempt_key else IDLE_WAKE_S))
         except queue.Empty:
             pass
         return self._stop.is_set()
