@@ -436,6 +436,7 @@ def _attempt_preempt(attempt: Attempt, reason: str, *, for_job: int | None = Non
     job = attempt.job
     grace = settings.TRAINYARD_PREEMPT_GRACE_S
     Job.objects.filter(pk=job.pk).update(status_reason=f"preempting: {reason}"[:500])
+    job.refresh_from_db()
     _event(job, "preempt_requested", f"preemption requested: {reason}", attempt=attempt, reason=reason,
            for_job=for_job, grace_s=grace)
     if attempt.status == Attempt.Status.STARTING:

@@ -14,6 +14,7 @@ urlpatterns = [
     path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-cancel"),
     path("nodes/", views.node_list, name="node-list"),
+    path("quotas/", views.quota_list, name="quota-list"),
     path("api/v1/quotas/", api.QuotaView.as_view(), name="api-quotas"),
     path("api/v1/", include(router.urls)),
 ]

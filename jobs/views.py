@@ -5,15 +5,18 @@ keeps them live over the websockets, so after the first paint nothing polls."""
 from __future__ import annotations
 
 from django.contrib import messages
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.db.models import Avg, OuterRef, Subquery
 from django.http import Http404
+from django.utils import timezone
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from . import selectors, services
 from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from .models import Job, MetricSample, Node
+from .models import Job, MetricSample, Node, QuotaChange
 from .specs import SpecError, parse_text
 
 
@@ -26,7 +29,23 @@ def _nodes() -> list[Node]:
         n.slot_marks = [i < n.slots_used for i in range(n.slots)]
         n.gpus = [d for d in (n.devices or []) if isinstance(d, dict) and d.get("kind") == "cuda"]
         n.device_summary = _device_summary(n.devices)
+        n.controls = _node_controls(n.drain_mode)
     return nodes
+
+
+# (action, drain mode, label) offered to staff per drain_mode; static/js/cluster.js mirrors this.
+_NODE_CONTROLS = {
+    "": [("cordon", "", "Cordon"), ("drain", "finish", "Drain (finish)"), ("drain", "preempt", "Drain (preempt)")],
+    "cordon": [("drain", "finish", "Drain (finish)"), ("drain", "preempt", "Drain (preempt)"),
+               ("uncordon", "", "Uncordon")],
+    "finish": [("drain", "preempt", "Drain (preempt)"), ("uncordon", "", "Uncordon")],
+    "preempt": [("uncordon", "", "Uncordon")],
+}
+
+
+def _node_controls(drain_mode: str) -> list[dict]:
+    return [{"action": a, "mode": m, "label": label}
+            for a, m, label in _NODE_CONTROLS.get(drain_mode or "", _NODE_CONTROLS["cordon"])]
 
 
 def _device_summary(devices) -> str:
@@ -67,11 +86,29 @@ def _with_throughput(jobs):
 def job_list(request):
     jobs = list(_with_throughput(selectors.jobs_visible_to(request.user)).order_by("-id")[:200])
     positions = selectors.queue_positions()
+    now = timezone.now()
     for j in jobs:
         j.queue_position = positions.get(j.pk)
+        j.eta = _eta_text(j.predicted_start_at, now)
         j.throughput = j.per_rank_sps * j.slots if j.per_rank_sps is not None else None
         j.progress_pct = min(100.0, 100.0 * j.step / j.total_steps) if j.total_steps else 0.0
     return render(request, "jobs/job_list.html", {"jobs": jobs})
+
+
+def _eta_text(when, now) -> str:
+    """A queued job's predicted start as "in ~4 min" (static/js/util.js fmtIn says the same)."""
+    if when is None:
+        return "unknown"
+    s = (when - now).total_seconds()
+    if s < 30:
+        return "any moment"
+    if s < 90:
+        return "in ~1 min"
+    if s < 5400:
+        return f"in ~{round(s / 60)} min"
+    if s < 48 * 3600:
+        return f"in ~{s / 3600:.1f} h"
+    return f"in ~{round(s / 86400)} days"
 
 
 @login_required
@@ -145,6 +182,8 @@ def job_detail(request, pk: int):
     res = job.spec.get("resources", {})
     summary = _latest_step_summary(job)
     step = max(job.step, summary.get("step") or 0)
+    job.queue_position = selectors.queue_positions().get(job.pk) if job.status == Job.Status.QUEUED else None
+    job.eta = _eta_text(job.predicted_start_at, timezone.now())
     config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
               "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel,
               "is_staff": request.user.is_staff}
@@ -174,3 +213,41 @@ def job_cancel(request, pk: int):
 @login_required
 def node_list(request):
     return render(request, "jobs/node_list.html", {"nodes": _nodes()})
+
+
+def _quota_text(q: dict | None) -> str:
+    """A QuotaChange's old/new: {"max_slots": 8, "device_hours": 100.0} -> "8 slots, 100 device-h"."""
+    if not q:
+        return "none"
+    hours = q.get("device_hours")
+    return f"{q.get('max_slots')} slots, " + ("no device-hour limit" if hours is None else f"{_hours(hours)} device-h")
+
+
+def _hours(v: float) -> str:
+    return f"{v or 0.0:.2f}".rstrip("0").rstrip(".")
+
+
+def _quota_changes(limit: int = 50) -> list[QuotaChange]:
+    changes = list(QuotaChange.objects.select_related("actor").order_by("-id")[:limit])
+    for c in changes:
+        c.old_text, c.new_text = _quota_text(c.old), _quota_text(c.new)
+    return changes
+
+
+@login_required
+def quota_list(request):
+    """Quotas per team (and per user with one), usage, and the audit log (staff). `?part=audit`
+    renders the audit log alone: static/js/quotas.js refreshes it after a save."""
+    if not request.user.is_staff:
+        raise PermissionDenied("only staff may manage quotas")
+    changes = _quota_changes()
+    if request.GET.get("part") == "audit":
+        return render(request, "jobs/_quota_audit.html", {"changes": changes})
+    rows = selectors.quota_table()
+    for r in rows:  # "3.25 / 100" like static/js/quotas.js
+        r["hours_text"] = _hours(r["device_hours_used"]) + (
+            f" / {_hours(r['device_hours'])}" if r["device_hours"] is not None else "")
+    window_h = settings.TRAINYARD_QUOTA_WINDOW_S / 3600
+    return render(request, "jobs/quota_list.html", {
+        "rows": rows, "changes": changes,
+        "window": f"{window_h / 24:g} days" if window_h >= 48 else f"{window_h:g} h"})

@@ -1,6 +1,8 @@
 // Cluster overview and nodes page, live over /ws/cluster/: node cards (slots used/free, CPU, memory,
 // GPU utilisation, status, heartbeat age, quarantine), running jobs with progress, and the queue.
-// Staff get a "Clear quarantine" button on quarantined nodes (POST /api/v1/nodes/<name>/clear/).
+// Staff get a "Clear quarantine" button on quarantined nodes (POST /api/v1/nodes/<name>/clear/), and on
+// the nodes page Cordon / Drain (finish) / Drain (preempt, after a confirm) / Uncordon per node
+// (POST /api/v1/nodes/<name>/<action>/); the answer updates the card at once, the socket follows.
 import { LiveSocket, bindIndicator } from './live.js';
 import { $, $$, el, fmtAgo, fmtDateTime, statusBadge, postJSON, errorText } from './util.js';
 
@@ -19,6 +21,36 @@ function meter(label, cls, value, text) {
 // Quarantine is kept apart from status on the server (a quarantined node that went LOST stays quarantined).
 const quarantined = (n) => !!n.quarantined_at || n.status === 'QUARANTINED';
 const canClear = () => $('#nodes')?.dataset.canClear === '1';
+const canControl = () => $('#nodes')?.dataset.canControl === '1';
+
+// What each drain_mode offers (jobs/views.py _NODE_CONTROLS says the same for the first paint).
+const CONTROLS = {
+  '': [['cordon', '', 'Cordon'], ['drain', 'finish', 'Drain (finish)'], ['drain', 'preempt', 'Drain (preempt)']],
+  cordon: [['drain', 'finish', 'Drain (finish)'], ['drain', 'preempt', 'Drain (preempt)'],
+    ['uncordon', '', 'Uncordon']],
+  finish: [['drain', 'preempt', 'Drain (preempt)'], ['uncordon', '', 'Uncordon']],
+  preempt: [['uncordon', '', 'Uncordon']],
+};
+const DRAIN_TEXT = {
+  cordon: ['Cordoned', 'no new work; running jobs continue'],
+  finish: ['Draining (finish)', 'no new work; running jobs finish'],
+  preempt: ['Draining (preempt)', 'running jobs checkpoint and move'],
+};
+
+function drainBox(n) {
+  const mode = n.drain_mode || '';
+  if (!mode) return null;
+  const [title, text] = DRAIN_TEXT[mode] || DRAIN_TEXT.finish;
+  return el('div', { class: 'drain', dataset: { mode } }, el('b', {}, title), `: ${text}`);
+}
+
+function nodeControls(n) {
+  if (!canControl()) return null;
+  const offered = CONTROLS[n.drain_mode || ''] || CONTROLS.cordon;
+  return el('div', { class: 'node-actions' }, offered.map(([action, mode, label]) => el('button', {
+    type: 'button', class: `small ${mode === 'preempt' ? 'warn' : 'ghost'}`,
+    dataset: mode ? { action, mode, node: n.name } : { action, node: n.name } }, label)));
+}
 
 function quarantineBox(n) {
   if (!quarantined(n)) return null;
@@ -43,6 +75,7 @@ function nodeCard(n) {
     el('div', { class: 'sub' }, `${n.address || ''}${labels} · heartbeat `,
       el('time', { datetime: n.last_heartbeat || '', 'data-ago': true }, fmtAgo(n.last_heartbeat))),
     quarantineBox(n),
+    drainBox(n),
     el('div', { class: 'meter' }, el('span', { class: 'k' }, 'Slots'),
       el('span', { class: 'slots', title: `${used} used, ${Math.max(0, n.slots - used)} free` }, slots),
       el('span', { class: 'n' }, `${used}/${n.slots}`)),
@@ -53,7 +86,8 @@ function nodeCard(n) {
       const util = typeof g.utilization === 'number' ? g.utilization : null;
       return meter(`GPU ${g.index}`, 'gpu', util ?? memPct ?? 0,
         util !== null ? `${util.toFixed(0)}%` : memPct !== null ? `mem ${memPct.toFixed(0)}%` : '–');
-    }));
+    }),
+    nodeControls(n));
 }
 
 // [{kind: cpu}, {kind: cpu}] -> "2 × cpu" (same as the server-rendered table)
@@ -84,7 +118,8 @@ function renderNodes() {
   if (table) {
     table.replaceChildren(...(nodes.length ? nodes.map((n) => el('tr', { dataset: { node: n.name } },
       el('td', {}, n.name),
-      el('td', { title: quarantined(n) ? `quarantined: ${n.quarantine_reason || ''}` : null }, statusBadge(n.status)),
+      el('td', { title: quarantined(n) ? `quarantined: ${n.quarantine_reason || ''}` : null }, statusBadge(n.status),
+        n.drain_mode ? [' ', el('small', { class: 'muted' }, n.drain_mode)] : ''),
       el('td', {}, n.address || ''),
       el('td', { class: 'num' }, `${n.slots_used || 0} / ${n.slots}`),
       el('td', { class: 'num' }, `${pct(n.cpu_percent).toFixed(0)}%`),
@@ -140,6 +175,14 @@ function showNodeError(text) {
   box.hidden = !text;
 }
 
+// The API's answer is the node: show it at once (the cluster socket pushes the change too).
+function applyNode(name, data) {
+  if (data && data.name === name && state.nodes) {
+    state.nodes = state.nodes.map((n) => (n.name === name ? { ...n, ...data } : n));
+    renderNodes();
+  }
+}
+
 async function clearQuarantine(name, button) {
   button.disabled = true;
   const r = await postJSON(`/api/v1/nodes/${encodeURIComponent(name)}/clear/`, {});
@@ -149,19 +192,63 @@ async function clearQuarantine(name, button) {
     return;
   }
   showNodeError('');
-  // The cluster socket pushes the change too; the answer updates the card at once.
-  if (r.data && r.data.name === name && state.nodes) {
-    state.nodes = state.nodes.map((n) => (n.name === name ? { ...n, ...r.data } : n));
-    renderNodes();
+  applyNode(name, r.data);
+}
+
+const ACTION_NAMES = { cordon: 'Cordon', uncordon: 'Uncordon', drain: 'Drain' };
+
+async function nodeAction(name, action, mode, button) {
+  if (button) button.disabled = true;
+  const r = await postJSON(`/api/v1/nodes/${encodeURIComponent(name)}/${action}/`, mode ? { mode } : {});
+  if (!r.ok) {
+    if (button) button.disabled = false;
+    const what = `${ACTION_NAMES[action] || action}${mode ? ` (${mode})` : ''}`;
+    showNodeError(`${what} of ${name} refused: ${errorText(r.data, r.status)}`);
+    return;
   }
+  showNodeError('');
+  applyNode(name, r.data);
+}
+
+// Drain (preempt) stops running work: ask first, inline (no window.confirm).
+let pendingDrain = null;
+
+function askPreempt(name) {
+  pendingDrain = name;
+  $('#node-question').textContent = `Drain ${name} now? Running jobs on ${name} will checkpoint and move ` +
+    'to other nodes; it takes no new work until uncordoned.';
+  $('#node-confirm').hidden = false;
+  $('#node-yes').disabled = false;
+  $('#node-yes').focus();
+}
+
+function closeConfirm() {
+  pendingDrain = null;
+  $('#node-confirm').hidden = true;
+}
+
+function onNodeButton(b) {
+  const { action, node, mode } = b.dataset;
+  if (action === 'clear') clearQuarantine(node, b);
+  else if (action === 'drain' && mode === 'preempt') askPreempt(node);
+  else if (action === 'cordon' || action === 'uncordon' || action === 'drain') nodeAction(node, action, mode, b);
 }
 
 const nodesBox = $('#nodes');
 if (nodesBox) {
   nodesBox.addEventListener('click', (ev) => {
-    const b = ev.target.closest('button[data-action="clear"]');
-    if (b) clearQuarantine(b.dataset.node, b);
+    const b = ev.target.closest('button[data-action]');
+    if (b) onNodeButton(b);
   });
+}
+if ($('#node-confirm')) {
+  $('#node-yes').addEventListener('click', () => {
+    const name = pendingDrain;
+    $('#node-yes').disabled = true;
+    closeConfirm();
+    if (name) nodeAction(name, 'drain', 'preempt', null);
+  });
+  $('#node-no').addEventListener('click', closeConfirm);
 }
 
 // Heartbeat ages tick locally; the data itself only changes when the server pushes.

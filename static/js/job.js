@@ -31,7 +31,8 @@ const state = {
   jobFetches: 0,
 };
 // Events after which the job JSON (stragglers, health, attempts) is stale.
-const REFRESH_KINDS = new Set(['straggler', 'straggler_cleared', 'hang_detected', 'rollback', 'restart']);
+const REFRESH_KINDS = new Set(['straggler', 'straggler_cleared', 'hang_detected', 'rollback', 'restart',
+  'preempt_requested', 'preempted', 'preempt_forced']);
 
 // ---------------------------------------------------------------- header
 
@@ -42,7 +43,13 @@ function setStatus(status, reason) {
     badge.replaceChildren(statusBadge(status));
     document.body.dataset.jobStatus = status;
   }
-  if (reason !== undefined && reason !== null) $('#job-reason').textContent = reason;
+  if (reason !== undefined && reason !== null) {
+    const p = $('#job-reason');
+    p.textContent = reason;
+    p.classList.toggle('preempt', reason.startsWith('preempt'));
+  }
+  const queued = $('#queue-stat');
+  if (queued) queued.hidden = state.status !== 'QUEUED';
   if (TERMINAL.has(state.status) && $('#job-alerts')) $('#job-alerts').hidden = true;
   const cancel = $('#cancel-form');
   if (cancel) cancel.hidden = !cfg.can_cancel || TERMINAL.has(state.status) || state.status === 'STOPPING';
@@ -65,6 +72,39 @@ function renderHeader() {
   $('#job-loss').textContent = isNum(loss) ? fmtNum(loss, 4) : '–';
   const stepS = store.latest('step_s');
   $('#job-step-time').textContent = isNum(stepS) ? fmtSeconds(stepS) : '–';
+}
+
+// ---------------------------------------------------------------- queue position, predicted start
+
+// A predicted start as "in ~4 min" (jobs/views.py _eta_text says the same for the first paint).
+function fmtIn(iso, now = Date.now()) {
+  if (!iso) return 'unknown';
+  const t = new Date(iso).getTime();
+  if (Number.isNaN(t)) return 'unknown';
+  const s = (t - now) / 1000;
+  if (s < 30) return 'any moment';
+  if (s < 90) return 'in ~1 min';
+  if (s < 5400) return `in ~${Math.round(s / 60)} min`;
+  if (s < 48 * 3600) return `in ~${(s / 3600).toFixed(1)} h`;
+  return `in ~${Math.round(s / 86400)} days`;
+}
+
+function renderEta() {
+  const eta = $('#job-eta');
+  if (!eta) return;
+  const at = eta.dataset.at || '';
+  eta.textContent = fmtIn(at);
+  eta.title = at ? fmtDateTime(at) : 'no prediction yet';
+}
+
+function renderQueue(job) {
+  const pos = $('#job-queue-pos');
+  if (pos) pos.textContent = job.queue_position ? `#${job.queue_position}` : '–';
+  const eta = $('#job-eta');
+  if (eta) eta.dataset.at = job.predicted_start_at || '';
+  renderEta();
+  const borrowing = $('#job-borrowing');
+  if (borrowing) borrowing.hidden = job.borrowing !== true;
 }
 
 // ---------------------------------------------------------------- attempts, checkpoints, events
@@ -257,6 +297,7 @@ const KIND_CLASS = {
   attempt_started: 'ok', running: 'ok', succeeded: 'ok', straggler_cleared: 'ok', node_cleared: 'ok',
   failed: 'bad', hang_detected: 'bad', node_quarantined: 'bad', lost: 'bad',
   restart: 'warn', rollback: 'warn', straggler: 'warn', preempted: 'warn', cancelled: 'warn',
+  preempt_requested: 'warn', preempt_forced: 'warn',
   checkpoint: 'info', checkpoint_saved: 'info', checkpoint_deleted: 'info', resumed: 'info',
 };
 
@@ -279,6 +320,23 @@ function evidenceOf(e) {
   return nonEmpty(data) ? data : null;
 }
 
+// Preemptions say why (and for whom, and where the job resumes) on a line of their own.
+function preemptDetail(e) {
+  if (!/^preempt/.test(e.kind || '')) return null;
+  const d = e.data || {};
+  const parts = [];
+  if (d.reason && !(e.message || '').includes(d.reason)) {
+    parts.push(el('span', { class: 'ev-reason' }, `why: ${d.reason}`));
+  }
+  if (isNum(d.for_job)) {
+    parts.push(el('span', {}, 'for ', el('a', { href: `/jobs/${d.for_job}/` }, `job ${d.for_job}`)));
+  }
+  if (isNum(d.grace_s)) parts.push(`grace ${fmtSeconds(d.grace_s)}`);
+  if (isNum(d.resume_step)) parts.push(d.resume_step ? `resumes from step ${d.resume_step}` : 'restarts from step 0');
+  if (!parts.length) return null;
+  return el('div', { class: 'ev-detail' }, parts.flatMap((p, i) => (i ? [' · ', p] : [p])));
+}
+
 function eventNode(e) {
   const cls = eventClass(e);
   const evidence = evidenceOf(e);
@@ -286,6 +344,7 @@ function eventNode(e) {
     el('time', { datetime: e.created_at || '', title: fmtDateTime(e.created_at) }, fmtClock(e.created_at)),
     el('span', { class: `ev-kind kb-${cls || 'plain'}` }, e.kind || ''),
     el('span', { class: 'ev-msg' }, e.message || ''),
+    preemptDetail(e),
     evidence ? el('details', { class: 'ev-evidence' }, el('summary', {}, 'evidence'),
       el('pre', {}, JSON.stringify(evidence, null, 2))) : '');
 }
@@ -371,8 +430,7 @@ function applyJob(job) {
   if (isNum(job.step)) state.step = Math.max(state.step || 0, job.step);
   setStatus(job.status, job.status_reason || '');
   $('#job-restarts').textContent = String(job.restarts ?? 0);
-  const qp = $('#job-queue');
-  if (qp) qp.textContent = job.queue_position ? `#${job.queue_position} in queue` : '';
+  renderQueue(job);
   state.markers = attemptMarkers(job.attempts, [...state.events.values()]);
   renderAttempts(job.attempts);
   renderAlerts(job);
@@ -440,6 +498,8 @@ for (const t of $$('time[datetime]')) {
 for (const e of readJSONScript('job-events') || []) addEvent(e);
 for (const c of readJSONScript('job-checkpoints') || []) addCheckpoint(c);
 setStatus(cfg.status);
+renderEta();
+setInterval(renderEta, 15000);  // the prediction only moves when the server says so; "in ~N min" ticks here
 renderHeader();
 renderEvents();
 renderCheckpoints();

@@ -7,7 +7,7 @@ from jobs.models import Job
 pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.parametrize("url", ["/", "/jobs/", "/jobs/new/", "/nodes/", "/jobs/1/"])
+@pytest.mark.parametrize("url", ["/", "/jobs/", "/jobs/new/", "/nodes/", "/jobs/1/", "/quotas/"])
 def test_pages_require_login(url):
     r = Client().get(url)
     assert r.status_code == 302 and "/accounts/login/" in r["Location"]
