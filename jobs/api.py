@@ -48,7 +48,7 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
-                  "predicted_start_at", "avoid_nodes", "stragglers", "health", "attempts"]
+                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "stragglers", "health", "attempts"]
 
     def _current(self, obj) -> Attempt | None:
         attempts = sorted(obj.attempts.all(), key=lambda a: a.number)  # prefetched: no query
@@ -77,7 +77,9 @@ class JobSerializer(serializers.ModelSerializer):
         return positions.get(obj.pk)
 
     def get_predicted_start_at(self, obj) -> str | None:
-        return None  # the wait-time predictor arrives with the scheduling milestone
+        if obj.status != Job.Status.QUEUED or obj.predicted_start_at is None:
+            return None
+        return timezone.localtime(obj.predicted_start_at).isoformat()
 
 
 class MetricSerializer(serializers.ModelSerializer):

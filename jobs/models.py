@@ -132,6 +132,7 @@ class Attempt(models.Model):
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
+    preempt_for = models.PositiveIntegerField(null=True, blank=True, help_text="the queued job its slots go to")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)

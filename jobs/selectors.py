@@ -4,7 +4,8 @@ from __future__ import annotations
 from django.db.models import Q, QuerySet
 
 from .models import Allocation, Attempt, Checkpoint, Job, MetricSample, Node
-from .policy.scheduler import NodeState, QueuedJob
+from .policy import fairshare
+from .policy.scheduler import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
 
 
 def jobs_visible_to(user) -> QuerySet[Job]:
@@ -21,17 +22,92 @@ def cluster_snapshot() -> list[NodeState]:
         used.setdefault(node_id, set()).update(slot_ids)
     return [
         NodeState(n.name, n.address, n.slots, frozenset(used.get(n.pk, ())),
-                  n.status == Node.Status.READY and n.quarantined_at is None)
+                  n.status == Node.Status.READY and n.quarantined_at is None, (n.labels or {}).get("rack"))
         for n in Node.objects.all()
     ]
 
 
+def _queued(j: Job) -> QueuedJob:
+    r = j.spec["resources"]
+    return QueuedJob(j.pk, j.priority, r["nodes"], r["procs_per_node"], frozenset(j.avoid_nodes or ()),
+                     j.team.name if j.team_id else None, j.owner.username, j.created_at.timestamp(),
+                     j.predicted_s or 3600.0)
+
+
 def queue_snapshot() -> list[QueuedJob]:
-    return [
-        QueuedJob(j.pk, j.priority, j.spec["resources"]["nodes"], j.spec["resources"]["procs_per_node"],
-                  frozenset(j.avoid_nodes or ()))
-        for j in Job.objects.filter(status=Job.Status.QUEUED).only("id", "priority", "spec", "avoid_nodes")
-    ]
+    return [_queued(j) for j in Job.objects.filter(status=Job.Status.QUEUED).select_related("team", "owner")
+            .only("id", "priority", "spec", "avoid_nodes", "team__name", "owner__username", "created_at", "predicted_s")]
+
+
+def running_snapshot(now: float) -> list[RunningJob]:
+    """Jobs whose processes hold slots (active allocations), as the policy sees them."""
+    shares: dict[int, list] = {}
+    for attempt_id, node, slot_ids in Allocation.objects.filter(active=True).values_list(
+            "attempt_id", "node__name", "slot_ids"):
+        shares.setdefault(attempt_id, []).append((node, tuple(slot_ids)))
+    out = []
+    for a in Attempt.objects.filter(pk__in=shares).select_related("job__team", "job__owner"):
+        job = a.job
+        started = (a.started_at or a.created_at).timestamp()
+        left = (job.predicted_s or 3600.0) * (1 - (a.last_step - (a.resumed_from_step or 0)) /
+                                              max(1, job.total_steps - (a.resumed_from_step or 0)))
+        out.append(RunningJob(job.pk, job.team.name if job.team_id else None, job.owner.username, job.slots,
+                              job.priority, tuple(shares[a.pk]), started,
+                              # progress-based: the remaining share of the prediction from now
+                              now + max(0.0, left) if a.last_step else started + (job.predicted_s or 3600.0),
+                              preemptible=not a.stop_reason, preempted_for=a.preempt_for))
+    return out
+
+
+def quotas_snapshot(now) -> Quotas:
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    from .models import Quota
+
+    team_slots, user_slots, budgets = {}, {}, []
+    for q in Quota.objects.select_related("team", "user"):
+        key = q.team.name if q.team_id else f"user:{q.user.username}"
+        if q.team_id:
+            team_slots[q.team.name] = q.max_slots
+        else:
+            user_slots[q.user.username] = q.max_slots
+        if q.device_hours is not None:
+            budgets.append((key, q.device_hours))
+    over: set[str] = set()
+    if budgets:
+        teams, users = slot_seconds_by_owner(now - timedelta(seconds=settings.TRAINYARD_QUOTA_WINDOW_S), now)
+        for key, hours in budgets:
+            used = users.get(key[5:], 0.0) if key.startswith("user:") else teams.get(key, 0.0)
+            if used >= hours * 3600:
+                over.add(key)
+    return Quotas(team_slots, user_slots, frozenset(over))
+
+
+def fair_usage(now) -> dict:
+    """Decayed slot-seconds per team over the last few half-lives (fairshare.py)."""
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    half = settings.TRAINYARD_FAIRSHARE_HALF_LIFE_S
+    since = now - timedelta(seconds=half * fairshare.USAGE_LOOKBACK_HALF_LIVES)
+    rows = (Attempt.objects.filter(started_at__isnull=False).filter(Q(ended_at__isnull=True) | Q(ended_at__gt=since))
+            .values_list("job__team__name", "job__slots", "started_at", "ended_at"))
+    return fairshare.decayed_usage(((t, s, a.timestamp(), e.timestamp() if e else None) for t, s, a, e in rows),
+                                   now.timestamp(), half)
+
+
+def cluster_view(now=None) -> ClusterView:
+    """Everything the scheduling policy decides on, in one snapshot."""
+    from django.conf import settings
+    from django.utils import timezone
+
+    now = now or timezone.now()
+    return ClusterView(now.timestamp(), tuple(cluster_snapshot()), tuple(running_snapshot(now.timestamp())),
+                       tuple(queue_snapshot()), quotas_snapshot(now), fair_usage(now),
+                       half_life_s=settings.TRAINYARD_FAIRSHARE_HALF_LIFE_S)
 
 
 def slots_used_by_node() -> dict[int, int]:
@@ -68,7 +144,7 @@ def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = N
 def queue_positions() -> dict[int, int]:
     from .policy.scheduler import queue_order
 
-    return {j.id: i + 1 for i, j in enumerate(queue_order(queue_snapshot()))}
+    return {j.id: i + 1 for i, j in enumerate(queue_order(cluster_view()))}
 
 
 def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> list[dict]:
@@ -245,3 +321,20 @@ def quota_table() -> list[dict]:
             r["in_use"] += slots
             r["borrowed"] += slots if borrowing else 0
     return sorted(rows.values(), key=lambda r: (r["team"] is None, r["team"] or r["user"]))
+
+
+PAST_RUNS = 500
+
+
+def past_runs() -> list:
+    """The predictor's history: attempts that ran to the end, newest PAST_RUNS."""
+    from .policy.predictor import PastRun, shape_from_spec
+
+    out = []
+    for a in (Attempt.objects.filter(outcome="succeeded", started_at__isnull=False, ended_at__isnull=False)
+              .select_related("job__team", "job__owner").order_by("-ended_at")[:PAST_RUNS]):
+        job = a.job
+        steps = job.total_steps - (a.resumed_from_step or 0)
+        out.append(PastRun(shape_from_spec(job.spec, job.owner.username, job.team.name if job.team_id else None),
+                           (a.ended_at - a.started_at).total_seconds(), steps, a.ended_at.timestamp()))
+    return out

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import timezone as dt_timezone
 from functools import partial
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from . import dispatch, selectors
 from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange,
                      SchedulerLock)
 from .policy import checkpoints as ckpt_policy
-from .policy import diagnosis, scheduler
+from .policy import diagnosis, predictor, scheduler
 from .specs import SpecError, parse_job_spec
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,13 @@ def job_submit(user, data) -> Job:
         plan["source"] = "spec"
         stored["parallel"]["dp"] = spec.dp
     team = user.groups.order_by("name").first()
+    shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
+    prediction = predictor.predict(shape, selectors.past_runs())
+    plan["predicted_s"] = round(prediction.seconds, 1)
+    plan["prediction_source"] = prediction.source
     with transaction.atomic():
         job = Job.objects.create(
-            name=spec.name, owner=user, team=team, spec=stored, plan=plan,
+            name=spec.name, owner=user, team=team, spec=stored, plan=plan, predicted_s=prediction.seconds,
             priority=Job.PRIORITIES[spec.priority], slots=r.world_size)
         _event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"])
         transaction.on_commit(dispatch.request_tick)
@@ -133,27 +139,55 @@ def _attempt_stop(attempt: Attempt, reason: str) -> None:
 # ---------------------------------------------------------------- scheduling
 
 def schedule_tick() -> list[int]:
-    """Place queued jobs. Serialized: the lock row is taken first in the transaction (FOR UPDATE
+    """Place queued jobs, start reclaim preemptions and re-mark borrowing jobs (jobs/policy/
+    scheduler.py decides). Serialized: the lock row is taken first in the transaction (FOR UPDATE
     on PostgreSQL; BEGIN IMMEDIATE already holds SQLite's write lock), so two ticks can never both
     see the same free slots."""
     started: list[int] = []
     with transaction.atomic():
         lock, _ = SchedulerLock.objects.select_for_update().get_or_create(pk=1)
         SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
-        decision = scheduler.schedule(selectors.cluster_snapshot(), selectors.queue_snapshot())
+        view = selectors.cluster_view()
+        decision = scheduler.schedule(view)
         for placement in decision.placements:
             if _start_attempt(placement):
                 started.append(placement.job_id)
+        for p in decision.preemptions:
+            attempt = Attempt.objects.filter(job_id=p.job_id, status__in=(
+                Attempt.Status.STARTING, Attempt.Status.RUNNING)).order_by("-number").first()
+            if attempt is not None:
+                _attempt_preempt(attempt, p.reason, for_job=p.for_job)
+        running = {r.id for r in view.running}
+        Job.objects.filter(pk__in=running & decision.borrowing, borrowing=False).update(borrowing=True)
+        Job.objects.filter(pk__in=running - decision.borrowing, borrowing=True).update(borrowing=False)
         for job_id, reason in decision.waiting.items():
             Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).exclude(status_reason=reason).update(
-                status_reason=reason)
+                status_reason=reason[:500])
     return started
+
+
+def eta_refresh() -> int:
+    """Predicted start times of queued jobs (the policy run forward over predicted run times);
+    beat runs it every 5 s. Writes only the ones that moved by more than 5 s; returns that count."""
+    view = selectors.cluster_view()
+    etas = scheduler.predict_starts(view)
+    changed = 0
+    with transaction.atomic():
+        for job_id, old in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", "predicted_start_at"):
+            ts = etas.get(job_id)
+            new = datetime.fromtimestamp(ts, tz=dt_timezone.utc) if ts is not None and math.isfinite(ts) else None
+            if (old is None) != (new is None) or (old and new and abs((old - new).total_seconds()) > 5):
+                Job.objects.filter(pk=job_id).update(predicted_start_at=new)
+                changed += 1
+    return changed
 
 
 def _start_attempt(placement: scheduler.Placement) -> bool:
     job = Job.objects.get(pk=placement.job_id)
     if not _set_job_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
-                           + ", ".join(s.node for s in placement.shares)):
+                           + ", ".join(s.node for s in placement.shares)
+                           + (" (borrowing idle capacity beyond its team's quota)" if placement.borrowing else ""),
+                           borrowing=placement.borrowing, predicted_start_at=None):
         return False
     number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
     checkpoints_reconcile(job)
@@ -430,7 +464,7 @@ def _attempt_preempt(attempt: Attempt, reason: str, *, for_job: int | None = Non
     now = timezone.now()
     if not Attempt.objects.filter(pk=attempt.pk, status__in=(Attempt.Status.STARTING, Attempt.Status.RUNNING),
                                   stop_reason="").update(stop_reason="preempt", preempt_requested_at=now,
-                                                         preempt_reason=reason[:500]):
+                                                         preempt_reason=reason[:500], preempt_for=for_job):
         return False
     attempt.refresh_from_db()
     job = attempt.job

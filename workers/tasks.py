@@ -26,6 +26,13 @@ def nodes_check() -> list[str]:
     return services.nodes_check()
 
 
+@app.task(name="workers.tasks.eta_refresh", time_limit=60, soft_time_limit=50)
+def eta_refresh() -> int:
+    from jobs import services
+
+    return services.eta_refresh()
+
+
 @app.task(name="workers.tasks.attempts_check", time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
     from jobs import services
