@@ -2,26 +2,50 @@
 goes to stderr.
 
 Sections (`--sections a,b`, default: all):
-- save_blocking: for each `--sizes` (MB of state: fp32 weights plus two AdamW-like moment
-  tensors per weight, 1/3 each), in a one-rank gloo group (FileStore; a group of its own, as the
-  runtime's checkpoints use), every variant once per repeat, in rotating order:
+- save_blocking: what a save costs the training loop. For each `--sizes` (MB of state: fp32
+  weights plus AdamW's two moment tensors per weight, 1/3 each; a real torch.optim.AdamW), in a
+  one-rank gloo group (FileStore; a group of its own, as the runtime's checkpoints use), every
+  variant once per repeat, in rotating order:
+    alone        two simulated training steps without a save: `compute_s` (forward + backward),
+                 `step_s` (that plus AdamW's step). The forward + backward is a matmul workload
+                 on the model's own weights: per weight W (rows x 2048) Y = X W^T, dX = dY W and
+                 dW = dY^T X into W.grad, i.e. 6 * params * tokens FLOPs (the usual count for a
+                 transformer's weights; attention would add more), reading the weights and
+                 writing the gradients as a real step does. `--tokens` per step, default 256:
+                 a small batch (the demo job, jobs/forms.py, runs 16 x 128 = 2048 tokens per
+                 rank per step), so the compute the copy hides behind is not flattered.
+                 `compute_gflop_per_s` is what this CPU achieved;
     sync         dcp.save, then os.fsync of every written file and the directory (the writer
                  already fsyncs its files; the extra pass makes "on disk" explicit): what a
                  synchronous save blocks training for;
-    async        dcp.async_save as the runtime calls it (workers/runtime/checkpoint.make_stager:
-                 one stager reused across saves): `async_blocking_s` is the call itself (staging
-                 the CPU copy: what the training thread waits for), `async_total_s` until its
-                 future is done. Measured after one unmeasured first save, whose blocking is
-                 `async_first_blocking_s` (it stages into fresh pages);
+    runtime      the runtime's path: workers/runtime/checkpoint.Checkpointer.save (async: its
+                 save thread copies the state, then writes it), then simulated steps as the
+                 trainer runs them (forward + backward, Checkpointer.wait_for_staging(), AdamW
+                 step) until the save is published. `async_blocking_s`: what the training
+                 thread was blocked for, the save call (`async_sync_part_s`) plus the wait for
+                 the state copy before the first optimizer step (`async_staging_wait_s`); it is
+                 the manifest's blocking_s. `compute_overlapped_s`: that first forward + backward,
+                 slowed by the copy (and DCP's writes) competing for the cores and memory
+                 bandwidth. `async_slowdown_s`: all the save cost the loop, blocking and slower
+                 steps: sync part + the steps run until it was published - as many steps' step_s
+                 (`async_steps_during_save` of them); `async_save_s`: the manifest's save_s.
+                 Measured after one unmeasured first save (`async_first_blocking_s`: it stages
+                 into fresh pages);
+    call         the previous runtime path, for comparison: dcp.async_save with a reused
+                 DefaultStager that stages synchronously (no overlap): `async_call_blocking_s`
+                 is the call itself, `async_call_total_s` until its future is done; after one
+                 unmeasured first save (`async_call_first_blocking_s`);
     async_fresh  plain dcp.async_save (a new stager per call): `async_fresh_blocking_s`.
-  Per size, medians over `--repeats`: {"mb", "sync_s", "async_blocking_s", "async_total_s",
-  "ratio_blocking_to_sync", ...}; "target_met": ratio <= 0.10 at every size >= 100 MB.
+  Per size, medians over `--repeats`; "ratio_blocking_to_sync" = async_blocking_s / sync_s, and
+  "target_met": that ratio <= 0.10 at every size >= 100 MB. The ratio of async_slowdown_s and
+  of the call-only blocking to sync_s are reported beside it.
 - recovery: bench/recovery.py: SIGKILL one rank of the demo job on a real Trainyard (Redis,
   daphne, Celery, relay, two agents), time to its first new step with the breakdown (detection,
   scheduling, process start, checkpoint load), beside the same job's cold start.
 Everything is written under a temporary directory in /tmp, removed at the end.
 
-Usage: python bench/checkpoint.py [--sizes 10,100,500] [--repeats 3] [--sections save_blocking,recovery]
+Usage: python bench/checkpoint.py [--sizes 10,100,500] [--repeats 3] [--tokens 256]
+                                  [--sections save_blocking,recovery]
 """
 from __future__ import annotations
 
@@ -38,9 +62,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workers.runtime.checkpoint import make_stager  # noqa: E402  (the runtime's staging setup)
+from workers.runtime.checkpoint import Checkpointer  # noqa: E402  (the runtime's saves)
+from workers.runtime.config import CheckpointConfig  # noqa: E402
 
 TENSOR_MB = 16  # a 2048 x 2048 fp32 matrix: about one transformer layer's weight at hidden 2048
 TARGET_RATIO, TARGET_MIN_MB = 0.10, 100
@@ -50,14 +77,59 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_state(mb: int) -> dict:
-    """~`mb` MB: weights and two moment tensors of the same shapes (AdamW's exp_avg/exp_avg_sq)."""
+class Weights(torch.nn.Module):
+    def __init__(self, n: int, rows: int):
+        super().__init__()
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(rows, 2048))
+                                        for _ in range(n))
+
+
+def make_model(mb: int) -> tuple[Weights, torch.optim.AdamW]:
+    """~`mb` MB of state: fp32 weights and AdamW's exp_avg/exp_avg_sq of the same shapes."""
     n = max(1, round(mb / 3 / TENSOR_MB))
     rows = max(1, round(mb * 2**20 / 3 / n / 4 / 2048))
-    weights = {f"layer{i}.weight": torch.randn(rows, 2048) for i in range(n)}
-    moments = {k: {"exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v),
-                   "step": torch.tensor(100.0)} for k, v in weights.items()}
-    return {"model": weights, "optim": {"state": moments}, "trainer": {"step": 100}}
+    model = Weights(n, rows)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)  # gradients: written by backward, not saved
+    opt.step()  # creates the moments
+    return model, opt
+
+
+def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    """What the runtime saves (Checkpointer.save's state)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd,
+            "trainer": {"step": step, "batches_consumed": step}}
+
+
+class ForwardBackward:
+    """A forward + backward of `tokens` tokens through the model's weights (see the module
+    docstring): 6 * params * tokens FLOPs, reading the weights, writing their gradients."""
+
+    def __init__(self, model: Weights, tokens: int):
+        self.params = list(model.parameters())
+        self.x = torch.randn(tokens, 2048)
+        self.dy = {p.shape[0]: torch.randn(tokens, p.shape[0]) for p in self.params}
+        self.flops = 6 * sum(p.numel() for p in self.params) * tokens
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        for p in self.params:
+            dy = self.dy[p.shape[0]]
+            torch.mm(self.x, p.t())  # forward
+            torch.mm(dy, p)  # backward: the input's gradient
+            torch.mm(dy.t(), self.x, out=p.grad)  # backward: the weight's gradient
+        return time.perf_counter() - t0
+
+
+class Events:
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
 
 
 def state_mb(state: dict) -> float:
@@ -91,53 +163,114 @@ def save_blocking(args, work: Path) -> dict:
     finally:
         dist.destroy_process_group()
     big = [s for s in sizes if s["mb"] >= TARGET_MIN_MB * 0.95]
-    return {"sizes": sizes, "repeats": args.repeats, "world_size": 1, "backend": "gloo",
+    return {"sizes": sizes, "repeats": args.repeats, "tokens": args.tokens, "world_size": 1,
+            "backend": "gloo", "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "target": f"ratio_blocking_to_sync <= {TARGET_RATIO} at >= {TARGET_MIN_MB} MB",
             "target_met": bool(big) and all(s["ratio_blocking_to_sync"] <= TARGET_RATIO for s in big)}
 
 
 def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
-    state = make_state(mb)
-    stager = make_stager(torch.device("cpu"))  # the runtime's: one per run, reused across saves
+    model, opt = make_model(mb)
+    fwd_bwd = ForwardBackward(model, args.tokens)
+    events = Events()
+    ckpt = Checkpointer(CheckpointConfig(every_steps=1, async_=True), work / f"ckpt-{mb}",
+                        job_id=1, attempt_id=1, rank=0, world_size=1, device=torch.device("cpu"),
+                        reporter=events)
+    # the previous runtime path: one stager for the run, staging synchronously in the call
+    call_stager = DefaultStager(StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=False))
     times: dict[str, list[float]] = {k: [] for k in (
-        "sync_s", "async_blocking_s", "async_total_s", "async_fresh_blocking_s")}
+        "compute_s", "step_s", "sync_s", "async_blocking_s", "async_sync_part_s",
+        "async_staging_wait_s", "compute_overlapped_s", "async_save_s", "async_steps_during_save",
+        "async_call_blocking_s", "async_call_total_s", "async_fresh_blocking_s")}
+    runs: list[tuple[float, int]] = []  # runtime: (sync part + the steps' time, steps)
+    step = 0
+
+    def train_step() -> tuple[float, float, float]:
+        """(forward + backward, wait for the save's state copy, the whole step) in seconds"""
+        t0 = time.perf_counter()
+        compute = fwd_bwd()
+        waited = ckpt.wait_for_staging()
+        opt.step()
+        return compute, waited, time.perf_counter() - t0
+
+    def alone(path: Path) -> None:
+        for _ in range(2):
+            compute, _, total = train_step()
+            times["compute_s"].append(compute)
+            times["step_s"].append(total)
 
     def sync(path: Path) -> None:
         t0 = time.perf_counter()
-        dcp.save(state, checkpoint_id=path, process_group=group)
+        dcp.save(state_of(model, opt, step), checkpoint_id=path, process_group=group)
         fsync_tree(path)
         times["sync_s"].append(time.perf_counter() - t0)
 
-    def async_(path: Path, stager=stager, key="async_blocking_s") -> float:
-        t0 = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
-        times.setdefault(key, []).append(time.perf_counter() - t0)
-        future.result()
-        return time.perf_counter() - t0
+    def runtime(path: Path, record: bool = True) -> float:
+        nonlocal step
+        step += 1
+        published = len(events.events)
+        sync_part = ckpt.save(step, model, opt)
+        steps = []
+        while len(events.events) == published and len(steps) < 1000:
+            steps.append(train_step())
+        ckpt.wait()  # collects the save (raises if it failed)
+        [(kind, ev)] = events.events[published:]
+        shutil.rmtree(ev["path"])
+        blocking = sync_part + steps[0][1]
+        assert kind == "checkpoint" and ev["blocking_s"] == blocking, (ev, sync_part, steps)
+        if record:
+            for key, v in [("async_blocking_s", blocking), ("async_sync_part_s", sync_part),
+                           ("async_staging_wait_s", steps[0][1]),
+                           ("compute_overlapped_s", steps[0][0]), ("async_save_s", ev["save_s"]),
+                           ("async_steps_during_save", len(steps))]:
+                times[key].append(v)
+            runs.append((sync_part + sum(s[2] for s in steps), len(steps)))
+        return blocking
 
-    def async_runtime(path: Path) -> None:
-        times["async_total_s"].append(async_(path))
+    def call(path: Path, stager=call_stager, key: str = "async_call_blocking_s") -> float:
+        t0 = time.perf_counter()
+        future = dcp.async_save(state_of(model, opt, step), checkpoint_id=path, process_group=group,
+                                async_stager=stager)
+        blocking = time.perf_counter() - t0
+        future.result()
+        if key:
+            times[key].append(blocking)
+            if stager is call_stager:
+                times["async_call_total_s"].append(time.perf_counter() - t0)
+        return blocking
 
     def async_fresh(path: Path) -> None:  # plain async_save: a new stager, fresh pages, each call
-        async_(path, stager=None, key="async_fresh_blocking_s")
+        call(path, stager=None, key="async_fresh_blocking_s")
 
+    fwd_bwd()  # warm up the matmuls
+    first_s = runtime(work / "unused", record=False)  # the runtime's first save: fresh pages
     first = work / f"first-{mb}"
-    async_(first, key="first")  # the runtime's first save stages into fresh memory
+    call_first_s = call(first, key="")
     shutil.rmtree(first)
-    first_s = times.pop("first")[0]
-    variants = [sync, async_runtime, async_fresh]
+    variants = [alone, sync, runtime, call, async_fresh]
     for rep in range(args.repeats):
         # rotate the order, so writeback left by the one before hits every variant alike
-        for fn in variants[rep % 3:] + variants[:rep % 3]:
+        k = rep % len(variants)
+        for fn in variants[k:] + variants[:k]:
             path = work / f"{fn.__name__}-{mb}-{rep}"
             fn(path)
-            shutil.rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)
         log(f"save_blocking {mb} MB #{rep + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()))
-    stager.close()
+    ckpt.close()
+    call_stager.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"mb": round(state_mb(state), 1), **{k: round(v, 4) for k, v in med.items()},
+    slowdown = statistics.median(total - n * med["step_s"] for total, n in runs)
+    return {"mb": round(state_mb(state_of(model, opt, step)), 1), "tokens": args.tokens,
+            **{k: round(v, 4) for k, v in med.items()},
+            "compute_gflop_per_s": round(fwd_bwd.flops / med["compute_s"] / 1e9, 1),
+            "async_slowdown_s": round(slowdown, 4),
             "async_first_blocking_s": round(first_s, 4),
+            "async_call_first_blocking_s": round(call_first_s, 4),
             "ratio_blocking_to_sync": round(med["async_blocking_s"] / med["sync_s"], 4),
+            "ratio_slowdown_to_sync": round(slowdown / med["sync_s"], 4),
+            "ratio_call_blocking_to_sync": round(med["async_call_blocking_s"] / med["sync_s"], 4),
             "ratio_fresh_blocking_to_sync": round(med["async_fresh_blocking_s"] / med["sync_s"], 4)}
 
 
@@ -158,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated, from {sorted(SECTIONS)}")
     parser.add_argument("--sizes", default="10,100,500", help="state sizes in MB for save_blocking")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256,
+                        help="tokens per simulated training step in save_blocking")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     sections = [s for s in args.sections.split(",") if s]

@@ -11,8 +11,8 @@ import json
 import os
 import random
 import signal
+import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from workers.runtime import chaos as chaos_mod
 from workers.runtime import checkpoint as ck
@@ -235,9 +236,12 @@ def test_save_publishes_once_and_load_restores_weights_optimizer_and_rng(tmp_pat
     random.seed(5)
     blocking_s = saver.save(3, model, opt)
     after_save = (random.random(), torch.rand(3))  # the RNG draws a resumed run would make next
-    _train_step(model, opt)  # mutating the live state must not tear the (async) save
+    # as the trainer: wait for the (async) state copy before the optimizer changes the state
+    blocking_s += saver.wait_for_staging()
+    _train_step(model, opt)
     at4 = _snapshot(model, opt)
     saver.save(4, model, opt)  # waits for 3, then restages into the same (cached) CPU copy
+    saver.wait_for_staging()
     _train_step(model, opt)
     saver.close()
     saver.close()  # idempotent: nothing in flight
@@ -262,6 +266,108 @@ def test_save_publishes_once_and_load_restores_weights_optimizer_and_rng(tmp_pat
     assert random.random() == after_save[0] and torch.equal(torch.rand(3), after_save[1])
 
 
+class GatedStager(DefaultStager):
+    """The runtime's CPU stager, except that each copy starts only once `gate` is set (and then
+    raises `fail` if given): the test decides when the save thread's copy runs."""
+
+    def __init__(self, gate: threading.Event, fail: BaseException | None = None):
+        super().__init__(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+        self.gate, self.fail = gate, fail
+
+    def stage(self, state_dict, **kwargs):
+        assert self.gate.wait(30)
+        if self.fail is not None:
+            raise self.fail
+        return super().stage(state_dict, **kwargs)
+
+
+def _bn_model_and_opt(seed=0):
+    """With BatchNorm: a forward in training mode updates its buffers (running stats)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _full_state(model, opt):
+    """Every tensor and value a checkpoint holds, as plain copies."""
+    osd = opt.state_dict()
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in st.items()} for i, st in osd["state"].items()},
+            [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]])
+
+
+def _assert_same_state(a, b):
+    (wa, sa, ga), (wb, sb, gb) = a, b
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert sa.keys() == sb.keys()
+    assert all(sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+               for i in sa)
+    assert ga == gb
+
+
+def test_the_state_copy_overlaps_the_next_forward_and_backward_and_saves_the_state_at_save_time(
+        tmp_path, one_rank, monkeypatch):
+    gate = threading.Event()
+    monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate))
+    reporter = Events()
+    saver = ck.Checkpointer(CheckpointConfig(every_steps=1), tmp_path, job_id=8, attempt_id=21,
+                            rank=0, world_size=1, device=torch.device("cpu"), reporter=reporter)
+    model, opt = _bn_model_and_opt()
+    for _ in range(2):
+        _train_step(model, opt)
+    for group in opt.param_groups:
+        group["lr"] = 0.02  # the trainer's lr_at(step)
+    at_save = _full_state(model, opt)
+    sync_s = saver.save(2, model, opt)
+    assert not gate.is_set()  # save() returned before the copy began
+    # The next step, as the trainer runs it, all before the copy has begun: the lr write, then
+    # forward (BatchNorm updates its running stats and batch count in place) and backward.
+    for group in opt.param_groups:
+        group["lr"] = 0.01
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    assert not _full_state(model, opt)[0]["1.running_mean"].equal(at_save[0]["1.running_mean"])
+    threading.Timer(0.2, gate.set).start()  # the copy runs after 0.2 s
+    waited = saver.wait_for_staging()  # before the optimizer step: waits for the copy
+    assert gate.is_set() and waited >= 0.1
+    assert saver.wait_for_staging() == 0.0  # waited for already
+    opt.step()  # now the optimizer changes weights, moments and step counts in place
+    opt.zero_grad()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.close()
+    assert saver.wait_for_staging() == 0.0  # nothing in flight
+
+    [(kind, fields)] = reporter.events
+    path = tmp_path / "step-00000002-a21"
+    manifest = ck.read_manifest(path)
+    # blocking_s: the save call plus the wait before the optimizer step
+    assert fields["blocking_s"] == manifest["blocking_s"] == sync_s + waited
+    assert (kind, fields["step"], fields["path"]) == ("checkpoint", 2, str(path))
+    fresh, fresh_opt = _bn_model_and_opt(seed=1)
+    assert saver.load(path, fresh, fresh_opt, seed=0).step == 2
+    _assert_same_state(_full_state(fresh, fresh_opt), at_save)
+
+
+def test_a_failed_state_copy_fails_the_save_on_the_training_thread_and_publishes_nothing(
+        tmp_path, one_rank, monkeypatch):
+    gate = threading.Event()
+    gate.set()
+    monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate, MemoryError("no room")))
+    reporter = Events()
+    saver = ck.Checkpointer(CheckpointConfig(), tmp_path, job_id=8, attempt_id=21, rank=0,
+                            world_size=1, device=torch.device("cpu"), reporter=reporter)
+    model, opt = _model_and_opt()
+    saver.save(5, model, opt)
+    assert saver.wait_for_staging() >= 0.0  # returns; the error belongs to the save
+    with pytest.raises(RuntimeError, match=r"checkpoint save of step 5 .* failed: MemoryError"):
+        saver.wait()
+    saver.close()
+    assert reporter.events == [] and not list(tmp_path.glob("step-*"))
+
+
 def test_without_its_rank_file_a_rank_seeds_its_rngs_deterministically(tmp_path, one_rank):
     saver = ck.Checkpointer(CheckpointConfig(async_=False), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=Events())
@@ -281,11 +387,9 @@ def test_without_its_rank_file_a_rank_seeds_its_rngs_deterministically(tmp_path,
 def test_a_failed_async_save_is_raised_on_the_training_thread_and_never_published(
         tmp_path, one_rank, monkeypatch):
     def failing_save(state, **kw):
-        f = Future()
-        f.set_exception(OSError("disk full"))
-        return f
+        raise OSError("disk full")
 
-    monkeypatch.setattr(ck.dcp, "async_save", failing_save)
+    monkeypatch.setattr(ck.dcp, "save", failing_save)
     reporter = Events()
     saver = ck.Checkpointer(CheckpointConfig(), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=reporter)
@@ -293,7 +397,9 @@ def test_a_failed_async_save_is_raised_on_the_training_thread_and_never_publishe
     saver.save(5, model, opt)
     with pytest.raises(RuntimeError, match=r"checkpoint save of step 5 into .*\.partial-step-00000005-a21 "
                                            r"failed: OSError\('disk full'\)"):
-        saver.poll()
+        for _ in range(3000):  # as the trainer: poll() after each step until the save is done
+            saver.poll()
+            time.sleep(0.01)
     saver.poll()  # reported once
     assert reporter.events == [] and not list(tmp_path.glob("step-*"))
 
@@ -349,7 +455,9 @@ def test_a_killed_job_resumes_from_its_checkpoint_with_the_same_losses(tmp_path,
         assert abs(manifest["created_unixtime"] - time.time()) < 120
         assert e["size_bytes"] == ck.dir_size(path) - (path / ck.MANIFEST).stat().st_size > 1e6
         assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in path.iterdir()}
-        assert 0 < e["blocking_s"] <= step_s[(0, e["step"])]  # the block lands in the step's step_s
+        # the block lands in step_s: the save call in its step's, the wait for its state copy
+        # (before the next optimizer step) in the next step's
+        assert 0 < e["blocking_s"] <= step_s[(0, e["step"])] + step_s.get((0, e["step"] + 1), 0)
         assert 0 < e["save_s"] < 30
     kinds = [e["kind"] for e in events_a if e["rank"] == 0]
     assert kinds.index("rank_finished") > max(i for i, k in enumerate(kinds) if k == "checkpoint")

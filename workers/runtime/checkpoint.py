@@ -14,21 +14,32 @@ checkpoint from the `checkpoint` event and reconciles from the manifests, so thi
 A save (every `every_steps` steps and at the last step), on every rank:
 1. waits for the previous save if it is still in flight (one at a time bounds the staging
    memory to one copy of the state and keeps DCP's collectives on the checkpoint group in order);
-2. writes rank-<r>.pt synchronously with fsync (a few KB: well under a millisecond), so it is
-   complete before this rank enters the save's collectives;
-3. async: dcp.async_save stages a CPU copy of the state (the only part the training thread
-   waits for) and writes it on a background thread; sync: dcp.save. One stager serves the whole
-   run (`make_stager`) and keeps its copy between saves, so after the first save staging copies
-   into warm memory instead of faulting in fresh pages: 500 MB took 0.23 s instead of 0.6-2.0 s
-   on the 2-core dev VM (bench/checkpoint.py). Reusing it is safe because the previous save,
-   which reads that copy, has finished (step 1). The price is one CPU copy of the state held
-   for the run (pinned host memory on CUDA) rather than only during a save.
+2. captures what the training loop could change before the next optimizer step: this rank's
+   RNG states, and the state's structure (`_capture`: get_state_dict's dicts and lists rebuilt,
+   non-tensor values such as param_groups' lr copied, tensors other than parameters and
+   optimizer state, i.e. buffers, cloned). An async save() returns here;
+3. on the Checkpointer's save thread (async) or in save() (sync): writes rank-<r>.pt with fsync
+   (a few KB, so it is complete before this rank enters the save's collectives), copies the
+   parameter and optimizer tensors into a CPU copy of the state (`make_stager`; on the CPU a
+   memcpy that releases the GIL), then runs dcp.save on that copy.
+Only the optimizer step changes the tensors the save thread copies (forward and backward read
+the parameters and write gradients, which are not saved; a forward that updates buffers, as
+BatchNorm's running statistics, updates tensors cloned in step 2). So the copy only has to be
+complete before the next optimizer step: the trainer calls `wait_for_staging()` right before
+`opt.step()`, and the copy runs alongside the next step's forward and backward. A save's
+`blocking_s` is the time the training thread was held for it: save() itself (including any
+wait for the previous save) plus any wait in `wait_for_staging()`.
+One stager serves the whole run and keeps its copy between saves, so after the first save
+staging copies into warm memory instead of faulting in fresh pages: 500 MB took 0.23 s instead
+of 0.6-2.0 s on the 2-core dev VM (bench/checkpoint.py). Reusing it is safe because the previous
+save, which reads that copy, has finished (step 1). The price is one CPU copy of the state held
+for the run (pinned host memory on CUDA) rather than only during a save.
 DCP's save ends with an all_reduce on the checkpoint group: rank 0 gathers every rank's write
-results (each rank sends them after its writes finished, and after its step 2), runs the
-storage writer's finish (.metadata, fsynced), then broadcasts. So once rank 0's future is done,
+results (each rank sends them after its writes finished, and after its rank file), runs the
+storage writer's finish (.metadata, fsynced), then broadcasts. So once rank 0's dcp.save returns,
 every rank's files are complete. Rank 0 then writes trainyard.json (fsync), renames the directory
-to its final name, fsyncs the parent and reports the `checkpoint` event. It does so in the
-future's done-callback, on DCP's thread: exactly once, without the training loop polling, and
+to its final name, fsyncs the parent and reports the `checkpoint` event. It does so on the save
+thread (async), right after dcp.save: exactly once, without the training loop polling, and
 even when the training thread is stuck in a later collective (a hang after a save still leaves
 that save usable). The training thread only collects the outcome (`poll`) and re-raises a
 failed save there.
@@ -38,12 +49,14 @@ flight never interleaves with DDP's gradient all-reduces on the default group.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,12 +181,40 @@ def seed_rng(seed: int, step: int, rank: int, device: torch.device) -> None:
 
 
 def make_stager(device: torch.device) -> DefaultStager:
-    """The async_save stager the runtime reuses across saves: synchronous staging (the copy is
-    complete when async_save returns, so training may update the weights at once), into pinned
-    host memory with non-blocking copies on CUDA."""
+    """The stager the runtime reuses across saves, called on the Checkpointer's save thread.
+    CUDA: DefaultStager's async staging (non-blocking copies into pinned host memory on a stream
+    of its own, then a sync of that stream; `stage` returns a future), so the copy does not
+    queue behind the training's kernels. CPU: its synchronous copy (its async staging is made
+    for accelerators: it creates a device stream whenever one is available, which would start
+    CUDA in a CPU run on a GPU host)."""
     cuda = device.type == "cuda"
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=cuda))
+                                        use_async_staging=cuda, use_non_blocking_copy=cuda))
+
+
+def _live_storages(model: torch.nn.Module, opt: torch.optim.Optimizer) -> set[int]:
+    """data_ptrs of the storages only an optimizer step writes: parameters, optimizer state."""
+    tensors = list(model.parameters())
+    tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def _capture(obj: Any, deferred: set[int]) -> Any:
+    """A copy of the state that the training loop cannot change until the next optimizer step:
+    containers rebuilt, non-tensor values deep-copied, tensors on `deferred` storages kept as
+    they are (the stager copies them later), other tensors (buffers: a forward may update them)
+    cloned now."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() and obj.untyped_storage().data_ptr() in deferred:
+            return obj
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _capture(v, deferred) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_capture(v, deferred) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_capture(v, deferred) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -190,11 +231,20 @@ class _Save:
     step: int
     partial: Path
     started: float  # perf_counter when this save began (after any wait for the previous one)
-    blocking_s: float = 0.0
+    sync_s: float = 0.0  # the training thread in save(), the wait for the previous save included
+    staging_wait_s: float = 0.0  # the training thread in wait_for_staging() for this save
+    blocking_s: float = 0.0  # sync_s + staging_wait_s; final when the manifest is written
     save_s: float = 0.0
     path: Path | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    # async: set once the save thread's copy of the state is complete (or failed)
+    staged: threading.Event | None = None
+    # wait_for_staging() <-> _complete(): which of the two fixes staging_wait_s
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    waiting: bool = False  # the training thread entered wait_for_staging()
+    settled: bool = False  # _complete() ran first: any later wait_for_staging() adds nothing
+    waited: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -220,6 +270,9 @@ class Checkpointer:
         self.reporter = reporter
         self.group = dist.new_group(backend="gloo")
         self._stager = make_stager(device) if cfg.async_ else None
+        # async saves run here, one at a time: rank file, staging copy, dcp.save, publish
+        self._thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-ckpt")
+                        if cfg.async_ else None)
         self._pending: _Save | None = None
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -227,39 +280,88 @@ class Checkpointer:
 
     # ---- saving --------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
-        """Start (async) or do (sync) the save of `step`; returns seconds the caller was blocked."""
+        """Start (async) or do (sync) the save of `step`; returns the seconds this call blocked.
+
+        Async: the state's tensors are copied on the save thread after this returns; call
+        `wait_for_staging()` before anything changes them (the next optimizer step).
+        """
         t0 = time.perf_counter()
         self.wait()
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
-        _save_file(rng_state(self.device), record.partial / f"rank-{self.rank}.pt")
+        rng = rng_state(self.device)
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd,
                  # grad_accum is 1, so batches consumed == steps; the lr is lr_at(step)
                  "trainer": {"step": step, "batches_consumed": step}}
         if self.cfg.async_:
-            future = dcp.async_save(state, checkpoint_id=record.partial, process_group=self.group,
-                                    async_stager=self._stager)
-            record.blocking_s = time.perf_counter() - t0
+            state = _capture(state, _live_storages(model, opt))
+            if self.device.type == "cuda":  # the stager's stream must see the clones (and opt.step)
+                torch.cuda.current_stream(self.device).synchronize()
+            record.staged = threading.Event()
+            record.sync_s = time.perf_counter() - t0  # final before the save thread may read it
+            self._thread.submit(self._save_async, record, state, rng)
             self._pending = record
-            future.add_done_callback(lambda f: self._complete(record, f))
         else:
             try:
+                _save_file(rng, record.partial / f"rank-{self.rank}.pt")
                 dcp.save(state, checkpoint_id=record.partial, process_group=self.group)
             except BaseException as e:  # recorded and re-raised by wait(), like an async failure
                 record.error = e
-            record.blocking_s = time.perf_counter() - t0
+            record.sync_s = time.perf_counter() - t0
             self._pending = record
-            self._complete(record, None)
+            self._complete(record)
             self.wait()
-        return record.blocking_s
+        return record.sync_s
 
-    def _complete(self, record: _Save, future: Any) -> None:
-        """Runs once per save: on DCP's thread (async) or the training thread (sync)."""
-        record.save_s = time.perf_counter() - record.started
+    def _save_async(self, record: _Save, state: dict, rng: dict) -> None:
+        """The save thread's part of an async save: step 3 of the module docstring, publish."""
+        staged = None
         try:
-            if future is not None:
-                future.result()
+            _save_file(rng, record.partial / f"rank-{self.rank}.pt")
+            staged = self._stager.stage(state)
+            if isinstance(staged, Future):  # CUDA: staged on the stager's stream
+                staged = staged.result()
+        except BaseException as e:
+            record.error = e
+        finally:
+            record.staged.set()  # from here on only the copy is read
+        if record.error is None:
+            try:
+                dcp.save(staged, checkpoint_id=record.partial, process_group=self.group)
+            except BaseException as e:
+                record.error = e
+        self._complete(record)
+
+    def wait_for_staging(self) -> float:
+        """Call before anything changes the model's or optimizer's state (the optimizer step):
+        blocks until the save in flight holds its own copy of that state. Returns the seconds
+        waited; they count in that save's blocking_s. Cheap when nothing is being staged."""
+        record = self._pending
+        if record is None or record.staged is None:
+            return 0.0
+        with record.lock:
+            if record.settled or record.waiting:  # finished already, or waited for already
+                return 0.0
+            record.waiting = True
+        t0 = time.perf_counter()
+        record.staged.wait()  # a failed copy fails the save: raised by poll()/wait()
+        record.staging_wait_s = time.perf_counter() - t0
+        record.waited.set()
+        return record.staging_wait_s
+
+    def _complete(self, record: _Save) -> None:
+        """Runs once per save, last: on the save thread (async) or the training thread (sync)."""
+        record.save_s = time.perf_counter() - record.started
+        with record.lock:
+            record.settled = True
+            waiting = record.waiting
+        if waiting:
+            # The training thread is in wait_for_staging() and returns at once: `staged` was
+            # set before the save thread got here.
+            record.waited.wait()
+        record.blocking_s = record.sync_s + record.staging_wait_s
+        try:
             if record.error is None and self.rank == 0:
                 manifest = {"format": FORMAT, "job_id": self.job_id, "attempt_id": self.attempt_id,
                             "step": record.step, "world_size": self.world_size,
@@ -288,6 +390,9 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight, then free the staging copy. Call once, after the last save."""
         self.wait()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         if self._stager is not None:
             self._stager.close()
             self._stager = None
@@ -303,6 +408,7 @@ class Checkpointer:
              *, seed: int) -> Resumed:
         """Load model, optimizer, trainer dict and this rank's RNG states from checkpoint `path`."""
         t0 = time.perf_counter()
+        self.wait()  # loading overwrites the state a save in flight may still be copying
         model_sd, optim_sd = get_state_dict(model, opt)  # the shapes DCP loads into, in place
         state = {"model": model_sd, "optim": optim_sd,
                  "trainer": {"step": -1, "batches_consumed": -1}}

@@ -10,11 +10,13 @@ CUDA events for the collectives, see comm.py):
   compute_s + comm_s >= forward+backward; the overlap is the comm hidden behind compute.
 - optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
   optimizer's kernels, so the time lands here rather than in the next step).
-- step_s: from asking for the batch to the end of the optimizer step, plus, on a checkpoint
-  step, the time the save blocked this rank (staging the state copy; see checkpoint.py);
-  step_s ~= data_s + compute_s + exposed comm + optim_s + checkpoint blocking (+ microseconds
-  of bookkeeping). A chaos-slowed rank (chaos.py) shows its sleep in compute_s; its peers wait
-  for it in their all-reduces, which lands in their comm_s, not their compute_s.
+- step_s: from asking for the batch to the end of the optimizer step, plus the time
+  checkpointing blocked this rank in the step: on a checkpoint step, the save call (the
+  synchronous part, see checkpoint.py); on the step after an async save, any wait before the
+  optimizer step for the save's state copy, which runs alongside that step's forward and
+  backward. step_s ~= data_s + compute_s + exposed comm + optim_s + checkpoint blocking (+
+  microseconds of bookkeeping). A chaos-slowed rank (chaos.py) shows its sleep in compute_s;
+  its peers wait for it in their all-reduces, which lands in their comm_s, not their compute_s.
 samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
 is their sum over ranks. bytes_sent is what this rank handed to gradient collectives.
 mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
@@ -174,6 +176,9 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         backward_end = clock.mark()
         clock.sync()
         t2 = time.perf_counter()
+        # An async save copies the weights and optimizer state in the background; that copy
+        # must be complete before the optimizer changes them (checkpoint blocking, not optim_s).
+        staging_wait_s = ckpt.wait_for_staging()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
@@ -188,7 +193,7 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
             "rank": env.rank, "step": step, "ts": time.time(), "loss": loss_v,
             "samples_per_s": batch / step_s, "tokens_per_s": tokens_per_batch / step_s,
             "step_s": step_s, "data_s": t1 - t0, "compute_s": max(0.0, t2 - t1 - exposed_s),
-            "comm_s": comm_s, "optim_s": t3 - t2, "bytes_sent": comm.bytes_sent,
+            "comm_s": comm_s, "optim_s": t3 - t2 - staging_wait_s, "bytes_sent": comm.bytes_sent,
             "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                           else proc.memory_info().rss),
             "attempt": cfg.attempt_id,
