@@ -44,6 +44,7 @@ from .comm import CommCounter, CpuClock, CudaClock, counting_allreduce_hook
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model, lm_loss
+from .preempt import PREEMPTED_EXIT_CODE, preempt_key
 from .reporter import Reporter
 
 COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
@@ -111,7 +112,8 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    reporter = Reporter(cfg.redis_url, cfg.stream, rank=env.rank, attempt=cfg.attempt_id)
+    reporter = Reporter(cfg.redis_url, cfg.stream, rank=env.rank, attempt=cfg.attempt_id,
+                        preempt_key=preempt_key(cfg.attempt_id))
     reporter.event("rank_started", pid=os.getpid(), node=cfg.node, world_size=env.world_size)
     try:
         # User errors (bad data path, too little data) surface here, before the rendezvous,
@@ -153,6 +155,11 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
     first = 1
     if cfg.resume is not None:
         first = _resume(cfg, env, ckpt, ddp, opt, reporter, start_batch) + 1
+    # Preemption consensus (preempt.py) on a group of its own: a one-int all_reduce a step
+    # (~0.1-0.3 ms on gloo/CPU) so every rank stops after the same step, never inside the
+    # gradient all-reduces or a background checkpoint's collectives.
+    control = dist.new_group(backend="gloo")
+    saved_at = 0
     chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
     proc = psutil.Process()
     log_every = max(1, train.steps // 10)
@@ -186,6 +193,7 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         ckpt.poll()
         if is_due(step, cfg.checkpoint.every_steps, train.steps):
             ckpt.save(step, ddp, opt)
+            saved_at = step
         comm = counter.take()
         comm_s, exposed_s = comm.measure(clock, ref, backward_end)
         step_s = time.perf_counter() - t0
@@ -203,6 +211,8 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
                  f"step_ms {step_s * 1000:.1f} samples/s {batch / step_s:.1f}")
         if chaos is not None:
             chaos.after_step(step)
+        if step < train.steps and _preempt_agreed(reporter.preempt_requested.is_set(), control):
+            _preempt_exit(step, saved_at, ckpt, ddp, opt, reporter, env)
 
     ckpt.close()  # the last save is published (and reported) before this rank says it finished
 
@@ -212,6 +222,37 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
     _say(f"rank {env.rank} finished steps {train.steps} final_loss {loss_v:.4f} "
          f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
     return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+
+
+class Preempted(SystemExit):
+    """Raised on every rank once they agreed to stop: exits PREEMPTED_EXIT_CODE after the
+    `finally` blocks (process group, reporter flush) ran. A SystemExit, so @record does not
+    write it up as an error."""
+
+    def __init__(self, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+
+def _preempt_agreed(mine: bool, group) -> bool:
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def _preempt_exit(step: int, saved_at: int, ckpt: Checkpointer, model: torch.nn.Module,
+                  opt: torch.optim.Optimizer, reporter: Reporter, env: DistEnv) -> None:
+    """Save this step (unless it was just saved), wait until the checkpoint is published and
+    reported, and leave: the job resumes from exactly here."""
+    t0 = time.perf_counter()
+    if saved_at != step:
+        ckpt.save(step, model, opt)
+    ckpt.close()
+    if env.rank == 0:
+        reporter.event("preempted_exit", step=step, save_s=round(time.perf_counter() - t0, 3))
+    _say(f"rank {env.rank} preempted after step {step}: checkpoint saved in "
+         f"{time.perf_counter() - t0:.2f} s, exiting with {PREEMPTED_EXIT_CODE}")
+    raise Preempted(step)
 
 
 def _resume(cfg: RunConfig, env: DistEnv, ckpt: Checkpointer, model: torch.nn.Module,
