@@ -39,6 +39,7 @@ bench: venv deps
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/scheduler.py
 
 clean:
 	rm -rf var .pytest_cache

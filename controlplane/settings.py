@@ -161,6 +161,8 @@ TRAINYARD_QUARANTINE_FAILURES = int(os.environ.get("TRAINYARD_QUARANTINE_FAILURE
 TRAINYARD_PREEMPT_GRACE_S = float(os.environ.get("TRAINYARD_PREEMPT_GRACE_S", "60"))
 # Quota device-hours are counted over this rolling window; fair share decays usage with this half-life.
 TRAINYARD_QUOTA_WINDOW_S = float(os.environ.get("TRAINYARD_QUOTA_WINDOW_S", str(7 * 86400)))
+# Reclaim (preempt borrowers) only when the entitled job would otherwise wait longer than this.
+TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600"))
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 
 LOGGING = {

@@ -107,7 +107,8 @@ def cluster_view(now=None) -> ClusterView:
     now = now or timezone.now()
     return ClusterView(now.timestamp(), tuple(cluster_snapshot()), tuple(running_snapshot(now.timestamp())),
                        tuple(queue_snapshot()), quotas_snapshot(now), fair_usage(now),
-                       half_life_s=settings.TRAINYARD_FAIRSHARE_HALF_LIFE_S)
+                       half_life_s=settings.TRAINYARD_FAIRSHARE_HALF_LIFE_S,
+                       reclaim_wait_s=settings.TRAINYARD_RECLAIM_WAIT_S)
 
 
 def slots_used_by_node() -> dict[int, int]:
