@@ -6,7 +6,7 @@ from django.conf import settings
 from django.utils import timezone
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -258,6 +258,12 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     queryset = Node.objects.all().order_by("name")
     lookup_field = "name"
     lookup_value_regex = "[^/]+"
+
+    def get_object(self):
+        node = self.get_queryset().filter(name=self.kwargs["name"]).first()
+        if node is None:
+            raise NotFound({"node": [f"no node named {self.kwargs['name']!r}"]})
+        return node
 
     def _schedulable(self, request, action: str):
         node = self.get_object()

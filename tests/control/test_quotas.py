@@ -118,7 +118,8 @@ def test_cordon_and_drain_finish_stop_new_work_but_not_running_jobs(user, staff,
 def test_drain_bad_input(staff, nodes, api):
     assert api(staff).post("/api/v1/nodes/node-a/drain/", {"mode": "later"}, format="json").status_code == 400
     assert api(staff).post("/api/v1/nodes/node-a/drain/", {}, format="json").status_code == 400
-    assert api(staff).post("/api/v1/nodes/nope/drain/", {"mode": "finish"}, format="json").status_code == 404
+    r = api(staff).post("/api/v1/nodes/nope/drain/", {"mode": "finish"}, format="json")
+    assert r.status_code == 404 and r.json()["errors"]["node"] == ["no node named 'nope'"]
     assert Node.objects.get(name="node-a").status == "READY"
 
 
