@@ -4,7 +4,7 @@
 // /api/v1/quotas/, at most once every 2 s. The audit log below is the server's own fragment
 // (/quotas/?part=audit), re-read after a save or when a quota changed elsewhere.
 import { LiveSocket, bindIndicator } from './live.js';
-import { $, $$, el, csrfToken, errorText, getJSON, isNum } from './util.js';
+import { $, $$, el, errorText, getJSON, isNum, putJSON } from './util.js';
 
 const FIELDS = ['max_slots', 'device_hours'];
 const REFRESH_MIN_MS = 2000;
@@ -131,25 +131,6 @@ function readField(input) {
   if (raw === '') return input.validity.badInput ? input.value : null;
   const n = Number(raw);
   return Number.isFinite(n) ? n : raw;
-}
-
-async function putJSON(url, body) {
-  let resp;
-  try {
-    resp = await fetch(url, {
-      method: 'PUT', credentials: 'same-origin', body: JSON.stringify(body),
-      headers: { Accept: 'application/json', 'Content-Type': 'application/json', 'X-CSRFToken': csrfToken() },
-    });
-  } catch (err) {
-    return { ok: false, status: 0, data: { errors: { detail: [`network error: ${err.message || err}`] } } };
-  }
-  let data = null;
-  try {
-    data = await resp.json();
-  } catch (err) {
-    data = null;
-  }
-  return { ok: resp.ok, status: resp.status, data };
 }
 
 function describe(r) {

@@ -125,12 +125,12 @@ export function csrfToken() {
   return input ? input.value : '';
 }
 
-// POST a JSON body with the session and CSRF token -> {ok, status, data}; never throws on a 4xx/5xx.
-export async function postJSON(url, body = {}) {
+// Send a JSON body with the session and CSRF token -> {ok, status, data}; never throws on a 4xx/5xx.
+export async function sendJSON(method, url, body = {}) {
   let resp;
   try {
     resp = await fetch(url, {
-      method: 'POST', credentials: 'same-origin', body: JSON.stringify(body),
+      method, credentials: 'same-origin', body: JSON.stringify(body),
       headers: { Accept: 'application/json', 'Content-Type': 'application/json', 'X-CSRFToken': csrfToken() },
     });
   } catch (err) {
@@ -144,6 +144,9 @@ export async function postJSON(url, body = {}) {
   }
   return { ok: resp.ok, status: resp.status, data };
 }
+
+export const postJSON = (url, body = {}) => sendJSON('POST', url, body);
+export const putJSON = (url, body = {}) => sendJSON('PUT', url, body);
 
 // The API's {"errors": {"field": ["msg", ...]}} (or DRF's bare {"detail": "..."}) as one line of text.
 export function errorText(data, status) {

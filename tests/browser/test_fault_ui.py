@@ -17,8 +17,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -43,14 +41,7 @@ def manage(cluster, *args: str) -> str:
 
 
 def api(cluster, method: str, path: str, body=None, token: str | None = None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{cluster.port}{path}", data=data, method=method, headers={
-        "Authorization": f"Token {token or cluster.token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
+    return cluster.request(method, path, body, token)
 
 
 def iso(seconds: float) -> str:

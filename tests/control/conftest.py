@@ -47,3 +47,14 @@ def nodes(db):
 def _fast_passwords(settings):
     # PBKDF2's 1M iterations cost ~0.3 s per user; these tests are not about hashing.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def teams(user, other):
+    """Teams "vision" (alice) and "nlp" (bob)."""
+    from django.contrib.auth.models import Group
+
+    vision, nlp = Group.objects.create(name="vision"), Group.objects.create(name="nlp")
+    user.groups.add(vision)
+    other.groups.add(nlp)
+    return vision, nlp

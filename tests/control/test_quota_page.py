@@ -5,7 +5,6 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import Group
 from django.test import Client
 from django.utils import timezone
 
@@ -21,14 +20,6 @@ def logged_in(user) -> Client:
     c = Client()
     c.force_login(user)
     return c
-
-
-@pytest.fixture
-def teams(user, other):
-    vision, nlp = Group.objects.create(name="vision"), Group.objects.create(name="nlp")
-    user.groups.add(vision)
-    other.groups.add(nlp)
-    return vision, nlp
 
 
 def row(html: str, kind: str, name: str) -> str:

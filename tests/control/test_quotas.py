@@ -2,7 +2,6 @@
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import Group
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -21,14 +20,6 @@ def api():
         c.force_authenticate(user)
         return c
     return make
-
-
-@pytest.fixture
-def teams(user, other):
-    vision, nlp = Group.objects.create(name="vision"), Group.objects.create(name="nlp")
-    user.groups.add(vision)
-    other.groups.add(nlp)
-    return vision, nlp
 
 
 def test_quota_put_is_audited_and_listed_with_usage(user, staff, teams, nodes, api):

@@ -1,7 +1,6 @@
 """The scheduling policy applied by services: borrowing, reclaim by cooperative preemption,
 quota changes taking effect at the next tick, ETAs, the predictor at submit."""
 import pytest
-from django.contrib.auth.models import Group
 
 from jobs import dispatch, services
 from jobs.models import Attempt, Job, JobEvent, Quota
@@ -12,14 +11,6 @@ pytestmark = pytest.mark.django_db
 
 FOUR = {"resources": {"nodes": 2, "procs_per_node": 2}, "parallel": {"dp": 4}}
 TWO = {"resources": {"nodes": 1, "procs_per_node": 2}, "parallel": {"dp": 2}}
-
-
-@pytest.fixture
-def teams(user, other):
-    vision, nlp = Group.objects.create(name="vision"), Group.objects.create(name="nlp")
-    user.groups.add(vision)
-    other.groups.add(nlp)
-    return vision, nlp
 
 
 @pytest.fixture

@@ -109,10 +109,10 @@ class Cluster:
         return "\n".join(out)
 
     # ------------------------------------------------------------ HTTP
-    def request(self, method: str, path: str, body=None) -> tuple[int, dict | list]:
+    def request(self, method: str, path: str, body=None, token: str | None = None) -> tuple[int, dict | list]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method, headers={
-            "Authorization": f"Token {self.token}", "Content-Type": "application/json"})
+            "Authorization": f"Token {token or self.token}", "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
