@@ -99,12 +99,28 @@ class Periods(_Strict):
 
 class CommSpec(_Strict):
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = "none"
-    ratio: Union[Literal["auto"], Annotated[float, Field(gt=0, le=1)]] = 0.01
-    rank: int = Field(2, ge=1, le=1024)
-    start_step: int = Field(10, ge=0)
+    ratio: Union[Literal["auto"], float] = Field(0.01, description="topk: fraction of each gradient bucket sent, (0, 1]")
+    rank: int = Field(2, ge=1, le=1024, description="powersgd: matrix approximation rank")
+    start_step: int = Field(10, ge=0, le=MAX_STEPS,
+                            description="steps 1..start_step all-reduce dense gradients; compression starts after")
     sync: Literal["allreduce", "local_sgd", "hierarchical"] = "allreduce"
     period: int = Field(4, ge=1)
     periods: Periods = Periods()
+
+    @field_validator("ratio", mode="before")
+    @classmethod
+    def _ratio(cls, v: Any) -> Any:
+        # One clear message instead of one per union branch ("Input should be 'auto'", ...).
+        if isinstance(v, str) and v.strip() == "auto":
+            return "auto"
+        try:
+            ok = not isinstance(v, bool) and 0 < float(v) <= 1
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"ratio must be a fraction in (0, 1] (the share of each gradient bucket "
+                             f"top-k sends) or 'auto', got {v!r}")
+        return float(v)
 
 
 class CheckpointSpec(_Strict):
@@ -185,9 +201,8 @@ class _FieldError(ValueError):
 def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
     errs: dict[str, list[str]] = {}
 
-    def no(field: str, what: str) -> None:
-        errs.setdefault(field, []).append(f"{what} is not supported yet (this release trains with plain data "
-                                          f"parallelism, DDP)")
+    def no(field: str, what: str, why: str = "this release trains with plain data parallelism, DDP") -> None:
+        errs.setdefault(field, []).append(f"{what} is not supported yet ({why})")
 
     if isinstance(spec.parallel, ParallelSpec):
         if spec.parallel.tp != 1:
@@ -196,14 +211,12 @@ def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
             no("parallel.pp", "pipeline parallelism (pp > 1)")
         if spec.parallel.fsdp:
             no("parallel.fsdp", "FSDP")
-    if spec.comm.compression != "none":
-        no("comm.compression", f"gradient compression '{spec.comm.compression}'")
+    if spec.comm.ratio == "auto":
+        no("comm.ratio", "choosing the top-k ratio automatically (ratio: auto)", "give a fraction in (0, 1]")
     if spec.comm.sync != "allreduce":
         no("comm.sync", f"synchronization '{spec.comm.sync}'")
     if spec.train.balance != "none":
         no("train.balance", "heterogeneous balancing")
-    if spec.train.grad_accum != 1:
-        no("train.grad_accum", "gradient accumulation (grad_accum > 1)")
     return errs
 
 

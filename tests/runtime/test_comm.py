@@ -3,7 +3,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.runtime.comm import CommCounter, CpuClock, StepComm, _union, counting_allreduce_hook
+from workers.runtime.comm import (CommCounter, CpuClock, GradCompression, RunComm, StepComm, _union,
+                                  compression_hook, counting_allreduce_hook, topk_count, topk_select)
 
 
 @pytest.mark.parametrize("spans, total", [
@@ -62,3 +63,115 @@ def test_hook_counts_every_gradient_byte_and_keeps_ddp_semantics(gloo_world_of_o
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad)
     assert counter.take().bytes_sent == grad_bytes and counter.take().bytes_sent == 0
+
+
+# ---- compression ------------------------------------------------------------------------------
+def test_topk_error_feedback_sends_every_gradient_eventually():
+    # Pure tensor math: over any number of steps, what was sent plus what is still held back
+    # is exactly the sum of the gradients (nothing is lost, nothing invented).
+    gen = torch.Generator().manual_seed(0)
+    n, k = 1000, 13
+    residual = torch.zeros(n, dtype=torch.float64)
+    sent_total = torch.zeros(n, dtype=torch.float64)
+    grad_total = torch.zeros(n, dtype=torch.float64)
+    for _ in range(50):
+        grad = torch.randn(n, generator=gen, dtype=torch.float64)
+        acc = residual + grad
+        idx, values = topk_select(residual, grad, k)
+        assert idx.numel() == len(set(idx.tolist())) == k
+        # the k entries of largest magnitude of grad + residual, with their values
+        assert values.abs().min() >= acc.abs().kthvalue(n - k).values
+        assert torch.equal(values, acc[idx])
+        assert torch.equal(residual[idx], torch.zeros(k, dtype=torch.float64))
+        sent_total.index_add_(0, idx, values)
+        grad_total += grad
+        assert torch.allclose(sent_total + residual, grad_total, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("ratio, numel, k", [(0.01, 1000, 10), (0.01, 1001, 11), (1e-9, 50, 1),
+                                             (1.0, 7, 7), (0.5, 1, 1)])
+def test_topk_sends_ceil_of_ratio_times_numel_at_least_one(ratio, numel, k):
+    assert topk_count(ratio, numel) == k
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+
+
+def _compressed_steps(kind, steps, **kw):
+    """One rank of DDP with `kind`; yields (step, compressing, StepComm, ddp grads, local grads)."""
+    torch.manual_seed(0)
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    counter = CommCounter(CpuClock())
+    state = GradCompression(kind, counter, **kw)
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(state, compression_hook)
+    for step in steps:
+        x = torch.randn(8, 64)
+        state.begin_step(step)
+        ddp(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        yield (step, state.compressing, counter.take(), [p.grad.clone() for p in model.parameters()],
+               [p.grad.clone() for p in reference.parameters()])
+        ddp.zero_grad()
+        reference.zero_grad()
+
+
+# 64x64 + 64 + 32x64 + 32 fp32 = 24960 bytes: one bucket
+DENSE = (64 * 64 + 64 + 32 * 64 + 32) * 4
+
+
+@pytest.mark.parametrize("kind, kw, compressed_bytes", [
+    ("fp16", {}, DENSE // 2),
+    ("bf16", {}, DENSE // 2),
+    # rank 2: P (n x 2) and Q (m x 2) per matrix, the biases uncompressed
+    ("powersgd", {"rank": 2}, ((64 + 64) * 2 + (32 + 64) * 2 + 64 + 32) * 4),
+    # ceil(0.01 x 6240) = 63 int32 indices + 63 fp32 values
+    ("topk", {"ratio": 0.01}, 63 * 4 * 2),
+])
+def test_each_compression_counts_the_bytes_its_collectives_really_carry(gloo_world_of_one, kind, kw,
+                                                                         compressed_bytes):
+    seen = []
+    for step, compressing, comm, grads, local in _compressed_steps(kind, range(1, 6), start_step=2, **kw):
+        seen.append(compressing)
+        assert comm.dense_bytes == DENSE
+        assert comm.bytes_sent == (compressed_bytes if compressing else DENSE), step
+        assert len(comm.intervals) == len(comm.launches) == 1  # one bucket: one span, any collectives
+        if not compressing:  # dense steps average exactly (a world of one: the local gradient)
+            assert all(torch.equal(g, h) for g, h in zip(grads, local))
+        elif kind in ("fp16", "bf16"):  # a cast: same gradient to 16-bit precision
+            tol = 1e-2 if kind == "bf16" else 1e-3
+            assert all(torch.allclose(g, h, rtol=tol, atol=1e-6) for g, h in zip(grads, local))
+    assert seen == [False, False, True, True, True]  # steps 1..start_step dense
+
+
+def test_topk_with_ratio_one_is_exact_averaging(gloo_world_of_one):
+    for _, compressing, comm, grads, local in _compressed_steps("topk", range(1, 4), start_step=0,
+                                                                  ratio=1.0):
+        assert all(torch.equal(g, h) for g, h in zip(grads, local))
+    assert compressing and comm.bytes_sent == DENSE * 2  # every index and every value
+
+
+def test_the_first_step_of_an_attempt_is_dense_even_past_start_step(gloo_world_of_one):
+    # A resumed attempt (first step 11 > start_step 3): DDP rebuilds its buckets after the
+    # process's first step, so the compressors' per-bucket state starts only after it.
+    flags = [c for _, c, *_ in _compressed_steps("powersgd", range(11, 14), start_step=3)]
+    assert flags == [False, True, True]
+    state = GradCompression("none", CommCounter(CpuClock()), start_step=0)
+    state.begin_step(5)
+    state.begin_step(6)
+    assert not state.compressing  # none never compresses
+    with pytest.raises(ValueError, match="unknown compression 'zip'"):
+        GradCompression("zip", CommCounter(CpuClock()))
+
+
+def test_run_totals_give_the_compression_ratio_over_the_run_and_the_compressed_steps():
+    run = RunComm("topk")
+    run.add(StepComm(1000, [], [], dense_bytes=1000), compressed=False)
+    for _ in range(3):
+        run.add(StepComm(20, [], [], dense_bytes=1000), compressed=True)
+    assert run.summary() == {"compression": "topk", "bytes_sent": 1060, "dense_bytes": 4000,
+                             "compression_ratio": round(4000 / 1060, 3),
+                             "compression_ratio_compressed_steps": 50.0}
+    assert RunComm("none").summary()["compression_ratio"] is None

@@ -37,15 +37,35 @@ def test_unused_spec_keys_are_ignored_and_parallel_auto_means_plain_ddp(tmp_path
     ({"data": {"kind": "tokens"}}, "needs data.path"),
     ({"data": {"kind": "parquet"}}, "data.kind must be"),
     ({"train": {"lr_schedule": "step"}}, "lr_schedule must be constant or cosine"),
-    ({"train": {"grad_accum": 2}}, "grad_accum=1"),
+    ({"train": {"grad_accum": 0}}, "train.grad_accum must be an integer >= 1"),
+    ({"train": {"global_batch": 32, "grad_accum": 3}}, r"not divisible by nodes x procs_per_node x train.grad_accum = 2 x 3"),
+    ({"train": {"balance": "auto"}}, "train.balance=none only"),
     ({"parallel": {"tp": 2}}, "plain DDP only"),
-    ({"comm": {"compression": "fp16"}}, "compression=none"),
+    ({"comm": {"compression": "zip"}}, "comm.compression must be one of none, fp16, bf16, powersgd, topk"),
+    ({"comm": {"compression": "topk", "ratio": "auto"}}, r"comm.ratio must be a number in \(0, 1\]"),
+    ({"comm": {"compression": "topk", "ratio": 0}}, r"comm.ratio must be a number in \(0, 1\]"),
+    ({"comm": {"compression": "powersgd", "rank": 0}}, "comm.rank must be an integer >= 1"),
+    ({"comm": {"start_step": -1}}, "comm.start_step must be an integer >= 0"),
     ({"comm": {"sync": "local_sgd"}}, "sync=allreduce"),
     ({"resources": {"device": "tpu"}}, "resources.device must be cpu or cuda"),
 ])
 def test_values_the_runtime_cannot_honour_are_refused_with_the_field_named(tmp_path, sections, message):
     with pytest.raises(ConfigError, match=message):
         parse_run_config(make_launch_config(tmp_path, "redis://x:1/0", **sections))
+
+
+def test_compression_and_accumulation_settings_reach_the_runtime(tmp_path):
+    cfg = parse_run_config(make_launch_config(
+        tmp_path, "redis://x:1/0", train={"global_batch": 16, "grad_accum": 4},
+        comm={"compression": "powersgd", "rank": 4, "start_step": 3}))
+    assert (cfg.comm.compression, cfg.comm.rank, cfg.comm.start_step) == ("powersgd", 4, 3)
+    assert cfg.per_rank_batch(2) == 8 and cfg.micro_batch(2) == 2
+    with pytest.raises(ConfigError, match="world size x train.grad_accum = 8 x 4"):
+        cfg.micro_batch(8)
+    # ratio "auto" only matters to topk; the control plane refuses it at submit anyway
+    cfg = parse_run_config(make_launch_config(tmp_path, "redis://x:1/0",
+                                              comm={"compression": "topk", "ratio": 0.05}))
+    assert (cfg.comm.compression, cfg.comm.ratio) == ("topk", 0.05)
 
 
 def test_mlp_ignores_heads_and_synthetic_accepts_any_vocab(tmp_path):

@@ -44,3 +44,42 @@ def test_dist_env_outside_torchrun_says_so(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="RANK is not set: run this module under torchrun"):
         DistEnv.from_environ()
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_world_of_one):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from workers.runtime.comm import CommCounter, CpuClock, counting_allreduce_hook
+    from workers.runtime.config import ModelConfig
+    from workers.runtime.model import build_model
+    from workers.runtime.trainer import forward_backward
+
+    mcfg = ModelConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
+    x = torch.randint(0, 256, (8, 16))
+    y = torch.randint(0, 256, (8, 16))
+    runs = {}
+    for accum in (1, 2, 4):
+        torch.manual_seed(0)
+        model = build_model(mcfg)
+        counter = CommCounter(CpuClock())
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(counter, counting_allreduce_hook)
+        loss = forward_backward(ddp, x, y, accum)
+        comm = counter.take()
+        runs[accum] = (loss.item(), [p.grad.clone() for p in model.parameters()], comm)
+    grad_bytes = sum(g.numel() * g.element_size() for g in runs[1][1])
+    for accum, (loss, grads, comm) in runs.items():
+        assert loss == pytest.approx(runs[1][0], rel=1e-6)
+        for g, ref in zip(grads, runs[1][1]):
+            assert torch.allclose(g, ref, rtol=1e-5, atol=1e-7)
+        # gradients are synchronised once per step, whatever the number of micro-steps
+        assert comm.bytes_sent == comm.dense_bytes == grad_bytes, accum

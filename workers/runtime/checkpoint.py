@@ -292,7 +292,8 @@ class Checkpointer:
         rng = rng_state(self.device)
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd,
-                 # grad_accum is 1, so batches consumed == steps; the lr is lr_at(step)
+                 # a step consumes one loader batch (grad_accum cuts its micro-batches from it),
+                 # so batches consumed == steps; the lr is lr_at(step)
                  "trainer": {"step": step, "batches_consumed": step}}
         if self.cfg.async_:
             state = _capture(state, _live_storages(model, opt))

@@ -3,8 +3,8 @@
 The control plane has already validated the JobSpec (jobs/specs.py) and filled every default,
 but the runtime must not import it (it runs under torchrun, without Django), so it parses the
 subset it honours here. Keys it does not use (priority, max_restarts, ...) are ignored; values
-it cannot honour in this milestone (tensor/pipeline parallel, compression, local SGD) are refused
-with a clear error instead of being silently trained the wrong way.
+it cannot honour in this milestone (tensor/pipeline parallel, FSDP, local SGD, balancing) are
+refused with a clear error instead of being silently trained the wrong way.
 """
 from __future__ import annotations
 
@@ -68,9 +68,15 @@ class ParallelConfig:
     fsdp: bool = False
 
 
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+
+
 @dataclass(frozen=True)
 class CommConfig:
-    compression: str = "none"
+    compression: str = "none"  # none | fp16 | bf16 | powersgd | topk (see comm.py)
+    ratio: float | str = 0.01  # topk: fraction of each bucket sent, (0, 1]; "auto" is refused
+    rank: int = 2  # powersgd: matrix approximation rank
+    start_step: int = 10  # steps 1..start_step all-reduce dense gradients, compression after
     sync: str = "allreduce"
 
 
@@ -110,11 +116,21 @@ class RunConfig:
     resume: ResumeConfig | None = None
 
     def per_rank_batch(self, world_size: int) -> int:
+        """Samples one rank consumes per optimizer step (all its micro-batches together)."""
         if self.train.global_batch % world_size:
             raise ConfigError(
                 f"train.global_batch={self.train.global_batch} is not divisible by the "
                 f"world size {world_size}")
         return self.train.global_batch // world_size
+
+    def micro_batch(self, world_size: int) -> int:
+        """Samples per forward/backward: global_batch / (world size x train.grad_accum)."""
+        per_rank, k = self.per_rank_batch(world_size), self.train.grad_accum
+        if per_rank % k:
+            raise ConfigError(
+                f"train.global_batch={self.train.global_batch} is not divisible by world size x "
+                f"train.grad_accum = {world_size} x {k}")
+        return per_rank // k
 
 
 def _section(spec: dict[str, Any], key: str, cls: type, path: str = "spec") -> Any:
@@ -175,21 +191,38 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"train needs steps >= 1, global_batch >= 1, lr > 0; got {t}")
     if t.lr_schedule not in ("constant", "cosine"):
         raise ConfigError(f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
-    if t.grad_accum != 1 or t.balance != "none":
-        raise ConfigError("this runtime supports train.grad_accum=1 and train.balance=none only")
+    if isinstance(t.grad_accum, bool) or not isinstance(t.grad_accum, int) or t.grad_accum < 1:
+        raise ConfigError(f"train.grad_accum must be an integer >= 1, got {t.grad_accum!r}")
+    if t.global_batch % (cfg.resources.world_size * t.grad_accum):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by nodes x procs_per_node x "
+            f"train.grad_accum = {cfg.resources.world_size} x {t.grad_accum}")
+    if t.balance != "none":
+        raise ConfigError("this runtime supports train.balance=none only")
     if cfg.resources.device not in ("cpu", "cuda"):
         raise ConfigError(f"resources.device must be cpu or cuda, got {cfg.resources.device!r}")
     if p.tp != 1 or p.pp != 1 or p.fsdp:
         raise ConfigError(f"this runtime runs plain DDP only (tp=pp=1, fsdp=false); got {p}")
-    if c.compression != "none" or c.sync != "allreduce":
-        raise ConfigError(
-            f"this runtime supports comm.compression=none and comm.sync=allreduce only; got {c}")
+    if c.compression not in COMPRESSIONS:
+        raise ConfigError(f"comm.compression must be one of {', '.join(COMPRESSIONS)}, got {c.compression!r}")
+    if c.compression == "topk" and not _is_fraction(c.ratio):
+        raise ConfigError(f"comm.ratio must be a number in (0, 1] for compression topk, got {c.ratio!r}")
+    if isinstance(c.rank, bool) or not isinstance(c.rank, int) or c.rank < 1:
+        raise ConfigError(f"comm.rank must be an integer >= 1, got {c.rank!r}")
+    if isinstance(c.start_step, bool) or not isinstance(c.start_step, int) or c.start_step < 0:
+        raise ConfigError(f"comm.start_step must be an integer >= 0, got {c.start_step!r}")
+    if c.sync != "allreduce":
+        raise ConfigError(f"this runtime supports comm.sync=allreduce only; got {c.sync!r}")
     if int(cfg.checkpoint.every_steps) < 1:
         raise ConfigError(f"checkpoint.every_steps must be >= 1, got {cfg.checkpoint.every_steps}")
     if cfg.resume is not None and not cfg.resume.path.is_absolute():
         raise ConfigError(f"resume.path must be absolute, got {str(cfg.resume.path)!r}")
     if cfg.resume is not None and cfg.resume.step < 0:
         raise ConfigError(f"resume.step must be >= 0, got {cfg.resume.step}")
+
+
+def _is_fraction(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
 
 
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:

@@ -4,10 +4,12 @@ Per step every rank reports one sample (see reporter.py for transport). Timing f
 wall-clock seconds on this rank, measured with perf_counter (CUDA: after synchronising, with
 CUDA events for the collectives, see comm.py):
 - data_s: waiting for the next batch from the prefetcher plus starting its host->device copy.
-- compute_s: forward + loss + backward wall time minus the exposed part of gradient
-  communication (the time backward() only waited for all-reduces after the last bucket launched).
-- comm_s: time at least one gradient all-reduce was in flight, hidden or not. So
-  compute_s + comm_s >= forward+backward; the overlap is the comm hidden behind compute.
+- compute_s: forward + loss + backward wall time (of all micro-steps, see below) minus the
+  exposed part of gradient communication (the time backward() only waited for gradient
+  averaging after the last bucket launched).
+- comm_s: time at least one gradient bucket was being averaged (its all-reduces, and with
+  comm.compression its compression arithmetic too), hidden or not. So compute_s + comm_s >=
+  forward+backward; the overlap is the comm hidden behind compute.
 - optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
   optimizer's kernels, so the time lands here rather than in the next step).
 - step_s: from asking for the batch to the end of the optimizer step, plus the time
@@ -18,11 +20,24 @@ CUDA events for the collectives, see comm.py):
   microseconds of bookkeeping). A chaos-slowed rank (chaos.py) shows its sleep in compute_s;
   its peers wait for it in their all-reduces, which lands in their comm_s, not their compute_s.
 samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
-is their sum over ranks. bytes_sent is what this rank handed to gradient collectives.
+is their sum over ranks. bytes_sent is what this rank handed to gradient collectives
+(compressed or not, see comm.py).
 mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
+
+Gradient accumulation (train.grad_accum = k): a step takes this rank's whole share of the
+global batch (global_batch / world) from the loader, as with k = 1, and runs it as k
+micro-batches of global_batch / (world x k) samples. The first k-1 backward passes run under
+DDP's no_sync() (gradients accumulate locally), the last one synchronises; each micro-batch
+loss is divided by k, so the update is the one a single batch of the same samples would give
+(mean loss over equal-sized micro-batches = mean over the batch). The reported loss is the mean
+of the micro-batch losses. The loader's batch stays the step's share, so a step consumes one
+loader batch whatever k is: checkpoints' batches_consumed == step, and the samples a step sees
+(epoch boundaries included) are exactly those of k = 1. One sample per optimizer step; its
+data_s and compute_s cover all micro-steps.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .chaos import Chaos
 from .checkpoint import Checkpointer, is_due, resume_manifest
-from .comm import CommCounter, CpuClock, CudaClock, counting_allreduce_hook
+from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm, compression_hook
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model, lm_loss
@@ -120,7 +135,9 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         # so a failing rank does not first wait for its peers.
         check_world(cfg, env)
         batch = cfg.per_rank_batch(env.world_size)
-        # grad_accum is 1: a checkpoint at step S has consumed S batches on every rank
+        cfg.micro_batch(env.world_size)  # global_batch divisible by world x grad_accum
+        # a step consumes one loader batch (its micro-batches are cut from it): a checkpoint at
+        # step S has consumed S batches on every rank
         start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
         batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=env.rank,
                                      world_size=env.world_size, batch=batch, seed=cfg.train.seed,
@@ -148,9 +165,15 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
                         device=device, reporter=reporter)
     clock = CudaClock(device) if device.type == "cuda" else CpuClock()
     counter = CommCounter(clock)
+    comm_cfg = cfg.comm
+    compression = GradCompression(comm_cfg.compression, counter, ratio=comm_cfg.ratio,
+                                  rank=comm_cfg.rank, start_step=comm_cfg.start_step,
+                                  seed=train.seed)
+    run_comm = RunComm(comm_cfg.compression)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               gradient_as_bucket_view=True)
-    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    ddp.register_comm_hook(compression, compression_hook)
+    accum = train.grad_accum
     opt = torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
     first = 1
     if cfg.resume is not None:
@@ -177,9 +200,9 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
         t1 = time.perf_counter()
         if chaos is not None:
             chaos.before_compute(step)
+        compression.begin_step(step)
         ref = clock.mark()
-        loss = lm_loss(ddp(x), y)
-        loss.backward()
+        loss = forward_backward(ddp, x, y, accum)
         backward_end = clock.mark()
         clock.sync()
         t2 = time.perf_counter()
@@ -195,6 +218,7 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
             ckpt.save(step, ddp, opt)
             saved_at = step
         comm = counter.take()
+        run_comm.add(comm, compression.compressing)
         comm_s, exposed_s = comm.measure(clock, ref, backward_end)
         step_s = time.perf_counter() - t0
         reporter.metric({
@@ -218,10 +242,28 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
 
     val_loss = _val_loss(model, val, mcfg.seq_len, batch, device)
     wall_s = time.time() - start
-    reporter.event("rank_finished", steps=train.steps, final_loss=loss_v)
+    comm_summary = run_comm.summary()
+    reporter.event("rank_finished", steps=train.steps, final_loss=loss_v, grad_accum=accum,
+                   **comm_summary)
     _say(f"rank {env.rank} finished steps {train.steps} final_loss {loss_v:.4f} "
          f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
+    _say(f"rank {env.rank} comm compression {comm_summary['compression']} bytes_sent "
+         f"{comm_summary['bytes_sent']} dense_bytes {comm_summary['dense_bytes']} ratio "
+         f"{comm_summary['compression_ratio']} (compressed steps: "
+         f"{comm_summary['compression_ratio_compressed_steps']})")
     return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+
+
+def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum: int) -> torch.Tensor:
+    """Gradients of the mean loss over the batch (x, y), as `accum` equal micro-batches that
+    synchronise only in the last backward; returns the mean loss (a tensor: no device sync)."""
+    total = None
+    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        with ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+            loss = lm_loss(ddp(xm), ym)
+            (loss / accum).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total / accum
 
 
 class Preempted(SystemExit):
