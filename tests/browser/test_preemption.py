@@ -8,7 +8,7 @@ import pytest
 
 from tests.integration.cluster import Cluster
 
-from .conftest import CHROMIUM, CHROMIUM_ARGS, login
+from .conftest import login
 from .test_fault_ui import api, manage
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]
@@ -25,19 +25,7 @@ def cluster(tmp_path_factory):
         c.start()
         yield c
     finally:
-        c.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(cluster):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
+        c.stop()  # conftest's `browser` fixture runs against this module's cluster
 
 
 def member(cluster, username: str, team: str) -> str:
