@@ -58,3 +58,15 @@ def teams(user, other):
     user.groups.add(vision)
     other.groups.add(nlp)
     return vision, nlp
+
+
+@pytest.fixture
+def client_for():
+    """An API client authenticated as the given user: client_for(user).get(...)."""
+    from rest_framework.test import APIClient
+
+    def make(user):
+        c = APIClient()
+        c.force_authenticate(user)
+        return c
+    return make

@@ -9,15 +9,6 @@ from jobs.models import Job
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def client_for():
-    def make(user):
-        c = APIClient()
-        c.force_authenticate(user)
-        return c
-    return make
-
-
 def test_anonymous_is_refused(nodes):
     c = APIClient()
     for url in ("/api/v1/jobs/", "/api/v1/nodes/", "/api/v1/jobs/1/metrics/", "/api/schema/"):

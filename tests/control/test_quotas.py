@@ -3,7 +3,6 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from jobs import services
 from jobs.models import Attempt, Job, JobEvent, Node, Quota, QuotaChange
@@ -13,20 +12,11 @@ from .test_services import start, submit
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def api():
-    def make(user):
-        c = APIClient()
-        c.force_authenticate(user)
-        return c
-    return make
-
-
-def test_quota_put_is_audited_and_listed_with_usage(user, staff, teams, nodes, api):
+def test_quota_put_is_audited_and_listed_with_usage(user, staff, teams, nodes, client_for):
     job = submit(user)
     start(job)
     submit(user)  # queued behind it: 2 slots of demand
-    r = api(staff).put("/api/v1/quotas/", [{"team": "vision", "max_slots": 4}, {"team": "nlp", "max_slots": 2,
+    r = client_for(staff).put("/api/v1/quotas/", [{"team": "vision", "max_slots": 4}, {"team": "nlp", "max_slots": 2,
                                                                                "device_hours": 10}], format="json")
     assert r.status_code == 200, r.content
     rows = {row["team"]: row for row in r.json()["results"] if row["team"]}
@@ -34,10 +24,10 @@ def test_quota_put_is_audited_and_listed_with_usage(user, staff, teams, nodes, a
     assert rows["nlp"]["device_hours"] == 10 and rows["nlp"]["in_use"] == 0
     change = QuotaChange.objects.get(subject="team:vision")
     assert change.old is None and change.new == {"max_slots": 4, "device_hours": None} and change.actor == staff
-    api(staff).put("/api/v1/quotas/", {"team": "vision", "max_slots": 1}, format="json")
+    client_for(staff).put("/api/v1/quotas/", {"team": "vision", "max_slots": 1}, format="json")
     latest = QuotaChange.objects.filter(subject="team:vision").first()
     assert latest.old["max_slots"] == 4 and latest.new["max_slots"] == 1
-    assert api(user).get("/api/v1/quotas/").status_code == 200  # everyone may read
+    assert client_for(user).get("/api/v1/quotas/").status_code == 200  # everyone may read
 
 
 @pytest.mark.parametrize("payload,field,fragment", [
@@ -51,22 +41,22 @@ def test_quota_put_is_audited_and_listed_with_usage(user, staff, teams, nodes, a
     ({"team": "vision", "max_slots": 1, "device_hours": -3}, "device_hours", "positive"),
     ({"team": "vision", "max_slots": 1, "colour": "red"}, "colour", "unknown"),
 ])
-def test_bad_quota_is_400_and_changes_nothing(staff, teams, api, payload, field, fragment):
+def test_bad_quota_is_400_and_changes_nothing(staff, teams, client_for, payload, field, fragment):
     Quota.objects.create(team=teams[0], max_slots=8)
-    r = api(staff).put("/api/v1/quotas/", payload, format="json")
+    r = client_for(staff).put("/api/v1/quotas/", payload, format="json")
     assert r.status_code == 400 and fragment in r.json()["errors"][field][0], r.content
     assert Quota.objects.get(team=teams[0]).max_slots == 8 and not QuotaChange.objects.exists()
 
 
-def test_a_bad_entry_in_a_list_rejects_the_whole_list(staff, teams, api):
-    r = api(staff).put("/api/v1/quotas/", [{"team": "vision", "max_slots": 3}, {"team": "nlp", "max_slots": -2}],
+def test_a_bad_entry_in_a_list_rejects_the_whole_list(staff, teams, client_for):
+    r = client_for(staff).put("/api/v1/quotas/", [{"team": "vision", "max_slots": 3}, {"team": "nlp", "max_slots": -2}],
                        format="json")
     assert r.status_code == 400 and "1.max_slots" in r.json()["errors"]
     assert not Quota.objects.exists()
 
 
-def test_quota_and_node_controls_are_staff_only(user, teams, nodes, api):
-    c = api(user)
+def test_quota_and_node_controls_are_staff_only(user, teams, nodes, client_for):
+    c = client_for(user)
     assert c.put("/api/v1/quotas/", {"team": "vision", "max_slots": 3}, format="json").status_code == 403
     for action in ("drain", "cordon", "uncordon", "clear"):
         assert c.post(f"/api/v1/nodes/node-a/{action}/", {"mode": "finish"}, format="json").status_code == 403
@@ -84,16 +74,16 @@ def test_django_admin_quota_edit_is_audited(client, staff, teams):
 
 # ---------------------------------------------------------------- drain / cordon
 
-def test_cordon_and_drain_finish_stop_new_work_but_not_running_jobs(user, staff, nodes, api, sent):
+def test_cordon_and_drain_finish_stop_new_work_but_not_running_jobs(user, staff, nodes, client_for, sent):
     job = submit(user, resources={"nodes": 1, "procs_per_node": 2}, parallel={"dp": 2})
     attempt = start(job)
     node = attempt.allocations.get().node.name
-    r = api(staff).post(f"/api/v1/nodes/{node}/drain/", {"mode": "finish"}, format="json")
+    r = client_for(staff).post(f"/api/v1/nodes/{node}/drain/", {"mode": "finish"}, format="json")
     assert r.status_code == 200 and r.json()["status"] == "DRAINING" and r.json()["drain_mode"] == "finish"
     assert not [c for c in sent if c[0] == "stop"]
     assert Attempt.objects.get(pk=attempt.pk).stop_reason == ""
     other = "node-b" if node == "node-a" else "node-a"
-    api(staff).post(f"/api/v1/nodes/{other}/cordon/")
+    client_for(staff).post(f"/api/v1/nodes/{other}/cordon/")
     second = submit(user, resources={"nodes": 1, "procs_per_node": 1}, parallel={"dp": 1},
                     train={"global_batch": 8})
     services.schedule_tick()
@@ -101,20 +91,20 @@ def test_cordon_and_drain_finish_stop_new_work_but_not_running_jobs(user, staff,
     # a heartbeat does not undo it; uncordon does
     services.node_heartbeat({"name": other, "address": "127.0.0.9", "slots": 2})
     assert Node.objects.get(name=other).status == "CORDONED"
-    assert api(staff).post(f"/api/v1/nodes/{other}/uncordon/").json()["status"] == "READY"
+    assert client_for(staff).post(f"/api/v1/nodes/{other}/uncordon/").json()["status"] == "READY"
     services.schedule_tick()
     assert Job.objects.get(pk=second.pk).status == "STARTING"
 
 
-def test_drain_bad_input(staff, nodes, api):
-    assert api(staff).post("/api/v1/nodes/node-a/drain/", {"mode": "later"}, format="json").status_code == 400
-    assert api(staff).post("/api/v1/nodes/node-a/drain/", {}, format="json").status_code == 400
-    r = api(staff).post("/api/v1/nodes/nope/drain/", {"mode": "finish"}, format="json")
+def test_drain_bad_input(staff, nodes, client_for):
+    assert client_for(staff).post("/api/v1/nodes/node-a/drain/", {"mode": "later"}, format="json").status_code == 400
+    assert client_for(staff).post("/api/v1/nodes/node-a/drain/", {}, format="json").status_code == 400
+    r = client_for(staff).post("/api/v1/nodes/nope/drain/", {"mode": "finish"}, format="json")
     assert r.status_code == 404 and r.json()["errors"]["node"] == ["no node named 'nope'"]
     assert Node.objects.get(name="node-a").status == "READY"
 
 
-def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, api, sent, monkeypatch,
+def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, client_for, sent, monkeypatch,
                                                          django_capture_on_commit_callbacks):
     from jobs import dispatch
 
@@ -123,7 +113,7 @@ def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, api
     job = submit(user)
     attempt = start(job)
     with django_capture_on_commit_callbacks(execute=True):
-        api(staff).post("/api/v1/nodes/node-a/drain/", {"mode": "preempt"}, format="json")
+        client_for(staff).post("/api/v1/nodes/node-a/drain/", {"mode": "preempt"}, format="json")
     assert asked and asked[0][0] == attempt.pk and "drained by root" in asked[0][1]
     attempt.refresh_from_db()
     assert attempt.stop_reason == "preempt" and attempt.status == "RUNNING"
