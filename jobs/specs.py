@@ -197,26 +197,71 @@ class _FieldError(ValueError):
         self.field = field
 
 
-# Options that parse but that this version cannot run yet: reject them instead of ignoring them.
+# Combinations that parse field by field but cannot run together: refused at submit, with the
+# field to change and the reason, so a job never fails on them at run time.
 def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
     errs: dict[str, list[str]] = {}
 
-    def no(field: str, what: str, why: str = "this release trains with plain data parallelism, DDP") -> None:
-        errs.setdefault(field, []).append(f"{what} is not supported yet ({why})")
+    def no(field: str, why: str) -> None:
+        errs.setdefault(field, []).append(why)
 
-    if isinstance(spec.parallel, ParallelSpec):
-        if spec.parallel.tp != 1:
-            no("parallel.tp", "tensor parallelism (tp > 1)")
-        if spec.parallel.pp != 1:
-            no("parallel.pp", "pipeline parallelism (pp > 1)")
-        if spec.parallel.fsdp:
-            no("parallel.fsdp", "FSDP")
-    if spec.comm.ratio == "auto":
-        no("comm.ratio", "choosing the top-k ratio automatically (ratio: auto)", "give a fraction in (0, 1]")
-    if spec.comm.sync != "allreduce":
-        no("comm.sync", f"synchronization '{spec.comm.sync}'")
-    if spec.train.balance != "none":
-        no("train.balance", "heterogeneous balancing")
+    p = spec.parallel if isinstance(spec.parallel, ParallelSpec) else ParallelSpec()
+    m, t, c, r = spec.model, spec.train, spec.comm, spec.resources
+    plain_ddp = p.tp == 1 and p.pp == 1 and not p.fsdp
+    if m.kind == "gpt" and m.heads % p.tp:
+        no("parallel.tp", f"tp ({p.tp}) must divide model.heads ({m.heads}): each tensor-parallel rank "
+                          f"computes whole attention heads")
+    if m.kind == "mlp" and p.tp > 1:
+        no("parallel.tp", "tensor parallelism splits attention heads and MLP columns of the GPT; "
+                          "model.kind mlp has no heads: use tp 1")
+    if p.pp > m.layers:
+        no("parallel.pp", f"pp ({p.pp}) must not exceed model.layers ({m.layers}): every pipeline "
+                          f"stage needs at least one layer")
+    if p.pp > 1:
+        per_dp = t.global_batch // max(1, spec.dp)
+        if per_dp % p.microbatches:
+            no("parallel.microbatches", f"each data-parallel replica's batch (global_batch / dp = "
+                                        f"{per_dp}) must be divisible by microbatches ({p.microbatches})")
+        if p.schedule == "1f1b" and p.microbatches < p.pp:
+            no("parallel.microbatches", f"the 1f1b schedule needs at least as many micro-batches as "
+                                        f"stages ({p.pp}), got {p.microbatches}")
+        if t.grad_accum != 1:
+            no("train.grad_accum", "with pipeline parallelism the step is already split into "
+                                   "parallel.microbatches; use that instead of grad_accum")
+        if p.fsdp:
+            no("parallel.fsdp", "FSDP together with pipeline parallelism is not supported; "
+                                "use dp x pp with fsdp false")
+    if p.fsdp and p.tp > 1:
+        no("parallel.fsdp", "FSDP together with tensor parallelism is not supported; use dp x tp "
+                            "with fsdp false, or fsdp with tp 1")
+    if not plain_ddp and c.compression != "none":
+        no("comm.compression", "gradient compression is a DDP comm hook: it needs plain data "
+                               "parallelism (tp 1, pp 1, fsdp false)")
+    if not plain_ddp and c.sync != "allreduce":
+        no("comm.sync", f"{c.sync} averages whole model replicas: it needs plain data parallelism "
+                        f"(tp 1, pp 1, fsdp false)")
+    if c.sync != "allreduce" and spec.dp < 2:
+        no("comm.sync", f"{c.sync} averages models across ranks: it needs at least 2 data-parallel "
+                        f"ranks, the job has {spec.dp}")
+    if c.sync != "allreduce" and c.compression != "none":
+        no("comm.compression", f"compression applies to every-step gradient all-reduce; with "
+                               f"comm.sync {c.sync} use compression none")
+    if c.sync == "hierarchical":
+        if r.nodes < 2 or r.procs_per_node < 2:
+            no("comm.sync", "hierarchical averaging needs several nodes with several ranks each "
+                            f"(resources {r.nodes} x {r.procs_per_node}); use local_sgd")
+        if c.periods.global_ <= c.periods.node or c.periods.global_ % c.periods.node:
+            no("comm.periods.global", f"the global period ({c.periods.global_}) must be a multiple "
+                                      f"of the node period ({c.periods.node}) and larger than it")
+    if c.ratio == "auto" and c.compression != "topk":
+        no("comm.ratio", "ratio auto chooses the top-k ratio: it needs compression topk")
+    if t.balance == "auto":
+        if not plain_ddp:
+            no("train.balance", "balancing splits the batch between data-parallel replicas: it "
+                                "needs plain data parallelism (tp 1, pp 1, fsdp false)")
+        if c.sync != "allreduce":
+            no("train.balance", "balancing weights the every-step gradient all-reduce: it needs "
+                                "comm.sync allreduce")
     return errs
 
 

@@ -56,12 +56,11 @@ def gloo_world_of_one():
 
 def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_world_of_one):
     import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from workers.runtime.comm import CommCounter, CpuClock, counting_allreduce_hook
     from workers.runtime.config import ModelConfig
     from workers.runtime.model import build_model
-    from workers.runtime.trainer import forward_backward
+    from workers.runtime.parallel import DDPStrategy, Mesh
 
     mcfg = ModelConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
     x = torch.randint(0, 256, (8, 16))
@@ -71,9 +70,9 @@ def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_
         torch.manual_seed(0)
         model = build_model(mcfg)
         counter = CommCounter(CpuClock())
-        ddp = DDP(model, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(counter, counting_allreduce_hook)
-        loss = forward_backward(ddp, x, y, accum)
+        strategy = DDPStrategy(model, Mesh(pp=1, dp=1, tp=1), 0, torch.device("cpu"),
+                               counter, counting_allreduce_hook)
+        loss = strategy.forward_backward(x, y, accum)
         comm = counter.take()
         runs[accum] = (loss.item(), [p.grad.clone() for p in model.parameters()], comm)
     grad_bytes = sum(g.numel() * g.element_size() for g in runs[1][1])

@@ -66,6 +66,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     fsdp: bool = False
+    microbatches: int = 4  # pp: micro-batches per step (of global_batch / dp samples)
+    schedule: str = "1f1b"  # pp: 1f1b | gpipe
 
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
@@ -77,7 +79,13 @@ class CommConfig:
     ratio: float | str = 0.01  # topk: fraction of each bucket sent, (0, 1]; "auto" is refused
     rank: int = 2  # powersgd: matrix approximation rank
     start_step: int = 10  # steps 1..start_step all-reduce dense gradients, compression after
-    sync: str = "allreduce"
+    sync: str = "allreduce"  # allreduce | local_sgd | hierarchical
+    period: int = 4  # local_sgd: average the models every `period` steps (after start_step)
+    periods: dict = None  # hierarchical: {"node": n, "global": g} averaging periods
+
+    def __post_init__(self) -> None:
+        if self.periods is None:
+            object.__setattr__(self, "periods", {"node": 2, "global": 8})
 
 
 @dataclass(frozen=True)
@@ -193,26 +201,39 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     if isinstance(t.grad_accum, bool) or not isinstance(t.grad_accum, int) or t.grad_accum < 1:
         raise ConfigError(f"train.grad_accum must be an integer >= 1, got {t.grad_accum!r}")
-    if t.global_batch % (cfg.resources.world_size * t.grad_accum):
+    world = cfg.resources.world_size
+    dp = p.dp if p.dp is not None else max(1, world // max(1, p.tp * p.pp))
+    if t.global_batch % (dp * t.grad_accum):
         raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by nodes x procs_per_node x "
-            f"train.grad_accum = {cfg.resources.world_size} x {t.grad_accum}")
-    if t.balance != "none":
-        raise ConfigError("this runtime supports train.balance=none only")
+            f"train.global_batch={t.global_batch} is not divisible by the data-parallel size x "
+            f"train.grad_accum = {dp} x {t.grad_accum}")
+    if t.balance not in ("none", "auto"):
+        raise ConfigError(f"train.balance must be none or auto, got {t.balance!r}")
     if cfg.resources.device not in ("cpu", "cuda"):
         raise ConfigError(f"resources.device must be cpu or cuda, got {cfg.resources.device!r}")
-    if p.tp != 1 or p.pp != 1 or p.fsdp:
-        raise ConfigError(f"this runtime runs plain DDP only (tp=pp=1, fsdp=false); got {p}")
+    for name in ("tp", "pp", "microbatches"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"parallel.{name} must be an integer >= 1, got {v!r}")
+    if p.schedule not in ("1f1b", "gpipe"):
+        raise ConfigError(f"parallel.schedule must be 1f1b or gpipe, got {p.schedule!r}")
+    if m.kind == "gpt" and m.heads % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} must divide model.heads={m.heads}")
+    if p.pp > m.layers:
+        raise ConfigError(f"parallel.pp={p.pp} is more stages than model.layers={m.layers}")
     if c.compression not in COMPRESSIONS:
         raise ConfigError(f"comm.compression must be one of {', '.join(COMPRESSIONS)}, got {c.compression!r}")
-    if c.compression == "topk" and not _is_fraction(c.ratio):
-        raise ConfigError(f"comm.ratio must be a number in (0, 1] for compression topk, got {c.ratio!r}")
+    if c.compression == "topk" and not (_is_fraction(c.ratio) or c.ratio == "auto"):
+        raise ConfigError(f"comm.ratio must be a number in (0, 1] or 'auto' for compression topk, "
+                          f"got {c.ratio!r}")
     if isinstance(c.rank, bool) or not isinstance(c.rank, int) or c.rank < 1:
         raise ConfigError(f"comm.rank must be an integer >= 1, got {c.rank!r}")
     if isinstance(c.start_step, bool) or not isinstance(c.start_step, int) or c.start_step < 0:
         raise ConfigError(f"comm.start_step must be an integer >= 0, got {c.start_step!r}")
-    if c.sync != "allreduce":
-        raise ConfigError(f"this runtime supports comm.sync=allreduce only; got {c.sync!r}")
+    if c.sync not in ("allreduce", "local_sgd", "hierarchical"):
+        raise ConfigError(f"comm.sync must be allreduce, local_sgd or hierarchical, got {c.sync!r}")
+    if isinstance(c.period, bool) or not isinstance(c.period, int) or c.period < 1:
+        raise ConfigError(f"comm.period must be an integer >= 1, got {c.period!r}")
     if int(cfg.checkpoint.every_steps) < 1:
         raise ConfigError(f"checkpoint.every_steps must be >= 1, got {cfg.checkpoint.every_steps}")
     if cfg.resume is not None and not cfg.resume.path.is_absolute():

@@ -37,7 +37,6 @@ data_s and compute_s cover all micro-steps.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -51,14 +50,14 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .chaos import Chaos
 from .checkpoint import Checkpointer, is_due, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm, compression_hook
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
-from .model import build_model, lm_loss
+from .model import build_model
+from .parallel import Mesh, build_strategy, optim_bytes
 from .preempt import PREEMPTED_EXIT_CODE, preempt_key
 from .reporter import Reporter
 
@@ -107,13 +106,13 @@ def write_rank_file(run_dir: Path, env: DistEnv, node: str) -> Path:
     return final
 
 
-def check_world(cfg: RunConfig, env: DistEnv) -> None:
+def check_world(cfg: RunConfig, env: DistEnv) -> Mesh:
     expected = cfg.resources.world_size
-    if env.world_size != expected or (cfg.parallel.dp is not None and cfg.parallel.dp != env.world_size):
+    if env.world_size != expected:
         raise ConfigError(
             f"torchrun started {env.world_size} ranks but the spec asks for resources "
-            f"{cfg.resources.nodes}x{cfg.resources.procs_per_node}={expected}, parallel.dp="
-            f"{cfg.parallel.dp}; this runtime runs plain DDP with dp == world size")
+            f"{cfg.resources.nodes}x{cfg.resources.procs_per_node}={expected}")
+    return Mesh.from_config(cfg, env.world_size)
 
 
 def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
@@ -133,31 +132,32 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
     try:
         # User errors (bad data path, too little data) surface here, before the rendezvous,
         # so a failing rank does not first wait for its peers.
-        check_world(cfg, env)
-        batch = cfg.per_rank_batch(env.world_size)
-        cfg.micro_batch(env.world_size)  # global_batch divisible by world x grad_accum
+        mesh = check_world(cfg, env)
+        dp_rank = mesh.coords(env.rank)["dp"]
+        batch = cfg.per_rank_batch(mesh.dp)
+        cfg.micro_batch(mesh.dp)  # global_batch divisible by dp x grad_accum
         # a step consumes one loader batch (its micro-batches are cut from it): a checkpoint at
         # step S has consumed S batches on every rank
         start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
-        batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=env.rank,
-                                     world_size=env.world_size, batch=batch, seed=cfg.train.seed,
+        batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=dp_rank,
+                                     world_size=mesh.dp, batch=batch, seed=cfg.train.seed,
                                      pin_memory=cuda, start_batch=start_batch)
         if cuda:  # device_id binds the NCCL communicator to this rank's GPU up front
             dist.init_process_group(backend="nccl", device_id=device)
         else:
             dist.init_process_group(backend="gloo")
         try:
-            return _train(cfg, env, device, reporter, batches, val, start_batch)
+            return _train(cfg, env, mesh, device, reporter, batches, val, start_batch)
         finally:
             dist.destroy_process_group()
     finally:
         reporter.close()
 
 
-def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporter,
+def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, reporter: Reporter,
            batches: Iterator[Batch], val: np.ndarray | None, start_batch: int = 0) -> dict:
     train, mcfg = cfg.train, cfg.model
-    batch = cfg.per_rank_batch(env.world_size)
+    batch = cfg.per_rank_batch(mesh.dp)
     torch.manual_seed(train.seed)  # identical initial weights on every rank
     model = build_model(mcfg).to(device)
     ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, job_id=cfg.job_id,
@@ -170,9 +170,8 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
                                   rank=comm_cfg.rank, start_step=comm_cfg.start_step,
                                   seed=train.seed)
     run_comm = RunComm(comm_cfg.compression)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True)
-    ddp.register_comm_hook(compression, compression_hook)
+    strategy = build_strategy(cfg, mesh, env.rank, model, device, compression, compression_hook)
+    ddp = strategy.module  # what the optimizer updates and the checkpoint saves
     accum = train.grad_accum
     opt = torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
     first = 1
@@ -202,7 +201,7 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
             chaos.before_compute(step)
         compression.begin_step(step)
         ref = clock.mark()
-        loss = forward_backward(ddp, x, y, accum)
+        loss = strategy.forward_backward(x, y, accum)
         backward_end = clock.mark()
         clock.sync()
         t2 = time.perf_counter()
@@ -230,6 +229,12 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
                           else proc.memory_info().rss),
             "attempt": cfg.attempt_id,
         })
+        if step == first:  # optimizer state exists now: report what this rank really holds
+            plan = strategy.info()
+            reporter.event("rank_plan", rank=env.rank, node=cfg.node, **plan,
+                           optim_bytes=optim_bytes(opt))
+            _say(f"rank {env.rank} plan {plan['strategy']} mesh {plan['mesh']['shape']} coords "
+                 f"{plan['coords']} param_bytes {plan['param_bytes']} optim_bytes {optim_bytes(opt)}")
         if step == 1 or step % log_every == 0 or step == train.steps:
             _say(f"rank {env.rank} step {step}/{train.steps} loss {loss_v:.4f} lr {lr:.2e} "
                  f"step_ms {step_s * 1000:.1f} samples/s {batch / step_s:.1f}")
@@ -240,7 +245,7 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
 
     ckpt.close()  # the last save is published (and reported) before this rank says it finished
 
-    val_loss = _val_loss(model, val, mcfg.seq_len, batch, device)
+    val_loss = _val_loss(strategy, val, mcfg.seq_len, batch, device)
     wall_s = time.time() - start
     comm_summary = run_comm.summary()
     reporter.event("rank_finished", steps=train.steps, final_loss=loss_v, grad_accum=accum,
@@ -252,18 +257,6 @@ def _train(cfg: RunConfig, env: DistEnv, device: torch.device, reporter: Reporte
          f"{comm_summary['compression_ratio']} (compressed steps: "
          f"{comm_summary['compression_ratio_compressed_steps']})")
     return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
-
-
-def forward_backward(ddp: DDP, x: torch.Tensor, y: torch.Tensor, accum: int) -> torch.Tensor:
-    """Gradients of the mean loss over the batch (x, y), as `accum` equal micro-batches that
-    synchronise only in the last backward; returns the mean loss (a tensor: no device sync)."""
-    total = None
-    for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-        with ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
-            loss = lm_loss(ddp(xm), ym)
-            (loss / accum).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    return total / accum
 
 
 class Preempted(SystemExit):
@@ -322,13 +315,11 @@ def _say(line: str) -> None:
 
 
 @torch.no_grad()
-def _val_loss(model: torch.nn.Module, val, seq_len: int, batch: int,
-              device: torch.device) -> float | None:
-    """Mean loss on fixed held-out windows (local to the rank: no collective needed)."""
+def _val_loss(strategy, val, seq_len: int, batch: int, device: torch.device) -> float | None:
+    """Mean loss on fixed held-out windows, the same on every rank (every rank runs this: a
+    sharded strategy's forward is collective)."""
     if val is None or len(val) < seq_len + batch * VAL_BATCHES:
         return None
-    model.eval()
-    losses = [lm_loss(model(x.to(device)), y.to(device)).item()
+    losses = [strategy.eval_loss(x.to(device), y.to(device))
               for x, y in val_batches(val, seq_len, batch, VAL_BATCHES)]
-    model.train()
     return sum(losses) / len(losses)

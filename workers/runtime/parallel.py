@@ -1,0 +1,148 @@
+"""The parallel plan of a run: the device mesh, this rank's place in it, and the Strategy that
+wraps the model for it.
+
+Mesh layout: the world is a ("pp", "dp", "tp") grid in row-major order, tp innermost, so the
+ranks of one tensor-parallel group are consecutive (on one node when procs_per_node >= tp, where
+their per-layer collectives are cheapest), and a pipeline stage is a contiguous block of ranks.
+`coords(rank)` is pure arithmetic, so the data loader can be built (and user errors raised)
+before the process group exists.
+
+Data: the ranks of one dp coordinate see the same samples (tp shards the math of one batch,
+pp passes it from stage to stage); the global batch is split over dp only.
+
+A Strategy is what the trainer talks to:
+- `module`: the model whose parameters the optimizer updates and the checkpoint saves (for DDP
+  the DDP wrapper; get_state_dict strips wrappers, so checkpoint keys are the plain model's FQNs
+  under every plan, which is what lets one plan's checkpoint load under another).
+- `forward_backward(x, y, accum)`: gradients of the mean loss over this dp coordinate's batch,
+  as `accum` micro-batches that synchronise only in the last; returns the mean loss as a 0-d
+  tensor, the same value on every rank of the job's step (every dp rank's own mean).
+- `info()`: mesh shape and meaning, this rank's coordinates and role, bytes of parameters held.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import ConfigError, RunConfig
+from .model import lm_loss
+
+MESH_DIMS = ("pp", "dp", "tp")
+DIM_MEANING = {
+    "pp": "pipeline stages: each holds a contiguous slice of the layers",
+    "dp": "data parallel replicas: each trains on its own share of the global batch",
+    "tp": "tensor parallel: attention heads and MLP columns split across these ranks",
+}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    pp: int
+    dp: int
+    tp: int
+    fsdp: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, world_size: int) -> "Mesh":
+        p = cfg.parallel
+        tp, pp = int(p.tp), int(p.pp)
+        if world_size % (tp * pp):
+            raise ConfigError(f"the world size {world_size} is not divisible by tp x pp = {tp} x {pp}")
+        dp = world_size // (tp * pp) if p.dp is None else int(p.dp)
+        if dp * tp * pp != world_size:
+            raise ConfigError(f"parallel dp x tp x pp = {dp} x {tp} x {pp} != world size {world_size}")
+        return cls(pp=pp, dp=dp, tp=tp, fsdp=bool(p.fsdp))
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp,
+                "tp": rank % self.tp}
+
+    def describe(self) -> dict:
+        dims = {d: DIM_MEANING[d] for d in MESH_DIMS if self.shape[d] > 1}
+        if self.fsdp:
+            dims["dp"] = ("data parallel, fully sharded (FSDP2): each replica holds 1/dp of the "
+                          "parameters, gradients and optimizer state")
+        return {"shape": self.shape, "order": list(MESH_DIMS), "fsdp": self.fsdp, "dims": dims}
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of parameters this rank really stores (a DTensor counts its local shard only)."""
+    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
+
+
+def optim_bytes(opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                total += _local(v).numel() * v.element_size()
+    return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class DDPStrategy:
+    """Plain data parallelism: a full replica per rank, gradients averaged by DDP's buckets
+    (through the comm hook that compresses and counts, see comm.py)."""
+
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, mesh: Mesh, rank: int, device: torch.device,
+                 hook_state=None, hook=None):
+        self.mesh, self.rank = mesh, rank
+        self.module = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+        if hook is not None:
+            self.module.register_comm_hook(hook_state, hook)
+        self.inner = model
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, accum: int,
+                         weight: float = 1.0) -> torch.Tensor:
+        """`weight` scales this rank's contribution to the averaged gradient (balancing: a rank
+        with n_i of the N samples uses weight world x n_i / N); the returned loss is unscaled."""
+        ddp, total = self.module, None
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            with ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                loss = lm_loss(ddp(xm), ym)
+                (loss * (weight / accum)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / accum
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Loss of the current model on (x, y) without gradients; called on every rank."""
+        self.inner.eval()
+        try:
+            return lm_loss(self.inner(x), y).item()
+        finally:
+            self.inner.train()
+
+    def info(self) -> dict:
+        return {"strategy": self.name, "mesh": self.mesh.describe(),
+                "coords": self.mesh.coords(self.rank),
+                "role": f"replica {self.mesh.coords(self.rank)['dp']} of {self.mesh.dp}: the whole model",
+                "param_bytes": param_bytes(self.inner)}
+
+
+def build_strategy(cfg: RunConfig, mesh: Mesh, rank: int, model: nn.Module, device: torch.device,
+                   hook_state=None, hook=None):
+    """The Strategy for `mesh`; `model` is the full model, built with the job seed on every rank."""
+    if mesh.pp > 1:  # pp, or dp x pp
+        from .pipeline import PipelineStrategy
+        return PipelineStrategy(cfg, model, mesh, rank, device)
+    if mesh.tp > 1 or mesh.fsdp:  # tp, dp x tp, or fsdp
+        from .sharded import ShardedStrategy
+        return ShardedStrategy(cfg, model, mesh, rank, device)
+    if mesh.tp == 1 and mesh.pp == 1 and not mesh.fsdp:
+        return DDPStrategy(model, mesh, rank, device, hook_state, hook)
+    raise ConfigError(f"parallel plan {mesh.shape} (fsdp={mesh.fsdp}) is not supported by this runtime")
