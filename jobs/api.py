@@ -28,11 +28,7 @@ class AttemptSerializer(serializers.ModelSerializer):
                   "last_step", "last_progress_at", "stragglers", "created_at", "started_at", "ended_at", "ranks"]
 
     def get_ranks(self, obj) -> list[dict]:
-        out = []
-        for alloc in obj.allocations.all():
-            for r in alloc.ranks:
-                out.append({"rank": r["rank"], "node": alloc.node.name, "pid": r["pid"]})
-        return sorted(out, key=lambda r: r["rank"])
+        return selectors.attempt_rank_rows(obj)
 
 
 class JobSerializer(serializers.ModelSerializer):

@@ -130,6 +130,8 @@ class Attempt(models.Model):
     last_step = models.PositiveIntegerField(default=0)
     last_progress_at = models.DateTimeField(null=True, blank=True)
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
+    rank_plans = models.JSONField(default=dict, blank=True,
+                                  help_text='{"<rank>": {coords, role, param_bytes, optim_bytes}} as the runtime reported them')
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
     preempt_for = models.PositiveIntegerField(null=True, blank=True, help_text="the queued job its slots go to")

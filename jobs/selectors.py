@@ -248,6 +248,19 @@ def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
                 .values("rank", "step", "step_s", "data_s", "compute_s", "optim_s"))
 
 
+def attempt_rank_rows(attempt) -> list[dict]:
+    """Every rank of an attempt (allocations prefetched with their nodes): rank, node, pid and,
+    once the runtime reported it, its place in the parallel plan (coords, role, bytes held)."""
+    plans = attempt.rank_plans or {}
+    out = []
+    for alloc in attempt.allocations.all():
+        for r in alloc.ranks:
+            row = {"rank": r["rank"], "node": alloc.node.name, "pid": r.get("pid")}
+            row.update(plans.get(str(r["rank"]), {}))
+            out.append(row)
+    return sorted(out, key=lambda r: r["rank"])
+
+
 def attempt_rank_nodes(attempt_id: int) -> dict[int, str]:
     return {r["rank"]: a.node.name for a in Allocation.objects.filter(attempt_id=attempt_id).select_related("node")
             for r in a.ranks}

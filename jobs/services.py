@@ -23,7 +23,7 @@ from . import dispatch, selectors
 from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange,
                      SchedulerLock)
 from .policy import checkpoints as ckpt_policy
-from .policy import diagnosis, predictor, scheduler
+from .policy import diagnosis, planner, predictor, scheduler
 from .specs import SpecError, parse_job_spec
 
 log = logging.getLogger(__name__)
@@ -80,13 +80,11 @@ def job_submit(user, data) -> Job:
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     stored = spec.to_json()
-    plan = {"dp": spec.dp, "tp": 1, "pp": 1, "fsdp": False, "world_size": r.world_size,
-            "mesh": {"dp": spec.dp}, "notes": []}
-    if spec.parallel == "auto":
-        plan["source"] = "auto: data parallel over all processes (the strategy planner is not available yet)"
-    else:
-        plan["source"] = "spec"
+    if spec.parallel != "auto":
         stored["parallel"]["dp"] = spec.dp
+    plan = planner.describe(stored)
+    plan["source"] = ("auto: data parallel over all processes (no strategy search yet)"
+                      if spec.parallel == "auto" else "spec")
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
     prediction = predictor.predict(shape, selectors.past_runs())
@@ -934,6 +932,23 @@ def telemetry_ingest(samples: list[dict], events: list[dict]) -> dict[int, int]:
     return top
 
 
+RANK_PLAN_KEYS = ("strategy", "coords", "role", "param_bytes", "optim_bytes")
+
+
+def _rank_plan(attempt_id: int, e: dict) -> None:
+    """What one rank really holds under the plan (mesh coordinates, role, parameter and optimizer
+    bytes): kept on the attempt, shown per rank on the job page and in the API."""
+    rank = e.get("rank")
+    if type(rank) is not int:
+        return
+    attempt = Attempt.objects.select_for_update().filter(pk=attempt_id).first()
+    if attempt is None:
+        return
+    plans = dict(attempt.rank_plans or {})
+    plans[str(rank)] = {k: e[k] for k in RANK_PLAN_KEYS if k in e}
+    Attempt.objects.filter(pk=attempt_id).update(rank_plans=plans)
+
+
 def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:
     kind = e.get("kind")
     if kind == "checkpoint":
@@ -944,6 +959,8 @@ def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:
         _event(job, "resumed", f"rank {e.get('rank')} loaded the checkpoint at step {e.get('step')}"
                + (f" in {load_s:.2f} s" if load_s is not None else ""), attempt=Attempt(pk=attempt_id),
                step=e.get("step"), load_s=load_s, path=e.get("path"))
+    elif kind == "rank_plan":
+        _rank_plan(attempt_id, e)
     elif kind == "telemetry_dropped":
         JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=kind,
                                 message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "

@@ -174,8 +174,7 @@ def job_detail(request, pk: int):
     can_cancel = request.user.is_staff or job.owner_id == request.user.pk
     attempts = list(job.attempts.prefetch_related("allocations__node").order_by("-number"))
     for a in attempts:
-        a.rank_rows = sorted(({"rank": r["rank"], "node": al.node.name, "pid": r.get("pid")}
-                              for al in a.allocations.all() for r in al.ranks), key=lambda r: r["rank"])
+        a.rank_rows = selectors.attempt_rank_rows(a)
     events = [selectors.event_dict(e) for e in job.events.order_by("-id")[:200]]
     checkpoints = [_checkpoint_row(c)
                    for c in job.checkpoints.select_related("attempt").order_by("-step", "-id")[:100]]
@@ -187,8 +186,10 @@ def job_detail(request, pk: int):
     config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
               "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel,
               "is_staff": request.user.is_staff}
+    mesh = job.plan.get("mesh") or {}
+    plan_mesh = " × ".join(f"{d}={mesh[d]}" for d in job.plan.get("order", ()) if d in mesh)
     return render(request, "jobs/job_detail.html", {
-        "job": job, "attempts": attempts, "events": events, "checkpoints": checkpoints, "summary": summary,
+        "job": job, "attempts": attempts, "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
         "logs": selectors.job_log_lines(job.pk, limit=200), "config": config,
         "can_cancel": can_cancel and job.status not in Job.TERMINAL and job.status != Job.Status.STOPPING,

@@ -112,7 +112,9 @@ function renderQueue(job) {
 function ranksCell(ranks) {
   if (!ranks || !ranks.length) return el('span', { class: 'muted' }, '–');
   return el('ul', { class: 'ranks' }, ranks.map((r) => el('li', {},
-    el('b', {}, `r${r.rank}`), ` ${r.node}`, r.pid ? el('span', { class: 'muted' }, ` pid ${r.pid}`) : '')));
+    el('b', {}, `r${r.rank}`), ` ${r.node}`, r.pid ? el('span', { class: 'muted' }, ` pid ${r.pid}`) : '',
+    r.role ? el('div', { class: 'rank-role', dataset: { rank: r.rank } },
+      `${r.role} · params ${fmtBytes(r.param_bytes)}${r.optim_bytes ? ` · optim ${fmtBytes(r.optim_bytes)}` : ''}`) : '')));
 }
 
 function resumedCell(a, marker) {

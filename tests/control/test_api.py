@@ -43,14 +43,15 @@ BAD = [
     ({"name": "x", "resources": {"nodes": 40}, "parallel": {"dp": 40}, "train": {"global_batch": 40}}, "resources"),
     ({"name": "x", "data": {"kind": "tokens", "path": "../../etc/passwd"}}, "data.path"),
     ({"name": "x", "data": {"kind": "tokens", "path": "/etc/passwd"}}, "data.path"),
-    ({"name": "x", "parallel": {"tp": 2, "dp": 1}}, "parallel.tp"),
-    ({"name": "x", "parallel": {"fsdp": True}}, "parallel.fsdp"),
+    ({"name": "x", "parallel": {"tp": 3, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 3}}, "parallel.tp"),
+    ({"name": "x", "parallel": {"pp": 2, "dp": 1, "microbatches": 3}}, "parallel.microbatches"),
+    ({"name": "x", "parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression"),
     ({"name": "x", "comm": {"compression": "zip"}}, "comm.compression"),
     ({"name": "x", "comm": {"compression": "topk", "ratio": 0}}, "comm.ratio"),
-    ({"name": "x", "comm": {"compression": "topk", "ratio": "auto"}}, "comm.ratio"),
+    ({"name": "x", "comm": {"compression": "fp16", "ratio": "auto"}}, "comm.ratio"),
     ({"name": "x", "comm": {"compression": "powersgd", "rank": 0}}, "comm.rank"),
-    ({"name": "x", "comm": {"sync": "local_sgd"}}, "comm.sync"),
-    ({"name": "x", "train": {"balance": "auto"}}, "train.balance"),
+    ({"name": "x", "comm": {"sync": "hierarchical"}}, "comm.sync"),
+    ({"name": "x", "train": {"balance": "auto"}, "parallel": {"fsdp": True}}, "train.balance"),
     ({"name": "x", "train": {"grad_accum": 0}}, "train.grad_accum"),
     ({"name": "x", "train": {"grad_accum": 3}}, "train.global_batch"),
     ({"name": "x", "train": {"global_batch": 31}}, "train.global_batch"),
@@ -69,9 +70,12 @@ def test_bad_spec_is_400_with_field_error_and_creates_nothing(user, nodes, clien
     assert Job.objects.count() == 0
 
 
-def test_unsupported_option_message_says_not_supported_yet(user, nodes, client_for):
-    r = client_for(user).post("/api/v1/jobs/", {"name": "x", "parallel": {"pp": 2, "dp": 1}}, format="json")
-    assert "not supported yet" in r.json()["errors"]["parallel.pp"][0]
+def test_an_impossible_combination_says_which_field_and_why(user, nodes, client_for):
+    r = client_for(user).post("/api/v1/jobs/", {"name": "x", "parallel": {"pp": 2, "dp": 1},
+                                                "comm": {"compression": "powersgd"}}, format="json")
+    assert r.status_code == 400
+    assert r.json()["errors"] == {"comm.compression": [
+        "gradient compression is a DDP comm hook: it needs plain data parallelism (tp 1, pp 1, fsdp false)"]}
 
 
 def test_non_object_body_is_400(user, nodes, client_for):

@@ -1,4 +1,5 @@
-"""JobSpec validation for the data-plane options: accumulation and gradient compression.
+"""JobSpec validation for the data-plane options: parallel plans, accumulation, compression,
+synchronization and balancing.
 
 Pure pydantic (no database): what parses, the defaults it fills, and the 400 messages, each
 naming its field."""
@@ -49,22 +50,73 @@ def test_impossible_compression_settings_are_refused_naming_the_field(comm, fiel
     assert message in errors[field][0], errors
 
 
-def test_ratio_auto_is_not_supported_yet():
-    errors = errors_of({"name": "x", "comm": {"compression": "topk", "ratio": "auto"}})
-    assert list(errors) == ["comm.ratio"] and "not supported yet" in errors["comm.ratio"][0]
+FOUR = {"resources": {"nodes": 2, "procs_per_node": 2}}
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"parallel": {"tp": 2, "dp": 1}}, "parallel.tp"),
-    ({"parallel": {"pp": 2, "dp": 1}}, "parallel.pp"),
-    ({"parallel": {"fsdp": True}}, "parallel.fsdp"),
-    ({"comm": {"sync": "local_sgd"}}, "comm.sync"),
-    ({"comm": {"sync": "hierarchical"}}, "comm.sync"),
-    ({"train": {"balance": "auto"}}, "train.balance"),
+@pytest.mark.parametrize("spec", [
+    {"parallel": {"tp": 2, "dp": 1}},
+    {"parallel": {"pp": 2, "dp": 1, "microbatches": 4, "schedule": "gpipe"}},
+    {"parallel": {"pp": 2, "dp": 1, "microbatches": 2, "schedule": "1f1b"}},
+    {"parallel": {"fsdp": True}},
+    {"parallel": {"tp": 2, "dp": 2}, **FOUR},
+    {"parallel": {"pp": 2, "dp": 2}, **FOUR},
+    {"comm": {"sync": "local_sgd", "period": 8}},
+    {"comm": {"sync": "hierarchical", "periods": {"node": 2, "global": 8}}, **FOUR},
+    {"comm": {"compression": "topk", "ratio": "auto"}},
+    {"train": {"balance": "auto"}},
+    {"train": {"balance": "auto", "grad_accum": 2}, "comm": {"compression": "powersgd"}},
 ])
-def test_the_rest_of_the_data_plane_options_are_still_not_supported_yet(spec, field):
+def test_every_data_plane_strategy_is_accepted(spec):
+    parse_job_spec({"name": "x", **spec})
+
+
+@pytest.mark.parametrize("spec, field, message", [
+    ({"parallel": {"tp": 3, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 3}},
+     "parallel.tp", "tp (3) must divide model.heads (4)"),
+    ({"parallel": {"pp": 8, "dp": 1}, "resources": {"nodes": 2, "procs_per_node": 4}},
+     "parallel.pp", "pp (8) must not exceed model.layers (4)"),
+    ({"parallel": {"dp": 2, "tp": 2}}, "parallel.dp", "dp x tp x pp = 2 x 2 x 1 must equal"),
+    ({"parallel": {"pp": 2, "dp": 1, "microbatches": 3}}, "parallel.microbatches", "divisible by microbatches (3)"),
+    ({"parallel": {"pp": 2, "dp": 1, "microbatches": 1}}, "parallel.microbatches", "at least as many micro-batches"),
+    ({"parallel": {"pp": 2, "dp": 1}, "train": {"grad_accum": 2}}, "train.grad_accum", "use that instead"),
+    ({"parallel": {"pp": 2, "dp": 1, "fsdp": True}}, "parallel.fsdp", "pipeline"),
+    ({"parallel": {"tp": 2, "dp": 1, "fsdp": True}}, "parallel.fsdp", "tensor parallelism"),
+    ({"parallel": {"tp": 2, "dp": 1}, "model": {"kind": "mlp"}}, "parallel.tp", "no heads"),
+    ({"parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression", "plain data parallelism"),
+    ({"comm": {"sync": "local_sgd"}, "resources": {"nodes": 1, "procs_per_node": 1}}, "comm.sync",
+     "at least 2 data-parallel ranks"),
+    ({"comm": {"sync": "local_sgd", "compression": "topk"}}, "comm.compression", "use compression none"),
+    ({"comm": {"sync": "hierarchical"}}, "comm.sync", "several nodes with several ranks"),
+    ({"comm": {"sync": "hierarchical", "periods": {"node": 4, "global": 6}}, **FOUR}, "comm.periods.global",
+     "multiple of the node period"),
+    ({"comm": {"ratio": "auto"}}, "comm.ratio", "needs compression topk"),
+    ({"comm": {"period": 0}}, "comm.period", "greater than or equal to 1"),
+    ({"train": {"balance": "auto"}, "parallel": {"fsdp": True}}, "train.balance", "plain data parallelism"),
+    ({"train": {"balance": "auto"}, "comm": {"sync": "local_sgd"}}, "train.balance", "comm.sync allreduce"),
+])
+def test_impossible_combinations_are_refused_at_submit_naming_the_field(spec, field, message):
     errors = errors_of({"name": "x", **spec})
-    assert field in errors and "not supported yet" in errors[field][0]
+    assert field in errors, errors
+    assert any(message in m for m in errors[field]), errors
+
+
+def test_the_stored_plan_describes_the_mesh_and_every_rank():
+    from jobs.policy import planner
+
+    spec = parse_job_spec({"name": "x", "parallel": {"dp": 2, "pp": 2, "microbatches": 4},
+                           **FOUR}).to_json()
+    plan = planner.describe(spec)
+    assert plan["mesh"] == {"pp": 2, "dp": 2, "tp": 1} and plan["strategy"] == "dp 2 × pp 2"
+    assert [d["name"] for d in plan["dims"]] == ["pp", "dp"]
+    assert [r["coords"] for r in plan["roles"]] == [
+        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 1, "tp": 0},
+        {"pp": 1, "dp": 0, "tp": 0}, {"pp": 1, "dp": 1, "tp": 0}]
+    assert plan["roles"][3]["role"] == "replica 1/2, stage 1/2: blocks 2-3"
+    tp = planner.describe(parse_job_spec({"name": "x", "parallel": {"dp": 1, "tp": 2}}).to_json())
+    assert tp["roles"][1]["role"] == "replica 0/1, tp 1/2: heads 2-3" and tp["strategy"] == "tp 2"
+    assert planner.stage_layers(5, 2) == [(0, 2), (3, 4)]
+    auto = planner.describe(parse_job_spec({"name": "x", "parallel": "auto"}).to_json())
+    assert auto["mesh"] == {"pp": 1, "dp": 2, "tp": 1} and auto["strategy"] == "dp 2"
 
 
 def test_grad_accum_needs_the_global_batch_to_split_into_equal_micro_batches():

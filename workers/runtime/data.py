@@ -12,6 +12,10 @@ A resumed run starts `start_batch` batches in (epoch start_batch // batches per 
 epoch's index order cut after the batches already consumed), so step k gets the same batch
 whether or not the run was interrupted before it.
 
+With train.balance=auto (balance.py) ranks take unequal, changing shares of each step's global
+batch: every rank walks the same global batch order (`global_batches`) and gathers only its own
+contiguous slice (`SliceBatches`); an equal split gives exactly the samples above.
+
 Loader choice, measured on 2 shared cores (16 x 129-token batches next to a small GPT step):
 gathering inline costs ~0.05-0.2 ms per batch; a forked DataLoader worker (num_workers=1)
 made the wait 1.7-3.6 ms (pickling the batch through a pipe); a prefetch thread made it
@@ -201,17 +205,103 @@ class Prefetcher:
 
 def build_batches(data: DataConfig, model: ModelConfig, data_root: Path, *, rank: int,
                   world_size: int, batch: int, seed: int, pin_memory: bool = False,
-                  prefetch: bool = True, start_batch: int = 0) -> tuple[Iterator[Batch], np.ndarray | None]:
+                  prefetch: bool = True, start_batch: int = 0,
+                  balance: bool = False) -> tuple[Iterator[Batch], np.ndarray | None]:
     """The endless training batch iterator for this rank, from batch `start_batch` on, and the
-    held-out val tokens."""
+    held-out val tokens. balance=True: a SliceBatches over global batches of batch x world_size,
+    starting with this rank's equal share (the same samples as balance=False)."""
     if data.kind == "demo" and model.vocab < BYTE_VOCAB:
         raise ConfigError(f"data.kind=demo needs model.vocab >= {BYTE_VOCAB}, got {model.vocab}")
     train, val = split(load_tokens(data, model, data_root, seed), data.kind)
+    if balance:
+        windows = TokenWindows(train, model.seq_len)
+        orders = global_batches(windows, world_size=world_size, global_batch=batch * world_size,
+                                seed=seed, start_batch=start_batch)
+        return SliceBatches(windows, orders, rank * batch, batch, pin_memory=pin_memory,
+                            prefetch=prefetch), val
     loader, sampler = train_loader(TokenWindows(train, model.seq_len), rank=rank,
                                    world_size=world_size, batch=batch, seed=seed,
                                    pin_memory=pin_memory)
     it = forever(loader, sampler, start_batch)
     return (Prefetcher(it) if prefetch else it), val
+
+
+def global_batches(windows: TokenWindows, *, world_size: int, global_batch: int, seed: int,
+                   start_batch: int = 0) -> Iterator[np.ndarray]:
+    """Endless index arrays of whole global batches (train.balance=auto), from `start_batch` on.
+
+    Batch b of an epoch is perm[b*N:(b+1)*N] (perm: DistributedSampler's shuffle, the same for
+    any num_replicas), ordered rank-major: position r*B + k holds perm[b*N + r + k*world], which
+    is what DistributedSampler(num_replicas=world) gives rank r as the k-th sample of its batch
+    (B = N / world). So an equal split of these arrays is exactly the unbalanced runs' per-rank
+    batches, and epoch lengths and resume positions are those of `forever`.
+    """
+    per_rank_batch = global_batch // world_size
+    perms = DistributedSampler(windows, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    per_epoch = (len(windows) // world_size) // per_rank_batch
+    if per_epoch < 1:
+        raise ConfigError(
+            f"the training split has {len(windows)} windows, {len(windows) // world_size} per rank: "
+            f"fewer than one per-rank batch of {per_rank_batch}; use more data or a smaller batch / seq_len")
+    epoch, skip = divmod(start_batch, per_epoch)
+    while True:
+        perms.set_epoch(epoch)
+        perm = np.fromiter(iter(perms), dtype=np.int64, count=len(windows))
+        for b in range(skip, per_epoch):
+            block = perm[b * global_batch:(b + 1) * global_batch]
+            yield block.reshape(per_rank_batch, world_size).T.reshape(-1)
+        epoch, skip = epoch + 1, 0
+
+
+class SliceBatches:
+    """This rank's contiguous slice [offset, offset + count) of every step's global batch.
+
+    `set_slice` changes the slice from the next `next()` on (load balancing re-splits between
+    steps). The prefetch thread runs ahead with the slice in force when it fetched, and keeps the
+    step's index array with the batch: a batch fetched under an older slice is re-gathered
+    inline (one ~0.1 ms gather, only on the <= depth+1 steps after a change), so a change takes
+    effect at exactly the next step. Only this rank's indices are ever gathered.
+    """
+
+    def __init__(self, windows: TokenWindows, orders: Iterator[np.ndarray], offset: int, count: int,
+                 *, pin_memory: bool = False, prefetch: bool = True):
+        self.windows, self.pin_memory = windows, pin_memory
+        self._slice = (offset, count)
+        self.refetched = 0  # batches re-gathered after a slice change (tests, diagnosis)
+        source = self._fetch(orders)
+        self._it = Prefetcher(source) if prefetch else source
+
+    def set_slice(self, offset: int, count: int) -> None:
+        if offset < 0 or count < 1:
+            raise ValueError(f"bad slice offset={offset} count={count}")
+        self._slice = (offset, count)  # one tuple store: atomic for the prefetch thread
+
+    @property
+    def slice(self) -> tuple[int, int]:
+        return self._slice
+
+    def _load(self, order: np.ndarray, sl: tuple[int, int]) -> Batch:
+        offset, count = sl
+        if offset + count > len(order):
+            raise ValueError(f"slice [{offset}, {offset + count}) outside a global batch of {len(order)}")
+        x, y = self.windows.__getitems__(order[offset:offset + count].tolist())
+        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+
+    def _fetch(self, orders: Iterator[np.ndarray]):
+        for order in orders:
+            sl = self._slice
+            yield order, sl, self._load(order, sl)
+
+    def __iter__(self) -> "SliceBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        order, sl, batch = next(self._it)
+        current = self._slice
+        if sl != current:  # fetched ahead under the previous split
+            self.refetched += 1
+            batch = self._load(order, current)
+        return batch
 
 
 def val_batches(val: np.ndarray, seq_len: int, batch: int, count: int) -> list[Batch]:

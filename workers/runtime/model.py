@@ -17,19 +17,26 @@ from .config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
+    """Separate q, k, v projections (not one fused qkv) so tensor parallelism can split each by
+    output columns: a rank then holds whole heads of q, k and v (see sharded.py). Same
+    parameter count and init as a fused hidden -> 3 x hidden Linear."""
+
     def __init__(self, hidden: int, heads: int):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.head_dim = hidden // heads
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
         self.proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, heads, T, C/heads): the layout SDPA expects
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # (B, T, C') -> (B, heads', T, head_dim), the layout SDPA expects; under tensor
+        # parallelism C' = C / tp and heads' = heads / tp (this rank's heads), else the full model
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in (self.q(x), self.k(x), self.v(x)))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
