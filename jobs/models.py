@@ -233,9 +233,11 @@ class MetricSample(models.Model):
     optim_s = models.FloatField(null=True)
     bytes_sent = models.BigIntegerField(null=True)
     mem_bytes = models.BigIntegerField(null=True)
+    compression_ratio = models.FloatField(null=True, help_text="dense bytes / bytes sent this step")
+    share = models.FloatField(null=True, help_text="this rank's fraction of the global batch (balancing)")
 
     FIELDS = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
-              "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes")
+              "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share")
 
     class Meta:
         constraints = [

@@ -170,8 +170,7 @@ def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> 
 
 # ---------------------------------------------------------------- live views (websockets)
 
-METRIC_VALUES = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s", "compute_s",
-                 "comm_s", "optim_s", "bytes_sent", "mem_bytes", "attempt_id")
+METRIC_VALUES = MetricSample.FIELDS + ("attempt_id",)
 
 
 def downsample(rows: list[dict], max_points: int) -> tuple[list[dict], bool]:

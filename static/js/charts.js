@@ -1,7 +1,7 @@
 // uPlot charts fed from a SampleStore. Each chart is rebuilt only when its set of series changes (a
 // rank appears); otherwise new points go in with setData, at most once per animation frame.
 import uPlot from '../vendor/uplot-1.6.32/uPlot.esm.js';
-import { fmtNum, fmtSeconds } from './util.js';
+import { fmtNum, fmtSeconds, fmtBytes } from './util.js';
 
 export const PALETTE = ['#4fb3ff', '#ff9f43', '#3ecf8e', '#ff6b6b', '#c792ea', '#ffcc66', '#5ee6e6', '#f78fb3',
   '#a3be8c', '#9aa5ce'];
@@ -267,19 +267,35 @@ export function breakdownChart(root) {
   });
 }
 
-export function rankStepChart(root) {
+// One line per rank of one sample field, from zero: step time, bytes sent, batch share.
+function perRankChart(root, field, fmt) {
   return new LiveChart(root, {
     define: ({ store }) => {
       const ranks = store.sortedRanks();
       return {
         key: ranks.join(','),
-        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtSeconds(v) })),
+        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmt(v) })),
         scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
-        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtSeconds(v)), size: 56 })],
+        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmt(v)), size: 56 })],
       };
     },
-    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, 'step_s'))],
+    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, field))],
   });
+}
+
+export function rankStepChart(root) {
+  return perRankChart(root, 'step_s', fmtSeconds);
+}
+
+// Bytes each rank handed to gradient/model collectives per step: compression shows as a drop after
+// comm.start_step, local SGD as spikes on averaging steps only.
+export function bytesChart(root) {
+  return perRankChart(root, 'bytes_sent', fmtBytes);
+}
+
+// train.balance auto: each rank's fraction of the global batch (sums to 1 over ranks).
+export function shareChart(root) {
+  return perRankChart(root, 'share', (v) => (v === null || v === undefined ? '–' : `${(v * 100).toFixed(1)}%`));
 }
 
 // Chart markers from the job's attempts: every attempt after the first that resumed from a checkpoint

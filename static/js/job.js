@@ -4,7 +4,8 @@
 // Staff also get Roll back / Pin buttons on the checkpoints (POSTs to the API with the CSRF token).
 import { LiveSocket, bindIndicator } from './live.js';
 import { SampleStore } from './store.js';
-import { lossChart, throughputChart, breakdownChart, rankStepChart, attemptMarkers } from './charts.js';
+import { lossChart, throughputChart, breakdownChart, rankStepChart, bytesChart, shareChart,
+  attemptMarkers } from './charts.js';
 import { LogPane } from './logs.js';
 import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
   readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
@@ -16,7 +17,9 @@ const charts = {
   throughput: throughputChart($('#chart-throughput')),
   breakdown: breakdownChart($('#chart-breakdown')),
   ranks: rankStepChart($('#chart-ranks')),
+  bytes: bytesChart($('#chart-bytes')),
 };
+if ($('#chart-share')) charts.share = shareChart($('#chart-share'));
 const logs = new LogPane($('#log-tabs'), $('#log-pane'));
 const state = {
   job: null,

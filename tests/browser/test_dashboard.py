@@ -196,7 +196,7 @@ def test_submit_from_form_charts_fill_live_until_succeeded(page, base, cluster):
     for s in cluster.metrics(job_id):
         db.setdefault(s["rank"], set()).add(s["step"])
     assert {int(r): set(s["steps"]) for r, s in stats["ranks"].items()} == db
-    for chart in ("throughput", "breakdown", "ranks"):
+    for chart in ("throughput", "breakdown", "ranks", "bytes"):
         assert points(page, chart) > 0, chart
 
     # The rest of the page followed along: attempts (ranks on both nodes), events, logs, header.

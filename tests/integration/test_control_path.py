@@ -173,3 +173,27 @@ def test_user_error_fails_fast_with_the_first_failing_ranks_traceback(cluster):
     attempt = done["attempts"][0]
     assert attempt["outcome"] == "failed:user_error"
     assert "vocab" in attempt["failure"]["message"] and "Traceback" in attempt["failure"]["traceback"]
+
+
+def test_tensor_and_pipeline_parallel_jobs_train_through_submit_and_launch(cluster):
+    """Two sharded plans at once, through the API and the node agents: each rank reports its
+    mesh coordinates and holds about half the parameters, and both jobs finish."""
+    steps = 12
+    tp = cluster.submit(small("tp2", steps, parallel={"dp": 1, "tp": 2}, checkpoint={"every_steps": 6}))
+    pp = cluster.submit(small("pp2", steps, parallel={"dp": 1, "pp": 2, "microbatches": 4, "schedule": "1f1b"},
+                              checkpoint={"every_steps": 6}))
+    assert tp["plan"]["strategy"] == "tp 2" and pp["plan"]["strategy"] == "pp 2"
+    for job, dim in ((tp, "tp"), (pp, "pp")):
+        done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+        assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+        ranks = done["attempts"][0]["ranks"]
+        assert [r["coords"][dim] for r in ranks] == [0, 1], ranks
+        assert all(r["role"] and r["param_bytes"] > 0 for r in ranks), ranks
+        rows = cluster.metrics(job["id"])
+        assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in (0, 1) for s in range(1, steps + 1)}
+        # both ranks report the same loss per step: one model, not two replicas
+        by = {(r["rank"], r["step"]): r["loss"] for r in rows}
+        assert all(math.isclose(by[0, s], by[1, s], rel_tol=1e-5) for s in range(1, steps + 1))
+        held = sum(r["param_bytes"] for r in ranks)
+        assert all(r["param_bytes"] < 0.75 * held for r in ranks), ranks
+        assert len(cluster.get(f"/api/v1/jobs/{job['id']}/checkpoints/")["results"]) == 2
