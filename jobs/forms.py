@@ -45,9 +45,20 @@ SPEC_FIELDS: tuple[SpecField, ...] = (
     SpecField("resources.nodes", "Nodes", "int", "Resources"),
     SpecField("resources.procs_per_node", "Processes per node", "int", "Resources"),
     SpecField("resources.device", "Device", "select", "Resources", ("cpu", "cuda")),
+    SpecField("parallel.tp", "Tensor parallel", "int", "Parallelism",
+              help="ranks splitting each layer's heads and MLP columns; must divide heads"),
+    SpecField("parallel.pp", "Pipeline stages", "int", "Parallelism", help="at most the number of layers"),
+    SpecField("train.grad_accum", "Gradient accumulation", "int", "Parallelism",
+              help="micro-steps per optimizer step, synchronised only on the last"),
+    SpecField("comm.compression", "Gradient compression", "select", "Parallelism",
+              ("none", "fp16", "bf16", "powersgd", "topk"), help="plain data parallelism only"),
+    SpecField("comm.sync", "Synchronization", "select", "Parallelism", ("allreduce", "local_sgd", "hierarchical")),
+    SpecField("train.balance", "Batch balancing", "select", "Parallelism", ("none", "auto"),
+              help="auto: split the batch by each rank's measured speed"),
 )
 # Errors at a section's own path ("model": "hidden must be divisible by heads") show atop its fields.
-GROUP_PATHS = {"Model": "model", "Data": "data", "Training": "train", "Resources": "resources"}
+GROUP_PATHS = {"Model": "model", "Data": "data", "Training": "train", "Resources": "resources",
+               "Parallelism": "parallel"}
 FIELD_PATHS = frozenset(f.path for f in SPEC_FIELDS) | frozenset(GROUP_PATHS.values())
 
 

@@ -37,3 +37,19 @@ def test_rank_plan_events_reach_the_attempt_the_api_and_the_page(user, nodes, cl
     assert "Parallel plan" in page and "mesh pp=2 × dp=1 × tp=1" in page
     assert "pipeline stages: each holds a contiguous slice of the layers" in page
     assert "stage 1 of 2 · params 1001" in page and "4 micro-batches, 1f1b" in page
+
+
+def test_the_submit_form_offers_the_strategies_and_explains_an_impossible_one(user, nodes, client):
+    from jobs.models import Job
+
+    client.force_login(user)
+    page = client.get("/jobs/new/").content.decode()
+    for label in ("Tensor parallel", "Pipeline stages", "Gradient compression", "Synchronization",
+                  "Batch balancing"):
+        assert label in page
+    r = client.post("/jobs/new/", {"spec": '{"name": "x", "parallel": {"tp": 2, "dp": 1}, '
+                                           '"comm": {"compression": "topk"}}'})
+    assert r.status_code == 400 and "gradient compression is a DDP comm hook" in r.content.decode()
+    assert Job.objects.count() == 0
+    r = client.post("/jobs/new/", {"spec": '{"name": "y", "parallel": {"tp": 2, "dp": 1}}'})
+    assert r.status_code == 302 and Job.objects.get().plan["strategy"] == "tp 2"
