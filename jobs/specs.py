@@ -217,6 +217,11 @@ def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
     if p.pp > m.layers:
         no("parallel.pp", f"pp ({p.pp}) must not exceed model.layers ({m.layers}): every pipeline "
                           f"stage needs at least one layer")
+    if p.pp > 1 and m.kind != "gpt":
+        no("parallel.pp", "pipeline stages split the GPT's blocks: model.kind must be gpt")
+    if p.pp > 1 and p.tp > 1:
+        no("parallel.pp", "pipeline and tensor parallelism together (tp x pp) are not supported; "
+                          "use dp x pp or dp x tp")
     if p.pp > 1:
         per_dp = t.global_batch // max(1, spec.dp)
         if per_dp % p.microbatches:

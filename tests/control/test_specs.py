@@ -82,6 +82,8 @@ def test_every_data_plane_strategy_is_accepted(spec):
     ({"parallel": {"pp": 2, "dp": 1, "fsdp": True}}, "parallel.fsdp", "pipeline"),
     ({"parallel": {"tp": 2, "dp": 1, "fsdp": True}}, "parallel.fsdp", "tensor parallelism"),
     ({"parallel": {"tp": 2, "dp": 1}, "model": {"kind": "mlp"}}, "parallel.tp", "no heads"),
+    ({"parallel": {"pp": 2, "dp": 1}, "model": {"kind": "mlp"}}, "parallel.pp", "model.kind must be gpt"),
+    ({"parallel": {"pp": 2, "tp": 2, "dp": 1}, **FOUR}, "parallel.pp", "tp x pp"),
     ({"parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression", "plain data parallelism"),
     ({"comm": {"sync": "local_sgd"}, "resources": {"nodes": 1, "procs_per_node": 1}}, "comm.sync",
      "at least 2 data-parallel ranks"),

@@ -41,7 +41,7 @@ def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, resume=
 def _val_losses(text: str) -> dict[int, str]:
     # "rank 0 finished steps 20 final_loss 2.9 val_loss 3.1 wall_s 1.2": the local model's loss on
     # fixed held-out windows; equal on both ranks only if their replicas are equal
-    return {int(line.split()[1]): line.split()[7] for line in text.splitlines()
+    return {int(line.split()[1]): line.split()[8] for line in text.splitlines()
             if line.startswith("rank ") and " finished steps " in line}
 
 

@@ -103,7 +103,7 @@ def dp_ranks(mesh: Mesh, pp: int, tp: int = 0) -> list[int]:
 
 
 def check_pipeline_config(cfg: RunConfig, mesh: Mesh) -> None:
-    """What this strategy cannot run, as ConfigErrors naming the field (before any collective)."""
+    """What this strategy cannot run, as ConfigErrors naming the field (before its collectives)."""
     p = cfg.parallel
     if cfg.model.kind != "gpt":
         raise ConfigError(f"parallel.pp={mesh.pp} needs model.kind=gpt, got {cfg.model.kind!r}")
@@ -134,12 +134,11 @@ def check_pipeline_config(cfg: RunConfig, mesh: Mesh) -> None:
 class PipelineStrategy:
     """One pipeline stage per rank; dp replicas of each stage average their gradients."""
 
-    name = "pipeline"
-
     def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, rank: int,
                  device: torch.device):
         check_pipeline_config(cfg, mesh)
         self.mesh, self.rank, self.device = mesh, rank, device
+        self.name = "pp" if mesh.dp == 1 else "dp x pp"  # as sharded.py names "tp", "dp x tp"
         c = mesh.coords(rank)
         self.stage_index, self.dp_index = c["pp"], c["dp"]
         # Every rank creates every group, in the same order (new_group is collective).
@@ -167,9 +166,7 @@ class PipelineStrategy:
             raise ConfigError(f"train.grad_accum={accum} with parallel.pp={self.mesh.pp}: "
                               f"use parallel.microbatches instead")
         losses: list[torch.Tensor] = []
-        if self.first and self.last:  # pp == 1 never reaches here; kept for completeness
-            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
-        elif self.first:
+        if self.first:  # pp >= 2: no stage is both first and last
             self.schedule.step(x, return_outputs=False)
         elif self.last:
             self.schedule.step(target=y, losses=losses, return_outputs=False)
