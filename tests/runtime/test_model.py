@@ -40,3 +40,19 @@ def test_same_seed_same_weights_and_too_long_sequence_rejected():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     with pytest.raises(ValueError, match="exceeds model.seq_len=8"):
         a(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_attention_has_separate_q_k_v_with_the_fused_layouts_size_and_init():
+    # tensor parallelism splits q, k and v by output columns (sharded.py), so they are three
+    # Linears; together exactly a fused hidden -> 3 x hidden Linear: 3C^2 + 3C parameters
+    c, layers = 64, 2
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(layers=layers, hidden=c, heads=4, seq_len=16, vocab=256))
+    attn = model.blocks[0].attn
+    qkv = [attn.q, attn.k, attn.v]
+    assert sum(p.numel() for m in qkv for p in m.parameters()) == 3 * c * c + 3 * c
+    assert sum(p.numel() for p in attn.parameters()) == 4 * c * c + 4 * c  # + proj
+    for m in qkv:
+        assert m.weight.std().item() == pytest.approx(0.02, rel=0.1) and not m.bias.any()
+    # GPT-2's residual projections: std 0.02 / sqrt(2 x layers)
+    assert attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * layers), rel=0.1)

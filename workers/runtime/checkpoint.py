@@ -196,7 +196,12 @@ def _live_storages(model: torch.nn.Module, opt: torch.optim.Optimizer) -> set[in
     """data_ptrs of the storages only an optimizer step writes: parameters, optimizer state."""
     tensors = list(model.parameters())
     tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    return {_storage_ptr(t) for t in tensors if t.numel()}
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    # a DTensor (TP, FSDP2) has no storage of its own: its local shard's is what the step writes
+    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
 
 
 def _capture(obj: Any, deferred: set[int]) -> Any:
@@ -205,7 +210,7 @@ def _capture(obj: Any, deferred: set[int]) -> Any:
     they are (the stager copies them later), other tensors (buffers: a forward may update them)
     cloned now."""
     if isinstance(obj, torch.Tensor):
-        if obj.numel() and obj.untyped_storage().data_ptr() in deferred:
+        if obj.numel() and _storage_ptr(obj) in deferred:
             return obj
         return obj.detach().clone()
     if isinstance(obj, dict):

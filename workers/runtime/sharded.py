@@ -137,6 +137,13 @@ class ShardedStrategy:
             return lm_loss(self.module(x), y).item()
         finally:
             self.module.train()
+            self._reshard()
+
+    def _reshard(self) -> None:
+        # FSDP keeps the root's parameters (embeddings, ln_f, head) unsharded after a forward
+        # (its backward would all-gather them right away); outside training free them again.
+        if self.mesh.fsdp:
+            self.module.reshard()
 
     def role(self) -> str:
         m, c = self.mesh, self.coords
@@ -152,6 +159,7 @@ class ShardedStrategy:
         return role if m.dp == 1 else f"replica {c['dp']} of {m.dp}, {role}"
 
     def info(self) -> dict:
+        self._reshard()  # count what this rank keeps between steps: its shards
         return {"strategy": self.name, "mesh": self.mesh.describe(), "coords": self.coords,
                 "role": self.role(), "param_bytes": param_bytes(self.module),
                 "full_param_bytes": self.full_param_bytes}
