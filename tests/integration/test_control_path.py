@@ -191,6 +191,8 @@ def test_tensor_and_pipeline_parallel_jobs_train_through_submit_and_launch(clust
         assert all(r["role"] and r["param_bytes"] > 0 for r in ranks), ranks
         rows = cluster.metrics(job["id"])
         assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in (0, 1) for s in range(1, steps + 1)}
+        # bytes measured at the collectives: tp's all-reduces, pp's activation sends/grad returns
+        assert all(r["bytes_sent"] > 0 for r in rows), sorted({r["bytes_sent"] for r in rows})
         # both ranks report the same loss per step: one model, not two replicas
         by = {(r["rank"], r["step"]): r["loss"] for r in rows}
         assert all(math.isclose(by[0, s], by[1, s], rel_tol=1e-5) for s in range(1, steps + 1))

@@ -22,10 +22,12 @@ A Strategy is what the trainer talks to:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .config import ConfigError, RunConfig
@@ -134,15 +136,107 @@ class DDPStrategy:
                 "param_bytes": param_bytes(self.inner)}
 
 
+# c10d ops whose first argument is the output: what this rank hands over is the second.
+_OUTPUT_FIRST = frozenset({"_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_",
+                           "alltoall_base_", "alltoall_", "allgather_into_tensor_coalesced_",
+                           "reduce_scatter_tensor_coalesced_", "allgather_coalesced_", "gather_", "scatter_"})
+_RECEIVE_ONLY = frozenset({"recv_", "recv_any_source_", "barrier", "wait_tensor", "monitored_barrier_"})
+
+
+def _tensor_bytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(_tensor_bytes(a) for a in arg)
+    return 0
+
+
+class CollectiveMeter(TorchDispatchMode):
+    """Counts the bytes this thread hands to collectives: every c10d op (FSDP2's all-gathers and
+    reduce-scatters, pipelining's sends, our all-reduces) and functional collective (DTensor's
+    tensor-parallel all-reduces and all-gathers) passes through the dispatcher, where this mode
+    sees its input tensors. Dispatch modes are per thread, so a background checkpoint's
+    collectives are not counted. It intercepts every op (about +35% on a tiny CPU model), which
+    is why MeteredStrategy turns it on only for the first steps of an attempt."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes_sent = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if name not in _RECEIVE_ONLY and args:
+            self.bytes_sent += _tensor_bytes(args[1] if name in _OUTPUT_FIRST and len(args) > 1 else args[0])
+            self.calls += 1
+        t0 = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class MeteredStrategy:
+    """A sharded or pipelined strategy whose bytes_sent is measured at its collectives.
+
+    A plan's collectives are the same every step (same shapes, same schedule), so the meter runs
+    during the first METERED_STEPS forward/backward calls of the attempt (the first may add
+    one-off setup traffic; the last measurement is kept) and each later step reports the bytes
+    measured then. comm_s of these steps is the time spent inside the collective calls when
+    measured (they block: gloo, and pipelining's waits), 0 afterwards: only DDP's comm hooks
+    time every step."""
+
+    METERED_STEPS = 2
+
+    def __init__(self, inner, counter):
+        self.inner, self.counter = inner, counter
+        self.module = inner.module
+        self.name = getattr(inner, "name", "")
+        self._calls = 0
+        self._bytes = 0
+
+    def forward_backward(self, x, y, accum, weight: float = 1.0):
+        if self._calls < self.METERED_STEPS:
+            meter = CollectiveMeter()
+            with meter:
+                loss = self.inner.forward_backward(x, y, accum, weight)
+            self._bytes = meter.bytes_sent
+            end = self.counter.clock.mark() if self.counter is not None else None
+            if isinstance(end, float) and meter.calls:  # CPU clock: blocking calls, all exposed
+                self.counter.launches.append(end - meter.seconds)
+                self.counter.intervals.append((end - meter.seconds, end))
+        else:
+            loss = self.inner.forward_backward(x, y, accum, weight)
+        self._calls += 1
+        if self.counter is not None:
+            self.counter.bytes_sent += self._bytes
+            self.counter.dense_bytes += self._bytes
+        return loss
+
+    def eval_loss(self, x, y) -> float:
+        return self.inner.eval_loss(x, y)
+
+    def info(self) -> dict:
+        return self.inner.info()
+
+    def __getattr__(self, name):  # anything else the trainer or tests ask of the strategy
+        return getattr(self.inner, name)
+
+
 def build_strategy(cfg: RunConfig, mesh: Mesh, rank: int, model: nn.Module, device: torch.device,
-                   hook_state=None, hook=None):
-    """The Strategy for `mesh`; `model` is the full model, built with the job seed on every rank."""
+                   hook_state=None, hook=None, counter=None):
+    """The Strategy for `mesh`; `model` is the full model, built with the job seed on every rank.
+    `counter` (comm.CommCounter) receives the bytes of non-DDP strategies' collectives."""
     if mesh.pp > 1:  # pp, or dp x pp
         from .pipeline import PipelineStrategy
-        return PipelineStrategy(cfg, model, mesh, rank, device)
+        return MeteredStrategy(PipelineStrategy(cfg, model, mesh, rank, device), counter)
     if mesh.tp > 1 or mesh.fsdp:  # tp, dp x tp, or fsdp
         from .sharded import ShardedStrategy
-        return ShardedStrategy(cfg, model, mesh, rank, device)
+        return MeteredStrategy(ShardedStrategy(cfg, model, mesh, rank, device), counter)
     if mesh.tp == 1 and mesh.pp == 1 and not mesh.fsdp:
         return DDPStrategy(model, mesh, rank, device, hook_state, hook)
     raise ConfigError(f"parallel plan {mesh.shape} (fsdp={mesh.fsdp}) is not supported by this runtime")
