@@ -29,7 +29,8 @@ Compression (`comm.compression`, `GradCompression` + `compression_hook`):
 - powersgd: torch's PowerSGD hook (rank-r factors P, Q per matrix with error feedback and warm
   start; 1-D tensors such as biases are all-reduced uncompressed).
 - topk: `topk_hook`, ours: error feedback + the ceil(ratio x numel) largest |values| per bucket,
-  exchanged as int32 indices + values with all_gather.
+  exchanged as int32 indices + values with all_gather. `comm.ratio: auto` sets the ratio from
+  the measured link bandwidth and backward time (autoratio.py, driven by sync.py).
 Measured on the 2-layer, hidden-64 test GPT (548 KB of fp32 gradients a step, 2 gloo ranks,
 tests/runtime/test_accum_compression.py), bytes sent per compressed step relative to none:
 fp16 and bf16 0.50, powersgd rank 2 0.054, topk ratio 0.01 0.020 (4-byte index + 4-byte value
@@ -243,6 +244,7 @@ class GradCompression:
     first_step: int | None = None
     residuals: dict = field(default_factory=dict)  # topk: bucket index -> error feedback
     powersgd: Any = None
+    tail: Any = None  # powersgd: the previous bucket's future (see `_after_previous`)
 
     def __post_init__(self) -> None:
         if self.kind not in COMPRESSIONS:
@@ -281,12 +283,45 @@ def compression_hook(state: GradCompression,
     elif state.kind == "topk":
         fut = topk_hook(state, bucket)
     elif state.kind == "powersgd":
-        ps = state.powersgd
-        ps.iter = max(ps.iter, ps.start_powerSGD_iter)
-        fut = state._powersgd(ps, bucket)
+        def launch() -> torch.futures.Future:
+            ps = state.powersgd
+            ps.iter = max(ps.iter, ps.start_powerSGD_iter)
+            return state._powersgd(ps, bucket)
+
+        fut = state.tail = _after_previous(state.tail, launch)
     else:
         fut = state._cast(state._dtype, state.group, bucket)
     return counter.landed(start, fut)
+
+
+def _after_previous(prev: Any, launch: Any) -> torch.futures.Future:
+    """launch() once `prev` (the previous bucket's PowerSGD chain) has completed.
+
+    PowerSGD launches its P and Q all-reduces from completion callbacks, on gloo's threads. With
+    two buckets in flight their collectives would be issued in a timing-dependent order, which
+    can differ between ranks; gloo matches collectives by a per-group sequence number taken at
+    the call, so the ranks would exchange mismatched buffers (seen on a 100 Mbit/s link with
+    a 43 MB model: a gloo abort in the first compressed step). Chaining the buckets' chains
+    gives every rank the same order; it costs their overlap with each other, not with backward.
+    """
+    if prev is None or prev.done():
+        return launch()
+    out: torch.futures.Future = torch.futures.Future()
+
+    def forward(f: torch.futures.Future) -> None:
+        try:
+            out.set_result(f.value())
+        except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+            out.set_exception(e)
+
+    def go(_: torch.futures.Future) -> None:
+        try:
+            launch().add_done_callback(forward)
+        except Exception as e:  # noqa: BLE001
+            out.set_exception(e)
+
+    prev.add_done_callback(go)
+    return out
 
 
 def topk_hook(state: GradCompression, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
