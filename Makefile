@@ -21,7 +21,7 @@ deps:
 
 # The browser tests drive Debian's Chromium through Playwright (never `playwright install`).
 test-deps:
-	@scripts/ensure_system_deps.sh chromium
+	@scripts/ensure_system_deps.sh chromium iproute2
 
 run: venv deps
 	scripts/run.sh
@@ -35,11 +35,17 @@ test-fast: venv
 	$(PYTEST) -q -m "not procs"
 
 # Benchmarks print one JSON object each (BENCH_ARGS=--quick for a ~2 min telemetry run).
+# compression.py and localsgd.py rate-limit a veth pair between network namespaces (root,
+# iproute2); without them they fall back to loopback and report bytes and loss only.
 bench: venv deps
+	@scripts/ensure_system_deps.sh iproute2
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/hetero.py
+	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/localsgd.py
 
 clean:
 	rm -rf var .pytest_cache
