@@ -15,6 +15,20 @@ attempt that restarts the job runs through the same step.
 Where the effects land in the telemetry: the slow sleep sits between fetching the batch and the
 forward pass, so it is in the slow rank's compute_s; its peers wait for it inside their gradient
 all-reduces, which is exposed comm (in their comm_s and step_s, not their compute_s).
+
+The slow knob (a test aid for load balancing, balance.py): a factor f >= 1 that makes a rank's
+compute take f times as long *in proportion to its work*, like a slower device. Before its
+forward pass the rank sleeps (f - 1) x n x its own compute time per sample in the previous step
+(forward+backward wall time minus the exposed wait for peers' gradients, minus that step's
+sleep; n: this step's samples), so compute_s ~= f x the real compute, and halving the rank's
+share halves the sleep too (a fixed `slow_s` per step could not be balanced
+away). The "sleep" busy-waits, keeping the core occupied as a slower device's compute would: a
+rank that really slept left its core idle part of the time, other processes ran there, and on
+a loaded 2-core machine (bench/hetero.py, load average ~4) its compute per sample under
+balancing came out 54-63 ms instead of the ~23 ms it took with an equal split; busy-waiting,
+26-30 ms (2x its peer's, as intended). Two ways to set it, the chaos file first:
+    {"slow_rank": 1, "slow_factor": 2.0}        # in <dir>/job-<id>.json, re-read every step
+    TRAINYARD_SLOW_FACTOR_RANK1=2.0             # environment (no chaos dir needed): rank 1, 2x
 """
 from __future__ import annotations
 
@@ -26,6 +40,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 ENV = "TRAINYARD_CHAOS_DIR"
+SLOW_ENV = "TRAINYARD_SLOW_FACTOR_RANK{rank}"
 EXIT_CODE = 137  # what a SIGKILLed process reports (128 + 9): the OOM killer's signature
 
 
@@ -35,6 +50,7 @@ class ChaosPlan:
     hang_rank: int = 0
     slow_rank: int | None = None
     slow_s: float = 0.0
+    slow_factor: float | None = None  # the slow knob for slow_rank (None: the environment's)
     exit_at_step: int | None = None
     exit_rank: int = 0
 
@@ -101,3 +117,56 @@ class Chaos:
         except FileExistsError:
             return False
         return True
+
+
+def _factor(raw, where: str) -> float:
+    try:
+        f = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must be a number >= 1, got {raw!r}") from None
+    if not (f >= 1.0 and f < float("inf")):
+        raise ValueError(f"{where} must be a number >= 1, got {raw!r}")
+    return f
+
+
+class SlowKnob:
+    """This rank's slow factor (module docstring): the chaos file's slow_factor when it names
+    this rank as slow_rank, else TRAINYARD_SLOW_FACTOR_RANK<rank>, else 1 (off).
+
+    The (busy) wait of a step is (factor - 1) x n x the rank's own compute per sample in its
+    previous step (`measured`), before the forward pass (`before_compute`), where chaos' slow_s
+    sleeps too: peers wait for it inside their gradient all-reduce (their exposed comm, in their
+    step_s), as they would for a slower device. The first step of a process has nothing to go by
+    and is not slowed."""
+
+    def __init__(self, chaos: Chaos | None, rank: int, environ=None):
+        environ = os.environ if environ is None else environ
+        name = SLOW_ENV.format(rank=rank)
+        self.chaos, self.rank = chaos, rank
+        self.env_factor = _factor(environ[name], name) if environ.get(name) else 1.0
+        self.per_sample_s: float | None = None  # own compute per sample, last step
+        self.slept_s = 0.0
+
+    @property
+    def factor(self) -> float:
+        plan = self.chaos.plan if self.chaos is not None else None  # refreshed by before_compute
+        if plan is not None and plan.slow_rank == self.rank and plan.slow_factor is not None:
+            return _factor(plan.slow_factor, "chaos slow_factor")
+        return self.env_factor
+
+    def before_compute(self, n: int) -> None:
+        """Once per step, after the batch of n samples is fetched and before the forward pass;
+        busy-waits (module docstring)."""
+        f = self.factor
+        self.slept_s = 0.0
+        if f > 1 and self.per_sample_s is not None:
+            t = time.perf_counter()
+            end = t + (f - 1.0) * n * self.per_sample_s
+            while time.perf_counter() < end:  # busy, not asleep: see the module docstring
+                pass
+            self.slept_s = time.perf_counter() - t
+
+    def measured(self, compute_s: float, n: int) -> None:
+        """After the step: its compute_s (forward+backward minus exposed comm, this step's sleep
+        included) over its n samples."""
+        self.per_sample_s = max(0.0, compute_s - self.slept_s) / n

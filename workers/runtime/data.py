@@ -243,10 +243,16 @@ def global_batches(windows: TokenWindows, *, world_size: int, global_batch: int,
         raise ConfigError(
             f"the training split has {len(windows)} windows, {len(windows) // world_size} per rank: "
             f"fewer than one per-rank batch of {per_rank_batch}; use more data or a smaller batch / seq_len")
+    return _global_batches(perms, len(windows), world_size, global_batch, per_epoch, start_batch)
+
+
+def _global_batches(perms: DistributedSampler, count: int, world_size: int, global_batch: int,
+                    per_epoch: int, start_batch: int) -> Iterator[np.ndarray]:
+    per_rank_batch = global_batch // world_size
     epoch, skip = divmod(start_batch, per_epoch)
     while True:
         perms.set_epoch(epoch)
-        perm = np.fromiter(iter(perms), dtype=np.int64, count=len(windows))
+        perm = np.fromiter(iter(perms), dtype=np.int64, count=count)
         for b in range(skip, per_epoch):
             block = perm[b * global_batch:(b + 1) * global_batch]
             yield block.reshape(per_rank_batch, world_size).T.reshape(-1)

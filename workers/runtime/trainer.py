@@ -9,7 +9,9 @@ CUDA events for the collectives, see comm.py):
   averaging after the last bucket launched).
 - comm_s: time at least one gradient bucket was being averaged (its all-reduces, and with
   comm.compression its compression arithmetic too), hidden or not. So compute_s + comm_s >=
-  forward+backward; the overlap is the comm hidden behind compute.
+  forward+backward; the overlap is the comm hidden behind compute. With comm.sync local_sgd or
+  hierarchical it also holds the model averaging inside the optimizer step (sync.py), which
+  optim_s then leaves out.
 - optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
   optimizer's kernels, so the time lands here rather than in the next step).
 - step_s: from asking for the batch to the end of the optimizer step, plus the time
@@ -17,11 +19,13 @@ CUDA events for the collectives, see comm.py):
   synchronous part, see checkpoint.py); on the step after an async save, any wait before the
   optimizer step for the save's state copy, which runs alongside that step's forward and
   backward. step_s ~= data_s + compute_s + exposed comm + optim_s + checkpoint blocking (+
-  microseconds of bookkeeping). A chaos-slowed rank (chaos.py) shows its sleep in compute_s;
+  microseconds of bookkeeping). A chaos-slowed rank (chaos.py: slow_s, or the slow factor that
+  scales with the rank's work) shows its sleep in compute_s;
   its peers wait for it in their all-reduces, which lands in their comm_s, not their compute_s.
 samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
-is their sum over ranks. bytes_sent is what this rank handed to gradient collectives
-(compressed or not, see comm.py).
+is their sum over ranks. With train.balance=auto (balance.py) the per-rank batch is this step's
+share of the global batch, and each sample also carries "share" (that share / global_batch).
+bytes_sent is what this rank handed to gradient collectives (compressed or not, see comm.py).
 mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
 
 Gradient accumulation (train.grad_accum = k): a step takes this rank's whole share of the
@@ -51,15 +55,17 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .chaos import Chaos
+from .balance import Balance, check_balance
+from .chaos import Chaos, SlowKnob
 from .checkpoint import Checkpointer, is_due, resume_manifest
-from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm, compression_hook
+from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import Mesh, build_strategy, optim_bytes
 from .preempt import PREEMPTED_EXIT_CODE, preempt_key
 from .reporter import Reporter
+from .sync import build_sync
 
 COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
 VAL_BATCHES = 4
@@ -136,12 +142,14 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         dp_rank = mesh.coords(env.rank)["dp"]
         batch = cfg.per_rank_batch(mesh.dp)
         cfg.micro_batch(mesh.dp)  # global_batch divisible by dp x grad_accum
+        check_balance(cfg, mesh)  # train.balance=auto: plain DDP only
         # a step consumes one loader batch (its micro-batches are cut from it): a checkpoint at
         # step S has consumed S batches on every rank
         start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
         batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=dp_rank,
                                      world_size=mesh.dp, batch=batch, seed=cfg.train.seed,
-                                     pin_memory=cuda, start_batch=start_batch)
+                                     pin_memory=cuda, start_batch=start_batch,
+                                     balance=cfg.train.balance == "auto")
         if cuda:  # device_id binds the NCCL communicator to this rank's GPU up front
             dist.init_process_group(backend="nccl", device_id=device)
         else:
@@ -170,10 +178,13 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
                                   rank=comm_cfg.rank, start_step=comm_cfg.start_step,
                                   seed=train.seed)
     run_comm = RunComm(comm_cfg.compression)
-    strategy = build_strategy(cfg, mesh, env.rank, model, device, compression, compression_hook)
+    sync = build_sync(cfg, mesh, env.rank, counter, compression, reporter.event, _say)  # comm.sync
+    strategy = build_strategy(cfg, mesh, env.rank, model, device, sync.hook_state, sync.hook,
+                              counter=counter)
     ddp = strategy.module  # what the optimizer updates and the checkpoint saves
     accum = train.grad_accum
-    opt = torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = sync.wrap(torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95),
+                                      weight_decay=0.01))  # local SGD: PostLocalSGDOptimizer
     first = 1
     if cfg.resume is not None:
         first = _resume(cfg, env, ckpt, ddp, opt, reporter, start_batch) + 1
@@ -183,9 +194,10 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
     control = dist.new_group(backend="gloo")
     saved_at = 0
     chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
+    slow = SlowKnob(chaos, env.rank)  # test aid: compute takes `factor` x as long (chaos.py)
+    balance = Balance.start(cfg, mesh, env.rank, batches, reporter, _say)  # None: equal shares
     proc = psutil.Process()
     log_every = max(1, train.steps // 10)
-    tokens_per_batch = batch * mcfg.seq_len
     start = time.time()
     loss_v = float("nan")
 
@@ -199,9 +211,11 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
         t1 = time.perf_counter()
         if chaos is not None:
             chaos.before_compute(step)
-        compression.begin_step(step)
+        n = balance.n if balance is not None else batch  # balance.py: this step's share
+        slow.before_compute(n)
+        sync.begin_step(step)  # compression's step, local SGD's hook and averager counters
         ref = clock.mark()
-        loss = strategy.forward_backward(x, y, accum)
+        loss = strategy.forward_backward(x, y, accum, weight=balance.weight if balance else 1.0)
         backward_end = clock.mark()
         clock.sync()
         t2 = time.perf_counter()
@@ -219,16 +233,24 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
         comm = counter.take()
         run_comm.add(comm, compression.compressing)
         comm_s, exposed_s = comm.measure(clock, ref, backward_end)
+        # local SGD: the model averaging in opt.step() (seconds); ratio auto may decide (collective)
+        avg_s, sync_fields = sync.end_step(step, comm, comm_s, max(0.0, t2 - t1 - exposed_s))
         step_s = time.perf_counter() - t0
+        compute_s = max(0.0, t2 - t1 - exposed_s)
+        slow.measured(compute_s, n)
         reporter.metric({
             "rank": env.rank, "step": step, "ts": time.time(), "loss": loss_v,
-            "samples_per_s": batch / step_s, "tokens_per_s": tokens_per_batch / step_s,
-            "step_s": step_s, "data_s": t1 - t0, "compute_s": max(0.0, t2 - t1 - exposed_s),
-            "comm_s": comm_s, "optim_s": t3 - t2 - staging_wait_s, "bytes_sent": comm.bytes_sent,
+            "samples_per_s": n / step_s, "tokens_per_s": n * mcfg.seq_len / step_s,
+            "step_s": step_s, "data_s": t1 - t0, "compute_s": compute_s,
+            "comm_s": comm_s + avg_s, "optim_s": t3 - t2 - staging_wait_s - avg_s,
+            "bytes_sent": comm.bytes_sent,
             "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                           else proc.memory_info().rss),
-            "attempt": cfg.attempt_id,
+            "attempt": cfg.attempt_id, **sync_fields,  # sync.py: compression_ratio, ...
+            **({"share": balance.share} if balance is not None else {}),
         })
+        if balance is not None:  # collective: every rank, every step; may re-split from step+1
+            balance.after_step(step, compute_s)
         if step == first:  # optimizer state exists now: report what this rank really holds
             plan = strategy.info()
             reporter.event("rank_plan", rank=env.rank, node=cfg.node, **plan,
@@ -237,7 +259,7 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
                  f"{plan['coords']} param_bytes {plan['param_bytes']} optim_bytes {optim_bytes(opt)}")
         if step == 1 or step % log_every == 0 or step == train.steps:
             _say(f"rank {env.rank} step {step}/{train.steps} loss {loss_v:.4f} lr {lr:.2e} "
-                 f"step_ms {step_s * 1000:.1f} samples/s {batch / step_s:.1f}")
+                 f"step_ms {step_s * 1000:.1f} samples/s {n / step_s:.1f}")
         if chaos is not None:
             chaos.after_step(step)
         if step < train.steps and _preempt_agreed(reporter.preempt_requested.is_set(), control):
