@@ -96,8 +96,8 @@ def test_field_groups_read_values_from_yaml_and_defaults_as_placeholders():
     fields = {f["path"]: f for g in groups for f in g["fields"]}
     assert fields["train.steps"]["value"] == 7 and fields["train.steps"]["errors"] == ["too few"]
     assert fields["model.layers"]["value"] == "" and fields["model.layers"]["placeholder"] == 4
-    inline, rest = split_errors({"model.layers": ["a"], "model": ["b"], "comm.sync": ["c"]})
-    assert inline == {"model.layers": ["a"], "model": ["b"]} and rest == [("comm.sync", ["c"])]
+    inline, rest = split_errors({"model.layers": ["a"], "model": ["b"], "comm.period": ["c"]})
+    assert inline == {"model.layers": ["a"], "model": ["b"]} and rest == [("comm.period", ["c"])]
 
 
 def test_job_page_renders_status_attempts_failure_and_empty_checkpoints(client_alice, alice, nodes):
