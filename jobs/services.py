@@ -9,7 +9,6 @@ import json
 import logging
 import math
 import shutil
-import time
 from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from functools import partial

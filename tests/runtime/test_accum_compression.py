@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
-from .test_torchrun import Output
+from .conftest import SMALL_MODEL
+from .test_torchrun import run_job
 
 pytestmark = pytest.mark.procs
 
@@ -25,17 +25,11 @@ START = 2  # comm.start_step: steps 1-2 dense, compression from step 3
 def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, resume=None,
          **sections) -> tuple[dict, list[dict], str]:
     """Launch one job to completion: (samples by (rank, step), events, stdout+stderr)."""
-    cfg = make_launch_config(tmp_path / name, url, model=SMALL_MODEL,
-                             train={"steps": STEPS, "global_batch": 16, **sections.pop("train", {})},
-                             checkpoint={"every_steps": 10, "async": True, "keep": 3}, **sections)
-    cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
-    if resume is not None:
-        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
-    proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env)
-    out = Output(proc)
-    assert proc.wait(120) == 0, out.text()
-    samples, events, _ = read_stream(url, cfg["stream"])
-    return {(s["rank"], s["step"]): s for s in samples}, events, out.text()
+    samples, events, text = run_job(
+        tmp_path, url, env, name, job_id, resume=resume, model=SMALL_MODEL,
+        train={"steps": STEPS, "global_batch": 16, **sections.pop("train", {})},
+        checkpoint={"every_steps": 10, "async": True, "keep": 3}, **sections)
+    return {(s["rank"], s["step"]): s for s in samples}, events, text
 
 
 def _val_losses(text: str) -> dict[int, str]:

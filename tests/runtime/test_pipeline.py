@@ -26,8 +26,8 @@ from workers.runtime.model import build_model
 from workers.runtime.parallel import Mesh, param_bytes
 from workers.runtime.pipeline import GPTStage, check_pipeline_config, dp_ranks, pp_ranks, split_layers
 
-from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
-from .test_torchrun import Output
+from .conftest import SMALL_MODEL, make_launch_config
+from .test_torchrun import run_job
 
 # ---------------------------------------------------------------- in-process
 
@@ -179,17 +179,10 @@ TRAIN_STEPS = 10
 def _train(tmp_path: Path, url: str, env: dict, name: str, job_id: int, parallel: dict,
            resume: dict | None = None) -> tuple[dict, list[dict], str]:
     """One `python -m workers.runtime` job under torchrun: (samples by (rank, step), events, output)."""
-    cfg = make_launch_config(tmp_path / name, url, model=SMALL_MODEL, parallel=parallel,
-                             train={"steps": TRAIN_STEPS, "global_batch": 16},
-                             checkpoint={"every_steps": 5, "async": True, "keep": 3})
-    cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
-    if resume is not None:
-        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
-    proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env)
-    out = Output(proc)
-    assert proc.wait(120) == 0, out.text()
-    samples, events, _ = read_stream(url, cfg["stream"])
-    return {(s["rank"], s["step"]): s for s in samples}, events, out.text()
+    samples, events, text = run_job(tmp_path, url, env, name, job_id, resume=resume, model=SMALL_MODEL,
+                                    parallel=parallel, train={"steps": TRAIN_STEPS, "global_batch": 16},
+                                    checkpoint={"every_steps": 5, "async": True, "keep": 3})
+    return {(s["rank"], s["step"]): s for s in samples}, events, text
 
 
 @pytest.mark.procs

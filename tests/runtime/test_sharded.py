@@ -26,9 +26,8 @@ from workers.runtime.model import build_model
 from workers.runtime.parallel import Mesh
 from workers.runtime.sharded import check_sharded_plan, tp_plan
 
-from .conftest import (SMALL_MODEL, make_launch_config, read_stream, start_torchrun,
-                       write_launch_config)
-from .test_torchrun import Output
+from .conftest import SMALL_MODEL
+from .test_torchrun import run_job
 
 CASES = Path(__file__).with_name("sharded_cases.py")
 
@@ -148,19 +147,12 @@ STEPS, EVERY, FROM = 10, 3, 3
 
 def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, parallel: dict,
          resume: dict | None = None) -> tuple[list[dict], list[dict], str]:
-    cfg = make_launch_config(tmp_path / name, url, model=SMALL_MODEL, parallel=parallel,
-                             train={"steps": STEPS, "global_batch": 16},
-                             checkpoint={"every_steps": EVERY, "async": True, "keep": 3})
-    cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
-    if resume is not None:
-        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
     t0 = time.monotonic()
-    proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env)
-    out = Output(proc)
-    assert proc.wait(180) == 0, out.text()
+    result = run_job(tmp_path, url, env, name, job_id, resume=resume, model=SMALL_MODEL, parallel=parallel,
+                     train={"steps": STEPS, "global_batch": 16},
+                     checkpoint={"every_steps": EVERY, "async": True, "keep": 3})
     print(f"{name}: torchrun {time.monotonic() - t0:.1f} s")
-    samples, events, _ = read_stream(url, cfg["stream"])
-    return samples, events, out.text()
+    return result
 
 
 def _model():

@@ -18,8 +18,8 @@ import pytest
 from workers.runtime.config import ConfigError
 from workers.runtime.sync import _periods
 
-from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
-from .test_torchrun import Output
+from .conftest import SMALL_MODEL
+from .test_torchrun import run_job
 
 
 @pytest.mark.parametrize("raw, msg", [
@@ -39,16 +39,9 @@ def test_periods_in_order():
 
 def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, nproc=2, resume=None,
          steps=8, **sections):
-    cfg = make_launch_config(tmp_path / name, url, model=SMALL_MODEL,
-                             train={"steps": steps, "global_batch": 16}, **sections)
-    cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
-    if resume is not None:
-        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
-    proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env, nproc=nproc)
-    out = Output(proc)
-    assert proc.wait(180) == 0, out.text()
-    samples, events, _ = read_stream(url, cfg["stream"])
-    return {(s["rank"], s["step"]): s for s in samples}, events, out.text()
+    samples, events, text = run_job(tmp_path, url, env, name, job_id, resume=resume, nproc=nproc,
+                                    model=SMALL_MODEL, train={"steps": steps, "global_batch": 16}, **sections)
+    return {(s["rank"], s["step"]): s for s in samples}, events, text
 
 
 @pytest.mark.procs

@@ -43,6 +43,22 @@ class Output:
         return "\n".join(self.lines)
 
 
+def run_job(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, resume: dict | None = None,
+            nproc: int = 2, timeout_s: float = 180, **sections) -> tuple[list[dict], list[dict], str]:
+    """Run one `python -m workers.runtime` job under torchrun to completion, as job `job_id` in
+    tmp_path/name (sections as make_launch_config; `resume` makes it the next attempt):
+    (samples, events, stdout+stderr)."""
+    cfg = make_launch_config(tmp_path / name, url, **sections)
+    cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
+    if resume is not None:
+        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
+    proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env, nproc=nproc)
+    out = Output(proc)
+    assert proc.wait(timeout_s) == 0, out.text()
+    samples, events, _ = read_stream(url, cfg["stream"])
+    return samples, events, out.text()
+
+
 def wait_for(cond, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while not cond():
