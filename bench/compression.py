@@ -24,7 +24,6 @@ Usage: python bench/compression.py [--rate 100mbit] [--steps 30] [--configs none
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netns import (job_val_loss, measure_throughput, netns_available, netns_link, run_job,  # noqa: E402
+from netns import (job_val_loss, link_job_args, measure_throughput, netns_available, netns_link, run_job,  # noqa: E402
                    unix_redis)
 
 CONFIGS = {
@@ -81,16 +80,7 @@ def figures(samples: list[dict], start_step: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--start-step", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap = link_job_args(steps=30, start_step=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--timeout-s", type=float, default=600)
     args = ap.parse_args()

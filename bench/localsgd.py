@@ -19,7 +19,6 @@ Usage: python bench/localsgd.py [--rate 100mbit] [--steps 37] [--start-step 4]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compression import _null, _ratio, spec as base_spec  # noqa: E402
-from netns import (job_val_loss, measure_throughput, netns_available, netns_link, run_job,  # noqa: E402
+from netns import (job_val_loss, link_job_args, measure_throughput, netns_available, netns_link, run_job,  # noqa: E402
                    unix_redis)
 
 LAST = 4
@@ -53,17 +52,8 @@ def figures(samples: list[dict], start: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--steps", type=int, default=37)
-    ap.add_argument("--start-step", type=int, default=4)
+    ap = link_job_args(steps=37, start_step=4)
     ap.add_argument("--periods", default="4,8", type=lambda v: [int(p) for p in v.split(",")])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--timeout-s", type=float, default=600)
     args = ap.parse_args()
     ok, why = netns_available()

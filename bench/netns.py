@@ -17,6 +17,7 @@ deletes its veth end, which deletes the pair and its qdisc.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import secrets
@@ -46,6 +47,21 @@ class Link:
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def link_job_args(*, steps: int, start_step: int) -> argparse.ArgumentParser:
+    """The options the slow-link benchmarks share: link rate, run length, the ~10.8M-param GPT."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--start-step", type=int, default=start_step)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    return ap
 
 
 def netns_available() -> tuple[bool, str]:
