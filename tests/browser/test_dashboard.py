@@ -204,6 +204,12 @@ def test_submit_from_form_charts_fill_live_until_succeeded(page, base, cluster):
             "the attempt outcome")
     attempts = page.text_content("#attempts-body")
     assert "node-a" in attempts and "node-b" in attempts
+    # The plan: the card says what dp means; each rank's role and the bytes it holds (its
+    # rank_plan event, through the relay and the job JSON the page re-renders the attempts from).
+    assert "data parallel replicas" in page.text_content("#plan-card")
+    wait_js(page, "() => document.querySelectorAll('#attempts-body .rank-role').length === 2", 15, "the ranks' roles")
+    roles = page.eval_on_selector_all("#attempts-body .rank-role", "els => els.map(e => e.textContent)")
+    assert all("the whole model · params" in r and "optim" in r for r in roles), roles
     assert "succeeded" in page.text_content("#events")
     assert page.evaluate("() => window.trainyard.logs.total") > 0
     assert page.text_content("#job-step").strip() == "150 / 150"
