@@ -20,12 +20,13 @@ import torch
 from tests.conftest import REPO, free_port
 from workers.runtime.balance import Balance, Balancer, apportion, check_balance, offsets
 from workers.runtime.chaos import Chaos, SlowKnob
+from workers.runtime.checkpoint import final_name
 from workers.runtime.config import ConfigError, DataConfig, ModelConfig
 from workers.runtime.data import (SliceBatches, TokenWindows, build_batches, forever,
                                   global_batches, train_loader)
 
 from .conftest import SMALL_MODEL, make_launch_config, read_stream, write_launch_config
-from .test_torchrun import Output, by_rank
+from .test_torchrun import Output, by_rank, run_job
 
 
 # ---------------------------------------------------------------- pure policy
@@ -314,7 +315,7 @@ def test_auto_balance_gives_a_half_speed_rank_a_third_of_the_batch(tmp_path, red
         cfg = make_launch_config(tmp_path / f"node{node}", redis_server.url, model=SMALL_MODEL,
                                  train={"steps": steps, "global_batch": total, "balance": "auto"},
                                  resources={"nodes": 2, "procs_per_node": 1},
-                                 checkpoint={"every_steps": 1000, "async": True, "keep": 1})
+                                 checkpoint={"every_steps": 20, "async": True, "keep": 3})
         cfg.update(node=f"node-{node}", checkpoint_dir=str(tmp_path / "ckpt"))
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                 str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
@@ -365,6 +366,24 @@ def test_auto_balance_gives_a_half_speed_rank_a_third_of_the_batch(tmp_path, red
     assert 0.15 <= statistics.median(later) < 0.5, later
     assert "rank 0 rebalanced after step 6" in out.text()
     assert sorted(e["rank"] for e in events if e["kind"] == "rank_finished") == [0, 1]
+
+    # Resume from the step-20 checkpoint (nobody slowed now): the split starts equal again and
+    # the first resumed step trains on the same global batch from the same state, so the
+    # batch's mean loss (shares x the ranks' own means) is the uninterrupted run's.
+    resumed, _, text = run_job(
+        tmp_path, redis_server.url, repo_env, "resumed", 8, model=SMALL_MODEL,
+        train={"steps": steps, "global_batch": total, "balance": "auto"},
+        resources={"nodes": 2, "procs_per_node": 1}, checkpoint={"every_steps": 1000, "async": True, "keep": 1},
+        resume={"path": str(tmp_path / "ckpt" / final_name(20, cfg["attempt_id"])), "step": 20})
+    again = {(s["rank"], s["step"]): s for s in resumed}
+    assert sorted({st for _, st in again}) == list(range(21, steps + 1)), text
+    assert again[1, 21]["share"] == 0.5 and all(
+        again[0, st]["share"] + again[1, st]["share"] == pytest.approx(1.0) for st in range(21, steps + 1))
+    by_step = {(s["rank"], s["step"]): s for s in samples}
+
+    def batch_loss(runs, step):
+        return sum(runs[r, step]["share"] * runs[r, step]["loss"] for r in (0, 1))
+    assert batch_loss(again, 21) == pytest.approx(batch_loss(by_step, 21), rel=1e-5)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--case"]:
