@@ -233,6 +233,25 @@ def test_trainer_runs_a_two_stage_pipeline_and_its_checkpoint_resumes_under_ddp(
         for s in range(6, TRAIN_STEPS + 1)})
     print("step-6 loss, pp=2 vs resumed DDP (dp mean):", samples[(0, 6)]["loss"],
           (resumed[(0, 6)]["loss"] + resumed[(1, 6)]["loss"]) / 2)
+    # ---- dp x pp through the trainer: the same checkpoint resumed on 4 ranks (2 replicas of a
+    # 2-stage pipeline). Replica d trains on DDP rank d's samples (data is split over dp only),
+    # so both of its stages report DDP rank d's loss.
+    dp_pp = {"dp": 2, "pp": 2, "tp": 1, "microbatches": 2, "schedule": "gpipe"}
+    grid, events3, text3 = run_job(tmp_path, url, repo_env, "dp-pp", 33, nproc=4, model=SMALL_MODEL,
+                                   parallel=dp_pp, resources={"nodes": 2, "procs_per_node": 2},
+                                   train={"steps": TRAIN_STEPS, "global_batch": 16},
+                                   checkpoint={"every_steps": 100, "async": True, "keep": 3},
+                                   resume={"path": ckpts[5]["path"], "step": 5})
+    grid = {(s["rank"], s["step"]): s for s in grid}
+    coords = {e["rank"]: e["coords"] for e in events3 if e["kind"] == "rank_plan"}
+    assert coords == {0: {"pp": 0, "dp": 0, "tp": 0}, 1: {"pp": 0, "dp": 1, "tp": 0},
+                      2: {"pp": 1, "dp": 0, "tp": 0}, 3: {"pp": 1, "dp": 1, "tp": 0}}, text3
+    for step in range(6, TRAIN_STEPS + 1):
+        for rank, c in coords.items():
+            assert grid[(rank, step)]["loss"] == pytest.approx(resumed[(c["dp"], step)]["loss"], rel=1e-5), \
+                (step, rank)
+            assert grid[(rank, step)]["bytes_sent"] > 0  # activations and the dp gradient all-reduce
+
     print("median step_s (ms), steps 6-10, pp=2 1f1b vs DDP dp=2:", [
         round(1000 * statistics.median(run[(r, s)]["step_s"] for r in (0, 1) for s in range(6, 11)), 1)
         for run in (samples, resumed)])

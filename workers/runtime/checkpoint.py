@@ -65,7 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .config import CheckpointConfig, ConfigError, ResumeConfig
@@ -75,6 +75,14 @@ MANIFEST = "trainyard.json"
 PARTIAL = ".partial-"
 MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "created_unixtime",
                  "size_bytes", "blocking_s", "save_s")
+
+
+# The optimizer's state *and hyperparameters* flattened to one key per parameter FQN
+# ("state.blocks.1.q.weight.exp_avg", "param_groups.blocks.1.q.weight.lr"). Unflattened, the
+# param_groups are one list object that DCP saves from a single rank: under pipeline parallelism
+# each stage's list names only its own parameters, so a stage resuming under another plan found
+# no group for its parameters (KeyError 'betas' at the first step of dp x pp resumed from pp).
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def final_name(step: int, attempt_id: int) -> str:
@@ -295,7 +303,7 @@ class Checkpointer:
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
         rng = rng_state(self.device)
-        model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd,
                  # a step consumes one loader batch (grad_accum cuts its micro-batches from it),
                  # so batches consumed == steps; the lr is lr_at(step)
@@ -415,11 +423,13 @@ class Checkpointer:
         """Load model, optimizer, trainer dict and this rank's RNG states from checkpoint `path`."""
         t0 = time.perf_counter()
         self.wait()  # loading overwrites the state a save in flight may still be copying
-        model_sd, optim_sd = get_state_dict(model, opt)  # the shapes DCP loads into, in place
+        # the shapes DCP loads into, in place
+        model_sd, optim_sd = get_state_dict(model, opt, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd,
                  "trainer": {"step": -1, "batches_consumed": -1}}
         dcp.load(state, checkpoint_id=path, process_group=self.group)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=STATE_DICT_OPTIONS)
         step = int(state["trainer"]["step"])
         rng_file = Path(path) / f"rank-{self.rank}.pt"
         if rng_file.is_file():  # our own file: weights_only=False for numpy's RNG tuple
