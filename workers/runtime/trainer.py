@@ -249,8 +249,8 @@ def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, repor
             "attempt": cfg.attempt_id, **sync_fields,  # sync.py: compression_ratio, ...
             **({"share": balance.share} if balance is not None else {}),
         })
-        if balance is not None:  # collective: every rank, every step; may re-split from step+1
-            balance.after_step(step, compute_s)
+        if balance is not None and step < train.steps:  # collective, every rank; may re-split
+            balance.after_step(step, compute_s)             # from step+1 (none after the last)
         if step == first:  # optimizer state exists now: report what this rank really holds
             plan = strategy.info()
             reporter.event("rank_plan", rank=env.rank, node=cfg.node, **plan,
