@@ -89,6 +89,16 @@ def optim_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+@torch.no_grad()
+def eval_loss_of(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """lm_loss of `module` on (x, y) in eval mode, no gradients; train mode again afterwards."""
+    module.eval()
+    try:
+        return lm_loss(module(x), y).item()
+    finally:
+        module.train()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -120,14 +130,9 @@ class DDPStrategy:
             total = loss.detach() if total is None else total + loss.detach()
         return total / accum
 
-    @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Loss of the current model on (x, y) without gradients; called on every rank."""
-        self.inner.eval()
-        try:
-            return lm_loss(self.inner(x), y).item()
-        finally:
-            self.inner.train()
+        return eval_loss_of(self.inner, x, y)
 
     def info(self) -> dict:
         return {"strategy": self.name, "mesh": self.mesh.describe(),

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .config import ConfigError, RunConfig
 from .model import GPT, lm_loss
-from .parallel import Mesh, param_bytes
+from .parallel import Mesh, eval_loss_of, param_bytes
 
 
 def check_sharded_plan(cfg: RunConfig, mesh: Mesh) -> None:
@@ -129,14 +129,11 @@ class ShardedStrategy:
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
 
-    @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """No-grad loss of the current model; collective, so called on every rank."""
-        self.module.eval()
         try:
-            return lm_loss(self.module(x), y).item()
+            return eval_loss_of(self.module, x, y)
         finally:
-            self.module.train()
             self._reshard()
 
     def _reshard(self) -> None:
