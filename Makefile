@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps test-deps run test test-fast bench clean
+.PHONY: venv deps test-deps run test test-fast lint bench clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -29,6 +29,11 @@ run: venv deps
 # Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
 test: venv test-deps
 	$(PYTEST) -q
+
+# ruff, and import-linter's layer contracts (pyproject.toml).
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 # Only tests that start no processes.
 test-fast: venv

@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from . import selectors, services
 from .models import Attempt, Checkpoint, Job, MetricSample, Node
 from .policy import diagnosis
-from .specs import SpecError
+from trainyard.spec import SpecError
 
 MAX_METRICS_LIMIT = 10_000
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from django import forms
 
-from .specs import JobSpec, SpecError, parse_text
+from trainyard.spec import JobSpec, SpecError, parse_text
 
 DEMO_SPEC = """{
   "name": "gpt-demo",

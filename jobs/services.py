@@ -23,7 +23,7 @@ from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSampl
                      SchedulerLock)
 from .policy import checkpoints as ckpt_policy
 from .policy import diagnosis, planner, predictor, scheduler
-from .specs import SpecError, parse_job_spec
+from trainyard.spec import SpecError, parse_job_spec
 
 log = logging.getLogger(__name__)
 STREAM_PREFIX = "trainyard:job:"

@@ -17,7 +17,7 @@ from django.views.decorators.http import require_POST
 from . import selectors, services
 from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
 from .models import Job, MetricSample, Node, QuotaChange
-from .specs import SpecError, parse_text
+from trainyard.spec import SpecError, parse_text
 
 
 def _nodes() -> list[Node]:

@@ -1,4 +1,4 @@
-"""The JobSpec contract (DESIGN.md section 4): pydantic models with defaults and clear errors.
+"""The JobSpec contract (docs/architecture.md, "Contracts"): pydantic models with defaults and clear errors.
 
 `parse_job_spec` returns a validated spec or raises SpecError whose `.errors` maps dotted field
 paths ("model.hidden") to messages, which the API returns as HTTP 400 verbatim.

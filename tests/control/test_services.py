@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from jobs import services
 from jobs.models import Allocation, Job, JobEvent, MetricSample, Node
-from jobs.specs import SpecError
+from trainyard.spec import SpecError
 
 pytestmark = pytest.mark.django_db
 

@@ -5,7 +5,7 @@ Pure pydantic (no database): what parses, the defaults it fills, and the 400 mes
 naming its field."""
 import pytest
 
-from jobs.specs import SpecError, parse_job_spec
+from trainyard.spec import SpecError, parse_job_spec
 
 
 def errors_of(spec: dict) -> dict[str, list[str]]:

@@ -54,7 +54,7 @@ def test_accumulation_matches_one_big_batch_and_compression_cuts_the_bytes(
                      comm={**comm, "compression": "topk", "ratio": 0.01}),
     }
     keys = [(r, s) for r in (0, 1) for s in range(1, STEPS + 1)]
-    for name, (samples, events, text) in runs.items():
+    for name, (samples, _events, text) in runs.items():
         assert sorted(samples) == keys, name  # one sample per optimizer step, micro-steps or not
         for s in samples.values():
             assert s["comm_s"] > 0 and s["compute_s"] > 0, (name, s)
@@ -83,7 +83,7 @@ def test_accumulation_matches_one_big_batch_and_compression_cuts_the_bytes(
     ratios = {}
     for name in ("fp16", "bf16", "powersgd", "topk"):
         samples, events, text = runs[name]
-        for (rank, step), s in samples.items():
+        for (_rank, step), s in samples.items():
             if step <= START:
                 assert s["bytes_sent"] == dense, (name, step)
         sent = {s["bytes_sent"] for (_, step), s in samples.items() if step > START}

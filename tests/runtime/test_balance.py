@@ -333,7 +333,7 @@ def test_auto_balance_gives_a_half_speed_rank_a_third_of_the_batch(tmp_path, red
     per_rank = by_rank(samples)
     assert sorted(per_rank) == [0, 1]
     share = {r: {s["step"]: s["share"] for s in rs} for r, rs in per_rank.items()}
-    for r, rs in per_rank.items():
+    for rs in per_rank.values():
         assert [s["step"] for s in rs] == list(range(1, steps + 1))
         for s in rs:  # the rank's real batch
             assert s["samples_per_s"] == pytest.approx(s["share"] * total / s["step_s"])

@@ -96,7 +96,7 @@ def test_two_ranks_train_the_demo_corpus_and_report_every_step(tmp_path, redis_s
     grad_bytes = sum(p.numel() * p.element_size() for p in build_model(ModelConfig(**SMALL_MODEL)).parameters())
     per_rank = by_rank(samples)
     assert sorted(per_rank) == [0, 1]
-    for rank, rs in per_rank.items():
+    for rs in per_rank.values():
         assert [s["step"] for s in rs] == list(range(1, steps + 1))
         for s in rs:
             assert set(s) == SAMPLE_KEYS

@@ -1,6 +1,6 @@
 """The runtime's view of its launch config: `<run_dir>/config.json` parsed into frozen dataclasses.
 
-The control plane has already validated the JobSpec (jobs/specs.py) and filled every default,
+The control plane has already validated the JobSpec (trainyard/spec.py) and filled every default,
 but the runtime must not import it (it runs under torchrun, without Django), so it parses the
 subset it honours here. Keys it does not use (priority, max_restarts, ...) are ignored; values
 it cannot honour in this milestone (tensor/pipeline parallel, FSDP, local SGD, balancing) are

@@ -223,7 +223,9 @@ def build_sync(cfg: RunConfig, mesh: Any, rank: int, counter: CommCounter,
         auto = None
         if c.compression == "topk" and c.ratio == "auto":
             # every rank decides the same ratio from agreed inputs; rank 0 reports it
-            quiet = (lambda *a, **k: None)
+            def quiet(*a, **k):
+                return None
+
             auto = AutoRatio(compression, dist.get_world_size(), dist.new_group(backend="gloo"),
                              event if rank == 0 else quiet, say if rank == 0 else quiet)
         return AllReduceSync(compression, auto)

@@ -1,0 +1,5 @@
+"""Trainyard's public Python library: the contracts both the control plane and the data plane
+import (pydantic and the standard library only; no Django, no torch).
+
+- `trainyard.spec`: the JobSpec, its defaults and every cross-field rule.
+"""
