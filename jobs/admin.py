@@ -67,7 +67,7 @@ class QuotaAdmin(admin.ModelAdmin):
         with transaction.atomic():
             before = Quota.objects.filter(pk=obj.pk).values("max_slots", "device_hours").first() if change else None
             super().save_model(request, obj, form, change)
-            services.quota_audit(request.user, obj, before)
+            services.quota_audit(obj, actor=request.user, old=before)
 
 
 @admin.register(QuotaChange)

@@ -1,7 +1,20 @@
-"""DRF exception handler: every API error is {"errors": {"field.path": ["message"]}} (DESIGN.md 4)."""
+"""The one DRF exception handler: every API error is {"errors": {"field.path": ["message"]}}
+(DESIGN.md 4), with the status its kind says.
+
+Domain errors (jobs/errors.py) carry their field paths and status (400 invalid input, 403
+forbidden, 404 not found, 409 conflict); a JobSpec that fails validation (trainyard.spec.SpecError)
+is a 400 with its field paths; DRF's own errors (parse errors, authentication, its NotFound and
+ValidationError) keep their status and get their detail flattened into field paths. Views raise;
+none of them builds an error response by hand.
+"""
 from __future__ import annotations
 
+from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
+from rest_framework.views import set_rollback
+
+from .errors import DomainError
+from trainyard.spec import SpecError
 
 
 def _flatten(detail, prefix: str, out: dict) -> None:
@@ -18,6 +31,10 @@ def _flatten(detail, prefix: str, out: dict) -> None:
 
 
 def exception_handler(exc, context):
+    """settings.REST_FRAMEWORK["EXCEPTION_HANDLER"]: None (a 500) for anything not an API error."""
+    if isinstance(exc, (DomainError, SpecError)):
+        set_rollback()
+        return Response({"errors": exc.errors}, status=getattr(exc, "status_code", 400))
     response = drf_handler(exc, context)
     if response is None:
         return None

@@ -17,7 +17,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.consumer import get_handler_name
 
-from . import selectors
+from . import payloads, selectors
 
 MAX_INFLIGHT = 32
 WINDOW_POINTS = 4000
@@ -107,7 +107,7 @@ class JobConsumer(_FlowControlled):
         self.group = f"job.{self.job_id}"
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
-        snapshot = await database_sync_to_async(selectors.job_snapshot)(self.job_id, max_points=WINDOW_POINTS)
+        snapshot = await database_sync_to_async(payloads.job_snapshot)(self.job_id, max_points=WINDOW_POINTS)
         await self.push_chunked(snapshot, "telemetry")
 
     async def push_chunked(self, message: dict, rest_type: str) -> None:
@@ -161,7 +161,7 @@ class JobConsumer(_FlowControlled):
         if self.behind_from is None or self.seq - self.acked > MAX_INFLIGHT // 2:
             return
         from_step, self.behind_from = self.behind_from, None
-        samples, _ = await database_sync_to_async(selectors.metric_window)(
+        samples, _ = await database_sync_to_async(payloads.metric_window)(
             self.job_id, from_step=from_step, max_points=WINDOW_POINTS)
         logs = await database_sync_to_async(selectors.job_log_lines)(self.job_id, limit=200)
         await self.push_chunked({"type": "window", "from_step": from_step, "samples": samples,
@@ -179,7 +179,7 @@ class ClusterConsumer(_FlowControlled):
             return await self._deny(4401)
         await self.channel_layer.group_add("cluster", self.channel_name)
         await self.accept()
-        state = await database_sync_to_async(selectors.cluster_state)(user)
+        state = await database_sync_to_async(payloads.cluster_state)(user)
         self._last_push = time.monotonic()
         await self.push({"type": "snapshot", **state})
 
@@ -206,7 +206,7 @@ class ClusterConsumer(_FlowControlled):
         await self._push_state()
 
     async def _push_state(self):
-        state = await database_sync_to_async(selectors.cluster_state)(self.scope["user"])
+        state = await database_sync_to_async(payloads.cluster_state)(self.scope["user"])
         self._last_push = time.monotonic()
         await self.push({"type": "nodes", "nodes": state["nodes"]})
         await self.push({"type": "jobs", "queue": state["queue"], "running": state["running"]})

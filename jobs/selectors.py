@@ -1,9 +1,10 @@
-"""Non-trivial reads: snapshots for policy, visibility rules, telemetry windows."""
+"""Non-trivial reads: snapshots for policy, visibility rules, metric and log reads. Never imports
+the API, its serializers or the services (jobs/payloads.py builds the JSON the sockets send)."""
 from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
-from .models import Allocation, Attempt, Checkpoint, Job, MetricSample, Node
+from .models import Allocation, Attempt, Job, MetricSample, Node
 from .policy import fairshare
 from .policy.scheduler import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
 
@@ -148,14 +149,17 @@ def queue_positions() -> dict[int, int]:
     return {j.id: i + 1 for i, j in enumerate(queue_order(cluster_view()))}
 
 
+def log_key(job_id: int) -> str:
+    """The capped Redis list of a job's captured log lines: the relay appends, pages read."""
+    return f"trainyard:joblog:{job_id}"
+
+
 def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> list[dict]:
     """The newest captured log lines of a job (kept in a capped Redis list by the relay)."""
     import json
 
     import redis
     from django.conf import settings
-
-    from .telemetry import log_key
 
     r = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
     try:
@@ -166,61 +170,6 @@ def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> 
     if rank is not None:
         lines = [x for x in lines if x.get("rank") == rank]
     return lines[-limit:]
-
-
-# ---------------------------------------------------------------- live views (websockets)
-
-METRIC_VALUES = MetricSample.FIELDS + ("attempt_id",)
-
-
-def downsample(rows: list[dict], max_points: int) -> tuple[list[dict], bool]:
-    """Keep every k-th step (the same steps for every rank, so charts stay aligned) plus the newest."""
-    if len(rows) <= max_points:
-        return rows, False
-    steps = sorted({r["step"] for r in rows})
-    ranks = max(1, len(rows) // max(1, len(steps)))
-    stride = -(-len(steps) * ranks // max_points)  # ceil
-    keep = set(steps[::stride]) | {steps[-1]}
-    return [r for r in rows if r["step"] in keep], True
-
-
-def _metric_dicts(qs) -> list[dict]:
-    rows = list(qs.values(*METRIC_VALUES))
-    for r in rows:
-        r["attempt"] = r.pop("attempt_id")
-    return rows
-
-
-def metric_window(job_id: int, *, from_step: int | None = None, max_points: int = 4000) -> tuple[list[dict], bool]:
-    """Samples for a live chart: from `from_step` on (default: everything), at most max_points."""
-    qs = MetricSample.objects.filter(job_id=job_id).filter(lineage_filter(job_id))
-    if from_step is not None:
-        qs = qs.filter(step__gte=from_step)
-    return downsample(_metric_dicts(qs.order_by("step", "rank", "attempt_id")), max_points)
-
-
-def event_dict(e) -> dict:
-    return {"id": e.pk, "kind": e.kind, "message": e.message, "created_at": e.created_at.isoformat(),
-            "attempt": e.attempt_id, "data": e.data}
-
-
-def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
-    from .api import JobSerializer
-
-    job = Job.objects.prefetch_related("attempts__allocations__node").select_related("owner").get(pk=job_id)
-    samples, downsampled = metric_window(job_id, max_points=max_points)
-    return {
-        "type": "snapshot", "job": JobSerializer(job).data, "samples": samples, "downsampled": downsampled,
-        "logs": job_log_lines(job_id, limit=1000),
-        "events": [event_dict(e) for e in job.events.order_by("-id")[:200]][::-1],
-        "checkpoints": [checkpoint_dict(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],
-    }
-
-
-def checkpoint_dict(c: Checkpoint) -> dict:
-    from .api import CheckpointSerializer
-
-    return dict(CheckpointSerializer(c).data)
 
 
 RELAY_ALIVE_KEY = "trainyard:relay:alive"
@@ -263,20 +212,6 @@ def attempt_rank_rows(attempt) -> list[dict]:
 def attempt_rank_nodes(attempt_id: int) -> dict[int, str]:
     return {r["rank"]: a.node.name for a in Allocation.objects.filter(attempt_id=attempt_id).select_related("node")
             for r in a.ranks}
-
-
-def cluster_state(user) -> dict:
-    from .api import NodeSerializer
-
-    visible = jobs_visible_to(user)
-    positions = queue_positions()
-    queue = [{"id": j.pk, "name": j.name, "owner": j.owner.username, "status": j.status, "slots": j.slots,
-              "queue_position": positions.get(j.pk), "status_reason": j.status_reason}
-             for j in visible.filter(status=Job.Status.QUEUED).order_by("-priority", "id")[:200]]
-    running = [{"id": j.pk, "name": j.name, "owner": j.owner.username, "status": j.status, "step": j.step,
-                "total_steps": j.total_steps} for j in visible.filter(status__in=Job.ACTIVE).order_by("-id")[:200]]
-    nodes = NodeSerializer(Node.objects.order_by("name"), many=True).data
-    return {"nodes": list(nodes), "queue": queue, "running": running}
 
 
 # ---------------------------------------------------------------- quotas and usage

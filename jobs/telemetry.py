@@ -40,10 +40,6 @@ MIN_ROUND_S = 0.02  # rounds start at most 50 times a second: <= 20 ms of added 
 PUBLISH_MAX_SAMPLES = 500
 
 
-def log_key(job_id: int) -> str:
-    return f"trainyard:joblog:{job_id}"
-
-
 def telemetry_message(samples: list[dict]) -> dict:
     """The `job.telemetry` group message: the samples already encoded as the JSON array that every
     socket of the group sends as is (jobs.consumers splices it into the frame), so neither msgpack
@@ -225,7 +221,7 @@ class Relay:
             samples.extend(job_samples)
             per_job.append((job_id, job_samples, live_logs, logs))
         if samples or events:
-            services.telemetry_ingest(samples, events)  # commits
+            services.telemetry_ingest(samples, events=events)  # commits
         # Fan out only what is committed: a browser never sees a point the database lacks.
         publish = self.publish
         for job_id, job_samples, live_logs, _ in per_job:
@@ -238,8 +234,8 @@ class Relay:
         pipe = self.r.pipeline(transaction=False)
         for (stream, entries), (job_id, _, _, logs) in zip(read, per_job):
             if logs:
-                pipe.rpush(log_key(job_id), *logs)
-                pipe.ltrim(log_key(job_id), -LOG_KEEP_LINES, -1)
+                pipe.rpush(selectors.log_key(job_id), *logs)
+                pipe.ltrim(selectors.log_key(job_id), -LOG_KEEP_LINES, -1)
             ids = [e[0] for e in entries]
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)

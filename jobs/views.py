@@ -15,6 +15,8 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from . import selectors, services
+from .errors import TransitionError
+from .payloads import checkpoint_dict, event_dict
 from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
 from .models import Job, MetricSample, Node, QuotaChange
 from trainyard.spec import SpecError, parse_text
@@ -118,7 +120,7 @@ def job_new(request):
     if request.method == "POST":
         if form.is_valid():
             try:
-                job = services.job_submit(request.user, form.cleaned_data["spec"])
+                job = services.job_submit(user=request.user, spec=form.cleaned_data["spec"])
             except SpecError as exc:
                 errors = exc.errors
             else:
@@ -160,9 +162,7 @@ def _latest_step_summary(job: Job) -> dict:
 
 def _checkpoint_row(c) -> dict:
     """The API's checkpoint JSON (the page seeds its table with it), plus what the first paint shows."""
-    from .api import CheckpointSerializer
-
-    row = dict(CheckpointSerializer(c).data)
+    row = checkpoint_dict(c)
     row["attempt_number"] = c.attempt.number if c.attempt else None
     row["state"] = "deleted" if row["deleted"] else "superseded" if c.superseded else "active"
     return row
@@ -175,7 +175,7 @@ def job_detail(request, pk: int):
     attempts = list(job.attempts.prefetch_related("allocations__node").order_by("-number"))
     for a in attempts:
         a.rank_rows = selectors.attempt_rank_rows(a)
-    events = [selectors.event_dict(e) for e in job.events.order_by("-id")[:200]]
+    events = [event_dict(e) for e in job.events.order_by("-id")[:200]]
     checkpoints = [_checkpoint_row(c)
                    for c in job.checkpoints.select_related("attempt").order_by("-step", "-id")[:100]]
     res = job.spec.get("resources", {})
@@ -204,10 +204,10 @@ def job_cancel(request, pk: int):
         messages.error(request, "Only the job's owner or staff may cancel it.")
     else:
         try:
-            services.job_cancel(request.user, job)
+            services.job_cancel(job, user=request.user)
             messages.success(request, f"Cancel requested for job {job.pk}.")
-        except services.TransitionError as exc:
-            messages.error(request, str(exc))
+        except TransitionError as exc:
+            messages.error(request, exc.message)
     return redirect("job-detail", pk=job.pk)
 
 

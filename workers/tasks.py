@@ -54,14 +54,14 @@ def node_heartbeat(payload: dict) -> None:
 def attempt_ranks(attempt_id: int, node: str, ranks: list) -> None:
     from jobs import services
 
-    services.attempt_ranks(int(attempt_id), str(node), ranks)
+    services.attempt_ranks(int(attempt_id), node_name=str(node), ranks=ranks)
 
 
 @app.task(name="workers.tasks.attempt_node_exit", time_limit=30)
 def attempt_node_exit(attempt_id: int, node: str, result: dict) -> None:
     from jobs import services
 
-    services.attempt_node_exit(int(attempt_id), str(node), result)
+    services.attempt_node_exit(int(attempt_id), node_name=str(node), result=result)
 
 
 # ------------------------------------------------------------ node queues (node agents)

@@ -84,8 +84,8 @@ def test_non_object_body_is_400(user, nodes, client_for):
 
 
 def test_users_see_only_their_jobs_staff_sees_all(user, other, staff, nodes, client_for):
-    mine = services.job_submit(user, {"name": "mine"})
-    theirs = services.job_submit(other, {"name": "theirs"})
+    mine = services.job_submit(user=user, spec={"name": "mine"})
+    theirs = services.job_submit(user=other, spec={"name": "theirs"})
     c = client_for(user)
     ids = [j["id"] for j in c.get("/api/v1/jobs/").json()["results"]]
     assert ids == [mine.pk]
@@ -98,7 +98,7 @@ def test_users_see_only_their_jobs_staff_sees_all(user, other, staff, nodes, cli
 
 
 def test_cancel_endpoint(user, nodes, client_for):
-    job = services.job_submit(user, {"name": "x"})
+    job = services.job_submit(user=user, spec={"name": "x"})
     c = client_for(user)
     assert c.post(f"/api/v1/jobs/{job.pk}/cancel/").status_code == 202
     assert Job.objects.get(pk=job.pk).status == "CANCELLED"
@@ -107,13 +107,13 @@ def test_cancel_endpoint(user, nodes, client_for):
 
 
 def test_metrics_shape_and_filters(user, nodes, client_for):
-    job = services.job_submit(user, {"name": "x"})
+    job = services.job_submit(user=user, spec={"name": "x"})
     services.schedule_tick()
     attempt = job.attempts.get()
     services.telemetry_ingest([
         {"rank": r, "step": s, "ts": 1764471234.0 + s, "loss": 3.0, "samples_per_s": 1.0, "tokens_per_s": 2.0,
          "step_s": 0.1, "data_s": 0.0, "compute_s": 0.05, "comm_s": 0.01, "optim_s": 0.01, "bytes_sent": 4,
-         "mem_bytes": 8, "attempt": attempt.pk} for s in range(1, 11) for r in (0, 1)], [])
+         "mem_bytes": 8, "attempt": attempt.pk} for s in range(1, 11) for r in (0, 1)], events=[])
     c = client_for(user)
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/").json()
     assert isinstance(rows, list) and len(rows) == 20

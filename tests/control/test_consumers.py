@@ -54,10 +54,10 @@ async def connect(app, path, headers):
 
 @pytest.fixture
 def job(user, nodes):
-    job = services.job_submit(user, {"name": "live"})
+    job = services.job_submit(user=user, spec={"name": "live"})
     services.schedule_tick()
     attempt = job.attempts.get()
-    services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(1, 6) for r in (0, 1)], [])
+    services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(1, 6) for r in (0, 1)], events=[])
     return job
 
 
@@ -172,7 +172,7 @@ def test_cluster_socket_snapshot_and_changes(app, job, user):
 
 def test_large_snapshot_goes_out_in_frames_under_daphnes_1mib_limit(app, job, user):
     attempt = job.attempts.get()
-    services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(6, 1801) for r in (0, 1)], [])
+    services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(6, 1801) for r in (0, 1)], events=[])
     headers = session_headers(user)
 
     async def go():

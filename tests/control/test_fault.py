@@ -40,14 +40,14 @@ def write_ckpt(root, job, attempt, step, manifest=True):
 
 def report_ckpt(root, job, attempt, step):
     d = write_ckpt(root, job, attempt, step)
-    services.telemetry_ingest([], [{"kind": "checkpoint", "rank": 0, "attempt": attempt.pk, "step": step,
+    services.telemetry_ingest([], events=[{"kind": "checkpoint", "rank": 0, "attempt": attempt.pk, "step": step,
                                     "path": str(d), "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}])
     return Checkpoint.objects.get(path=str(d.resolve()))
 
 
 def kill(attempt, node="node-a", rank=0):
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {
+        services.attempt_node_exit(attempt.pk, node_name=n, result={
             "node": n, "exit_code": -9 if n == node else 1, "stopped": n != node, "failures": [
                 {"rank": rank, "timestamp": 1.0, "message": "Signal 9 (SIGKILL) received", "traceback": "",
                  "signal": "SIGKILL"}] if n == node else []})
@@ -55,7 +55,7 @@ def kill(attempt, node="node-a", rank=0):
 
 def ok_exit(attempt):
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {"exit_code": 0, "stopped": False, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=n, result={"exit_code": 0, "stopped": False, "failures": []})
 
 
 # ---------------------------------------------------------------- checkpoints and restart
@@ -67,7 +67,7 @@ def test_checkpoint_event_registers_once_and_retention_deletes_old_files(user, n
     with django_capture_on_commit_callbacks(execute=True):
         cps = [report_ckpt(ckpt_root, job, attempt, s) for s in (10, 20, 30)]
         # the same report again (a replayed stream entry) is a no-op
-        services.checkpoint_register(attempt.pk, {"step": 30, "path": cps[2].path})
+        services.checkpoint_register(attempt.pk, data={"step": 30, "path": cps[2].path})
     assert Checkpoint.objects.filter(job=job).count() == 3
     cps[0].refresh_from_db()
     assert cps[0].deleted_at is not None and not ckpt_root.joinpath(f"job-{job.pk}").joinpath(
@@ -80,9 +80,9 @@ def test_checkpoint_event_registers_once_and_retention_deletes_old_files(user, n
 def test_checkpoint_outside_the_job_dir_is_refused(user, nodes, tmp_path):
     job = submit(user)
     attempt = start(job)
-    assert services.checkpoint_register(attempt.pk, {"step": 5, "path": str(tmp_path / "elsewhere")}) is None
+    assert services.checkpoint_register(attempt.pk, data={"step": 5, "path": str(tmp_path / "elsewhere")}) is None
     other = tmp_path / "ckpt" / "job-999" / "step-00000005-a1"
-    assert services.checkpoint_register(attempt.pk, {"step": 5, "path": str(other)}) is None
+    assert services.checkpoint_register(attempt.pk, data={"step": 5, "path": str(other)}) is None
     assert not Checkpoint.objects.exists()
 
 
@@ -117,11 +117,11 @@ def test_metrics_show_each_step_once_after_a_restart(user, nodes, ckpt_root):
         return [{"rank": r, "step": s, "ts": float(s), "loss": float(attempt.number), "attempt": attempt.pk}
                 for s in steps for r in (0, 1)]
 
-    services.telemetry_ingest(samples(first, range(1, 16)), [])
+    services.telemetry_ingest(samples(first, range(1, 16)), events=[])
     report_ckpt(ckpt_root, job, first, 10)
     kill(first)
     second = start(job)
-    services.telemetry_ingest(samples(second, range(11, 21)), [])
+    services.telemetry_ingest(samples(second, range(11, 21)), events=[])
     c = APIClient()
     c.force_authenticate(user)
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/?rank=0&limit=100").json()
@@ -155,7 +155,7 @@ def test_rollback_running_job_stops_it_supersedes_later_and_resumes(user, staff,
     late = report_ckpt(ckpt_root, job, attempt, 40)
     assert late.superseded
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=n, result={"exit_code": -15, "stopped": True, "failures": []})
     attempt.refresh_from_db()
     job.refresh_from_db()
     assert attempt.outcome == "rolled_back" and job.status == "QUEUED"
@@ -260,9 +260,9 @@ def test_user_errors_do_not_count_against_a_node(user, nodes):
     job = submit(user, max_restarts=5)
     for _ in range(2):
         attempt = start(job)
-        services.attempt_node_exit(attempt.pk, "node-b", {"node": "node-b", "exit_code": 1, "stopped": False, "failures": [
+        services.attempt_node_exit(attempt.pk, node_name="node-b", result={"node": "node-b", "exit_code": 1, "stopped": False, "failures": [
             {"rank": 1, "timestamp": 1.0, "message": "ValueError: bad", "traceback": ""}]})
-        services.attempt_node_exit(attempt.pk, "node-a", {"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name="node-a", result={"exit_code": -15, "stopped": True, "failures": []})
         Job.objects.filter(pk=job.pk).update(status="QUEUED")
     assert Node.objects.get(name="node-b").status == "READY"
 
@@ -277,7 +277,7 @@ def metric(attempt, rank, step, compute_s=0.05, step_s=0.1):
 def test_hang_is_detected_stopped_and_restarted(user, nodes, sent, django_capture_on_commit_callbacks):
     job = submit(user, hang_timeout_s=5, max_restarts=1)
     attempt = start(job)
-    services.telemetry_ingest([metric(attempt, r, s) for s in range(1, 4) for r in (0, 1)], [])
+    services.telemetry_ingest([metric(attempt, r, s) for s in range(1, 4) for r in (0, 1)], events=[])
     assert services.attempts_check()["hung"] == []
     Attempt.objects.filter(pk=attempt.pk).update(last_progress_at=timezone.now() - timedelta(seconds=6))
     with django_capture_on_commit_callbacks(execute=True):
@@ -286,7 +286,7 @@ def test_hang_is_detected_stopped_and_restarted(user, nodes, sent, django_captur
     ev = JobEvent.objects.get(job=job, kind="hang_detected")
     assert ev.data["evidence"]["last_step"] == 3 and ev.data["evidence"]["timeout_s"] == 5
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=n, result={"exit_code": -15, "stopped": True, "failures": []})
     attempt.refresh_from_db()
     assert attempt.outcome == "failed:hang" and attempt.failure["class"] == "hang"
     assert Job.objects.get(pk=job.pk).status == "QUEUED"
@@ -306,7 +306,7 @@ def test_straggler_is_flagged_with_its_node_and_cleared_on_recovery(user, nodes,
     job = submit(user)
     attempt = start(job)
     services.telemetry_ingest([metric(attempt, r, s, compute_s=0.08 if r == 1 else 0.05)
-                               for s in range(1, 21) for r in (0, 1)], [])
+                               for s in range(1, 21) for r in (0, 1)], events=[])
     assert services.attempts_check()["stragglers"] == {attempt.pk: [1]}
     body = staff_api.get(f"/api/v1/jobs/{job.pk}/").json()
     assert body["stragglers"][0]["rank"] == 1 and body["stragglers"][0]["node"] == "node-b"
@@ -315,7 +315,7 @@ def test_straggler_is_flagged_with_its_node_and_cleared_on_recovery(user, nodes,
     assert "rank 1 on node-b" in ev.message
     services.attempts_check()  # still slow: no second event
     assert JobEvent.objects.filter(job=job, kind="straggler").count() == 1
-    services.telemetry_ingest([metric(attempt, r, s) for s in range(21, 41) for r in (0, 1)], [])
+    services.telemetry_ingest([metric(attempt, r, s) for s in range(21, 41) for r in (0, 1)], events=[])
     assert services.attempts_check()["stragglers"] == {}
     assert JobEvent.objects.filter(job=job, kind="straggler_cleared").count() == 1
     assert staff_api.get(f"/api/v1/jobs/{job.pk}/").json()["stragglers"] == []

@@ -24,8 +24,8 @@ def test_rank_plan_events_reach_the_attempt_the_api_and_the_page(user, nodes, cl
                "coords": {"pp": r, "dp": 0, "tp": 0}, "role": f"stage {r} of 2",
                "param_bytes": 1000 + r, "optim_bytes": 2000 + r, "mesh": {"ignored": True}}
               for r in (0, 1)]
-    services.telemetry_ingest([], events)
-    services.telemetry_ingest([], [{"kind": "rank_plan", "rank": "bad", "attempt": attempt.pk}])
+    services.telemetry_ingest([], events=events)
+    services.telemetry_ingest([], events=[{"kind": "rank_plan", "rank": "bad", "attempt": attempt.pk}])
     attempt.refresh_from_db()
     assert attempt.rank_plans["1"] == {"strategy": "pp", "coords": {"pp": 1, "dp": 0, "tp": 0},
                                        "role": "stage 1 of 2", "param_bytes": 1001, "optim_bytes": 2001}

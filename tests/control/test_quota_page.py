@@ -45,7 +45,7 @@ def test_nav_links_quotas_for_staff_only(user, staff, nodes):
 def test_quota_page_lists_every_team_with_quota_usage_and_inputs(user, other, staff, teams, nodes, django_user_model):
     start(submit(user))  # vision: 2 slots in use
     submit(user)         # and 2 queued behind it
-    services.quotas_update(staff, [{"team": "vision", "max_slots": 4, "device_hours": 12.5},
+    services.quotas_update(actor=staff, entries=[{"team": "vision", "max_slots": 4, "device_hours": 12.5},
                                    {"user": "bob", "max_slots": 2}])
     html = logged_in(staff).get("/quotas/").content.decode()
     vision = row(html, "team", "vision")
@@ -61,8 +61,8 @@ def test_quota_page_lists_every_team_with_quota_usage_and_inputs(user, other, st
 
 
 def test_quota_page_shows_the_audit_log_newest_first_and_as_a_fragment(user, staff, teams):
-    services.quotas_update(staff, {"team": "vision", "max_slots": 4})
-    services.quotas_update(staff, {"team": "vision", "max_slots": 6, "device_hours": 100})
+    services.quotas_update(actor=staff, entries={"team": "vision", "max_slots": 4})
+    services.quotas_update(actor=staff, entries={"team": "vision", "max_slots": 6, "device_hours": 100})
     html = logged_in(staff).get("/quotas/").content.decode()
     audit = re.search(r'<tbody id="quota-audit">.*?</tbody>', html, re.S).group(0)
     rows = re.findall(r"<tr data-change=\"\d+\">.*?</tr>", audit, re.S)
@@ -107,7 +107,7 @@ def test_nodes_page_offers_staff_the_controls_that_fit(user, staff, nodes, drain
 
 
 def test_nodes_page_shows_drain_state_after_a_drain(staff, nodes):
-    services.node_set_schedulable(staff, nodes[1], "drain", "finish")
+    services.node_set_schedulable(nodes[1], user=staff, action="drain", mode="finish")
     html = logged_in(staff).get("/nodes/").content.decode()
     card = re.search(r'<article class="node" data-node="node-b">.*?</article>', html, re.S).group(0)
     assert '<span class="status s-draining">DRAINING</span>' in card

@@ -119,7 +119,7 @@ def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, cli
     assert attempt.stop_reason == "preempt" and attempt.status == "RUNNING"
     assert not [c for c in sent if c[0] == "stop"]  # cooperative: the runtime checkpoints and exits
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {"node": n, "exit_code": 1, "stopped": False, "failures": [
+        services.attempt_node_exit(attempt.pk, node_name=n, result={"node": n, "exit_code": 1, "stopped": False, "failures": [
             {"rank": 0, "timestamp": 1.0, "message": "exitcode 83", "traceback": "", "exitcode": 83}]})
     attempt.refresh_from_db()
     job.refresh_from_db()
@@ -137,8 +137,8 @@ def test_preemption_grace_expiry_stops_the_processes(user, nodes, sent, monkeypa
     monkeypatch.setattr(selectors, "relay_alive", lambda: True)
     job = submit(user)
     attempt = start(job)
-    assert services._attempt_preempt(attempt, "test")
-    assert not services._attempt_preempt(attempt, "again")  # already being preempted
+    assert services.attempt_preempt(attempt, reason="test")
+    assert not services.attempt_preempt(attempt, reason="again")  # already being preempted
     services.attempts_check()
     assert not [c for c in sent if c[0] == "stop"]
     Attempt.objects.filter(pk=attempt.pk).update(
@@ -155,7 +155,7 @@ def test_job_finishing_during_its_grace_period_succeeds(user, nodes, monkeypatch
     monkeypatch.setattr(dispatch, "request_preempt", lambda *a: None)
     job = submit(user)
     attempt = start(job)
-    services._attempt_preempt(attempt, "test")
+    services.attempt_preempt(attempt, reason="test")
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, n, {"node": n, "exit_code": 0, "stopped": False, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=n, result={"node": n, "exit_code": 0, "stopped": False, "failures": []})
     assert Job.objects.get(pk=job.pk).status == "SUCCEEDED"

@@ -6,7 +6,8 @@ import redis
 
 from jobs import services
 from jobs.models import MetricSample
-from jobs.telemetry import GROUP, Relay, log_key
+from jobs.selectors import log_key
+from jobs.telemetry import GROUP, Relay
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]
 
@@ -23,7 +24,7 @@ def drain(relay, rounds=50):
 
 
 def test_relay_ingests_and_acks(user, nodes, redis_server):
-    job = services.job_submit(user, {"name": "x"})
+    job = services.job_submit(user=user, spec={"name": "x"})
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
@@ -42,7 +43,7 @@ def test_relay_ingests_and_acks(user, nodes, redis_server):
 
 
 def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, nodes, redis_server):
-    job = services.job_submit(user, {"name": "x"})
+    job = services.job_submit(user=user, spec={"name": "x"})
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
@@ -53,7 +54,7 @@ def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, no
     first.discover()
     # The first relay reads 10 entries, commits half of them, then "dies" before acking anything.
     entries = r.xreadgroup(GROUP, first.consumer, {stream: ">"}, count=10)[0][1]
-    services.telemetry_ingest([json.loads(f[b"data"])[0] for _, f in entries[:5]], [])
+    services.telemetry_ingest([json.loads(f[b"data"])[0] for _, f in entries[:5]], events=[])
     assert r.xpending(stream, GROUP)["pending"] == 10
     second = Relay(redis_server.url, consumer=first.consumer, block_ms=20)
     drain(second)

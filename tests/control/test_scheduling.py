@@ -22,7 +22,7 @@ def preempts(monkeypatch):
 
 def finish_preempted(attempt):
     for alloc in attempt.allocations.select_related("node"):
-        services.attempt_node_exit(attempt.pk, alloc.node.name, {"node": alloc.node.name, "exit_code": 1,
+        services.attempt_node_exit(attempt.pk, node_name=alloc.node.name, result={"node": alloc.node.name, "exit_code": 1,
                                                                  "stopped": False, "failures": []})
 
 
@@ -38,7 +38,7 @@ def test_lowering_a_quota_makes_the_job_borrowing_and_another_teams_job_reclaims
     services.schedule_tick()
     assert Job.objects.get(pk=small.pk).status == "QUEUED" and not preempts  # vision is within its quota
     with django_capture_on_commit_callbacks(execute=True):
-        services.quotas_update(staff, {"team": "vision", "max_slots": 2})
+        services.quotas_update(actor=staff, entries={"team": "vision", "max_slots": 2})
         services.schedule_tick()
     assert Job.objects.get(pk=big.pk).borrowing
     assert preempts and preempts[0][0] == attempt.pk and "vision" in preempts[0][1]
@@ -97,7 +97,7 @@ def test_submit_predicts_run_time_from_history_then_model(user, nodes):
     assert job.plan["prediction_source"] == "model" and job.predicted_s > 0
     a = start(job)
     for alloc in a.allocations.select_related("node"):
-        services.attempt_node_exit(a.pk, alloc.node.name, {"node": alloc.node.name, "exit_code": 0,
+        services.attempt_node_exit(a.pk, node_name=alloc.node.name, result={"node": alloc.node.name, "exit_code": 0,
                                                           "stopped": False, "failures": []})
     again = submit(user, **TWO)
     assert again.plan["prediction_source"] == "history:user"

@@ -7,6 +7,7 @@ from django.db import connections
 from django.utils import timezone
 
 from jobs import services
+from jobs.errors import TransitionError
 from jobs.models import Allocation, Job, JobEvent, MetricSample, Node
 from trainyard.spec import SpecError
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.django_db
 
 
 def submit(user, **kw):
-    return services.job_submit(user, {"name": "t", **kw})
+    return services.job_submit(user=user, spec={"name": "t", **kw})
 
 
 def ok_result(node, attempt_id):
@@ -27,7 +28,7 @@ def start(job):
     job.refresh_from_db()
     attempt = job.attempts.order_by("-number").first()
     for alloc in attempt.allocations.select_related("node"):
-        services.attempt_ranks(attempt.pk, alloc.node.name, [
+        services.attempt_ranks(attempt.pk, node_name=alloc.node.name, ranks=[
             {"rank": alloc.node_rank, "local_rank": 0, "pid": 1000 + alloc.node_rank}])
     job.refresh_from_db()
     return attempt
@@ -61,16 +62,16 @@ def test_full_lifecycle_to_succeeded(user, nodes, sent, django_capture_on_commit
     assert [c[1] for c in launches] == ["node-a", "node-b"]
     assert launches[0][2]["rdzv_host"] == "127.0.0.1" and launches[1][2]["local_addr"] == "127.0.0.2"
     assert job.status == "RUNNING"
-    services.attempt_node_exit(attempt.pk, "node-a", ok_result("node-a", attempt.pk))
+    services.attempt_node_exit(attempt.pk, node_name="node-a", result=ok_result("node-a", attempt.pk))
     job.refresh_from_db()
     assert job.status == "RUNNING"  # node-b still running
-    services.attempt_node_exit(attempt.pk, "node-b", ok_result("node-b", attempt.pk))
+    services.attempt_node_exit(attempt.pk, node_name="node-b", result=ok_result("node-b", attempt.pk))
     job.refresh_from_db()
     attempt.refresh_from_db()
     assert job.status == "SUCCEEDED" and attempt.outcome == "succeeded"
     assert not Allocation.objects.filter(active=True).exists()
     # a duplicate exit report changes nothing
-    services.attempt_node_exit(attempt.pk, "node-b", ok_result("node-b", attempt.pk))
+    services.attempt_node_exit(attempt.pk, node_name="node-b", result=ok_result("node-b", attempt.pk))
     assert Job.objects.get(pk=job.pk).status == "SUCCEEDED"
 
 
@@ -79,12 +80,12 @@ def test_failure_uses_earliest_failing_rank_and_user_error_fails_fast(user, node
     job = submit(user)
     attempt = start(job)
     with django_capture_on_commit_callbacks(execute=True):
-        services.attempt_node_exit(attempt.pk, "node-a", {
+        services.attempt_node_exit(attempt.pk, node_name="node-a", result={
             "exit_code": 1, "stopped": False, "failures": [
                 {"rank": 0, "timestamp": 200.0, "message": "RuntimeError: Connection closed by peer",
                  "traceback": "gloo..."}]})
     assert ("stop", "node-b", attempt.pk, "failure") in sent
-    services.attempt_node_exit(attempt.pk, "node-b", {
+    services.attempt_node_exit(attempt.pk, node_name="node-b", result={
         "exit_code": 1, "stopped": False, "failures": [
             {"rank": 1, "timestamp": 100.0, "message": "ValueError: bad shape", "traceback": "Traceback..."}]})
     job.refresh_from_db()
@@ -99,7 +100,7 @@ def test_retryable_failure_requeues_until_restarts_run_out(user, nodes):
     for expected in ("QUEUED", "FAILED"):
         attempt = start(job)
         for node in ("node-a", "node-b"):
-            services.attempt_node_exit(attempt.pk, node, {"exit_code": -9, "signal": "SIGKILL", "stopped": False,
+            services.attempt_node_exit(attempt.pk, node_name=node, result={"exit_code": -9, "signal": "SIGKILL", "stopped": False,
                                                           "failures": []})
         job.refresh_from_db()
         assert job.status == expected
@@ -112,7 +113,7 @@ def test_cancel_queued_job_is_immediate(user, nodes, sent):
     queued = submit(user)
     services.schedule_tick()
     assert Job.objects.get(pk=queued.pk).status == "QUEUED"
-    services.job_cancel(user, queued)
+    services.job_cancel(queued, user=user)
     queued.refresh_from_db()
     assert queued.status == "CANCELLED" and queued.attempts.count() == 0
     assert not [c for c in sent if c[0] == "stop"]
@@ -122,15 +123,15 @@ def test_cancel_running_stops_all_nodes_then_cancelled(user, nodes, sent, django
     job = submit(user)
     attempt = start(job)
     with django_capture_on_commit_callbacks(execute=True):
-        services.job_cancel(user, job)
+        services.job_cancel(job, user=user)
     assert {c[1] for c in sent if c[0] == "stop"} == {"node-a", "node-b"}
     assert Job.objects.get(pk=job.pk).status == "STOPPING"
     for node in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, node, {"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=node, result={"exit_code": -15, "stopped": True, "failures": []})
     job.refresh_from_db()
     assert job.status == "CANCELLED" and job.attempts.get().outcome == "cancelled"
-    with pytest.raises(services.TransitionError):
-        services.job_cancel(user, job)
+    with pytest.raises(TransitionError):
+        services.job_cancel(job, user=user)
 
 
 def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, django_capture_on_commit_callbacks):
@@ -141,7 +142,7 @@ def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, django_capt
         assert services.nodes_check() == ["node-b"]
     assert Node.objects.get(name="node-b").status == "LOST"
     assert ("stop", "node-a", attempt.pk, "node_lost:node-b") in sent
-    services.attempt_node_exit(attempt.pk, "node-a", {"exit_code": -15, "stopped": True, "failures": []})
+    services.attempt_node_exit(attempt.pk, node_name="node-a", result={"exit_code": -15, "stopped": True, "failures": []})
     attempt.refresh_from_db()
     job.refresh_from_db()
     assert attempt.outcome == "lost" and job.status == "QUEUED" and job.restarts == 1
@@ -162,8 +163,8 @@ def test_telemetry_ingest_is_idempotent(user, nodes):
                 "samples_per_s": 1.0, "tokens_per_s": 2.0, "step_s": 0.1, "data_s": 0, "compute_s": 0.05,
                 "comm_s": 0.01, "optim_s": 0.01, "bytes_sent": 10, "mem_bytes": 20}
                for s in range(1, 6) for r in (0, 1)]
-    services.telemetry_ingest(samples, [])
-    services.telemetry_ingest(samples[:4], [{"kind": "telemetry_dropped", "rank": 1, "count": 3,
+    services.telemetry_ingest(samples, events=[])
+    services.telemetry_ingest(samples[:4], events=[{"kind": "telemetry_dropped", "rank": 1, "count": 3,
                                              "attempt": attempt.pk}])
     assert MetricSample.objects.filter(job=job).count() == 10
     job.refresh_from_db()
@@ -172,7 +173,7 @@ def test_telemetry_ingest_is_idempotent(user, nodes):
     # samples of unknown attempts or with bad values are dropped alone, never the whole batch
     services.telemetry_ingest([dict(samples[0], attempt=123456), dict(samples[0], step="x"),
                                dict(samples[0], step=-3), dict(samples[0], attempt=[1]),
-                               dict(samples[0], rank=0, step=6)], [])
+                               dict(samples[0], rank=0, step=6)], events=[])
     assert MetricSample.objects.filter(job=job).count() == 11
 
 

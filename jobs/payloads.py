@@ -1,0 +1,75 @@
+"""What the websockets send: a job's snapshot, its metric windows, events and checkpoints as
+JSON, and the cluster state. The API's serializers make the rows, so a socket and REST agree.
+
+The services publish event_dict and checkpoint_dict rows after commit; jobs.consumers sends the
+snapshot and windows on connect and catch-up.
+"""
+from __future__ import annotations
+
+from . import selectors
+from .models import Checkpoint, Job, MetricSample, Node
+from .serializers import CheckpointSerializer, JobSerializer, NodeSerializer
+
+METRIC_VALUES = MetricSample.FIELDS + ("attempt_id",)
+
+
+def downsample(rows: list[dict], max_points: int) -> tuple[list[dict], bool]:
+    """Keep every k-th step (the same steps for every rank, so charts stay aligned) plus the newest."""
+    if len(rows) <= max_points:
+        return rows, False
+    steps = sorted({r["step"] for r in rows})
+    ranks = max(1, len(rows) // max(1, len(steps)))
+    stride = -(-len(steps) * ranks // max_points)  # ceil
+    keep = set(steps[::stride]) | {steps[-1]}
+    return [r for r in rows if r["step"] in keep], True
+
+
+def _metric_dicts(qs) -> list[dict]:
+    rows = list(qs.values(*METRIC_VALUES))
+    for r in rows:
+        r["attempt"] = r.pop("attempt_id")
+    return rows
+
+
+def metric_window(job_id: int, *, from_step: int | None = None, max_points: int = 4000) -> tuple[list[dict], bool]:
+    """Samples for a live chart: from `from_step` on (default: everything), at most max_points."""
+    qs = MetricSample.objects.filter(job_id=job_id).filter(selectors.lineage_filter(job_id))
+    if from_step is not None:
+        qs = qs.filter(step__gte=from_step)
+    return downsample(_metric_dicts(qs.order_by("step", "rank", "attempt_id")), max_points)
+
+
+def event_dict(e) -> dict:
+    """A JobEvent as the timeline shows it (socket, API and page)."""
+    return {"id": e.pk, "kind": e.kind, "message": e.message, "created_at": e.created_at.isoformat(),
+            "attempt": e.attempt_id, "data": e.data}
+
+
+def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
+    """What a job socket sends first: the job, its charts' window, logs, events, checkpoints."""
+    job = Job.objects.prefetch_related("attempts__allocations__node").select_related("owner").get(pk=job_id)
+    samples, downsampled = metric_window(job_id, max_points=max_points)
+    return {
+        "type": "snapshot", "job": JobSerializer(job).data, "samples": samples, "downsampled": downsampled,
+        "logs": selectors.job_log_lines(job_id, limit=1000),
+        "events": [event_dict(e) for e in job.events.order_by("-id")[:200]][::-1],
+        "checkpoints": [checkpoint_dict(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],
+    }
+
+
+def checkpoint_dict(c: Checkpoint) -> dict:
+    """A checkpoint's API row, as the job page's checkpoint table receives it."""
+    return dict(CheckpointSerializer(c).data)
+
+
+def cluster_state(user) -> dict:
+    """The cluster page's live state as `user` may see it: nodes, the queue, running jobs."""
+    visible = selectors.jobs_visible_to(user)
+    positions = selectors.queue_positions()
+    queue = [{"id": j.pk, "name": j.name, "owner": j.owner.username, "status": j.status, "slots": j.slots,
+              "queue_position": positions.get(j.pk), "status_reason": j.status_reason}
+             for j in visible.filter(status=Job.Status.QUEUED).order_by("-priority", "id")[:200]]
+    running = [{"id": j.pk, "name": j.name, "owner": j.owner.username, "status": j.status, "step": j.step,
+                "total_steps": j.total_steps} for j in visible.filter(status__in=Job.ACTIVE).order_by("-id")[:200]]
+    nodes = NodeSerializer(Node.objects.order_by("name"), many=True).data
+    return {"nodes": list(nodes), "queue": queue, "running": running}

@@ -1,0 +1,110 @@
+"""DRF serializers: the API's JSON for jobs, attempts, metrics, checkpoints and nodes.
+
+The websocket payloads (jobs/payloads.py) and the job page reuse them, so a job looks the same
+over REST, over the socket and in the page's first paint.
+"""
+from __future__ import annotations
+
+from django.conf import settings
+from django.utils import timezone
+from rest_framework import serializers
+
+from . import selectors
+from .models import Attempt, Checkpoint, Job, MetricSample, Node
+from .policy import diagnosis
+
+
+class AttemptSerializer(serializers.ModelSerializer):
+    ranks = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Attempt
+        fields = ["id", "number", "status", "outcome", "resumed_from", "resumed_from_step", "stop_reason", "failure",
+                  "last_step", "last_progress_at", "stragglers", "created_at", "started_at", "ended_at", "ranks"]
+
+    def get_ranks(self, obj) -> list[dict]:
+        return selectors.attempt_rank_rows(obj)
+
+
+class JobSerializer(serializers.ModelSerializer):
+    owner = serializers.CharField(source="owner.username", read_only=True)
+    total_steps = serializers.IntegerField(read_only=True)
+    queue_position = serializers.SerializerMethodField()
+    predicted_start_at = serializers.SerializerMethodField()
+    attempts = AttemptSerializer(many=True, read_only=True)
+    stragglers = serializers.SerializerMethodField()
+    health = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
+                  "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
+                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "stragglers", "health", "attempts"]
+
+    def _current(self, obj) -> Attempt | None:
+        attempts = sorted(obj.attempts.all(), key=lambda a: a.number)  # prefetched: no query
+        return attempts[-1] if attempts else None
+
+    def get_stragglers(self, obj) -> list[dict]:
+        a = self._current(obj)
+        return list(a.stragglers) if a is not None and a.status != Attempt.Status.ENDED else []
+
+    def get_health(self, obj) -> dict:
+        """What the hang detector sees for the running attempt."""
+        a = self._current(obj)
+        if a is None or a.status != Attempt.Status.RUNNING:
+            return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": None}
+        recent = selectors.attempt_recent_samples(a.pk, a.last_step)
+        timeout, source = diagnosis.hang_timeout(obj.spec.get("hang_timeout_s", "auto"),
+                                                 [s["step_s"] for s in recent if s["step_s"] is not None],
+                                                 settings.TRAINYARD_HANG_FLOOR_S)
+        return {"last_progress_at": a.last_progress_at and timezone.localtime(a.last_progress_at).isoformat(),
+                "hang_timeout_s": round(timeout, 1), "hang_timeout_source": source}
+
+    def get_queue_position(self, obj) -> int | None:
+        positions = self.context.get("queue_positions")
+        if positions is None:
+            positions = self.context["queue_positions"] = selectors.queue_positions()
+        return positions.get(obj.pk)
+
+    def get_predicted_start_at(self, obj) -> str | None:
+        if obj.status != Job.Status.QUEUED or obj.predicted_start_at is None:
+            return None
+        return timezone.localtime(obj.predicted_start_at).isoformat()
+
+
+class MetricSerializer(serializers.ModelSerializer):
+    attempt = serializers.IntegerField(source="attempt_id")
+
+    class Meta:
+        model = MetricSample
+        fields = list(MetricSample.FIELDS) + ["attempt"]
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    attempt = serializers.IntegerField(source="attempt_id", allow_null=True)
+    deleted = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Checkpoint
+        fields = ["id", "step", "attempt", "created_at", "size_bytes", "blocking_s", "save_s", "superseded",
+                  "pinned", "deleted", "deleted_at", "path"]
+
+    def get_deleted(self, obj) -> bool:
+        return obj.deleted_at is not None
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    slots_used = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = ["name", "status", "slots", "slots_used", "address", "labels", "devices", "cpu_percent",
+                  "mem_percent", "last_heartbeat", "quarantined_at", "quarantine_reason", "drain_mode"]
+
+    def get_slots_used(self, obj) -> int:
+        used = self.context.get("slots_used")
+        if used is None:
+            used = self.context["slots_used"] = selectors.slots_used_by_node()
+        return used.get(obj.pk, 0)
+

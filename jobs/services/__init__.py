@@ -1,0 +1,34 @@
+"""Every write and state transition of the control plane. Views, the API, consumers, tasks and the
+relay call these functions, never the ORM's writes directly.
+
+Transitions are compare-and-set (`filter(status=old).update(...)`), each writes a JobEvent, and
+side effects (Celery sends, websocket messages) run only after commit. One module per topic,
+each importing only the ones below it:
+
+    jobs         submit, cancel, rollback                          (what users ask for)
+    scheduling   schedule_tick, eta_refresh, launching a placement
+    ingest       telemetry_ingest, runtime events, the job's stream name
+    quotas       quotas_update, quota_audit
+    nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
+    attempts     stop, preempt, finish and its outcome, hang/straggler checks
+    checkpoints  register, reconcile, retention, resume point, pin
+    events       job events, the status compare-and-set, their publication
+
+This module is the package's public API: `services.job_submit(user=..., spec=...)`.
+"""
+from __future__ import annotations
+
+from .attempts import attempt_preempt, attempts_check
+from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
+from .ingest import STREAM_PREFIX, job_stream, telemetry_ingest
+from .jobs import job_cancel, job_rollback, job_submit
+from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
+from .quotas import quota_audit, quotas_update
+from .scheduling import eta_refresh, schedule_tick
+
+__all__ = [
+    "STREAM_PREFIX", "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "checkpoint_pin",
+    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_cancel", "job_rollback", "job_stream",
+    "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
+    "quotas_update", "schedule_tick", "telemetry_ingest",
+]

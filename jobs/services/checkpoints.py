@@ -1,0 +1,173 @@
+"""The checkpoint registry: registration (reported or found on disk), retention, resume point, pin.
+
+A checkpoint is a directory `<TRAINYARD_CHECKPOINT_ROOT>/job-<id>/step-<n>/` that rank 0 renames
+into place after writing its manifest `trainyard.json`; registration only accepts paths under the
+job's own directory, and deletion only ever touches paths under the root. Which checkpoints to
+keep, resume from or supersede is jobs/policy/checkpoints.py's decision.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from .. import dispatch
+from ..errors import TransitionError
+from ..models import Attempt, Checkpoint, Job
+from ..payloads import checkpoint_dict
+from ..policy import checkpoints as ckpt_policy
+from .events import job_event
+from trainyard.spec import parse_job_spec
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractUser
+
+log = logging.getLogger(__name__)
+
+
+def _checkpoint_root() -> Path:
+    return Path(settings.TRAINYARD_CHECKPOINT_ROOT).resolve()
+
+
+def _job_checkpoint_dir(job_id: int) -> Path:
+    return _checkpoint_root() / f"job-{job_id}"
+
+
+def checkpoint_states(job: Job) -> list[ckpt_policy.CheckpointState]:
+    """The job's checkpoints as the policy sees them."""
+    return [ckpt_policy.CheckpointState(c.pk, c.step, c.created_at.timestamp(), c.superseded, c.pinned,
+                                        c.deleted_at is not None) for c in job.checkpoints.all()]
+
+
+def resume_checkpoint(job: Job) -> Checkpoint | None:
+    """The checkpoint the next attempt loads; one whose directory vanished (deleted by hand) is
+    written off instead of failing the attempt on a missing path."""
+    while (point := ckpt_policy.resume_point(checkpoint_states(job))) is not None:
+        c = Checkpoint.objects.get(pk=point.id)
+        if Path(c.path).is_dir():
+            return c
+        log.warning("checkpoint %s of job %s is missing on disk (%s): skipping it", c.pk, job.pk, c.path)
+        Checkpoint.objects.filter(pk=c.pk).update(deleted_at=timezone.now())
+        checkpoint_publish(c)
+    return None
+
+
+def checkpoint_publish(c: Checkpoint) -> None:
+    """Send the checkpoint's row to the job's page, after commit."""
+    payload = {"type": "job.checkpoint", "checkpoint": checkpoint_dict(c)}
+    transaction.on_commit(partial(dispatch.publish, f"job.{c.job_id}", payload))
+
+
+def _is_superseded(job: Job, attempt: Attempt, step: int) -> bool:
+    """A checkpoint registered late (Redis was away; a save finished while its attempt stopped)
+    belongs to a discarded future when a later attempt resumed from an earlier step or an admin
+    rolled back behind it since its attempt began."""
+    later = job.attempts.filter(number__gt=attempt.number).values_list("resumed_from_step", flat=True)
+    if any((r or 0) < step for r in later):
+        return True
+    rollbacks = job.events.filter(kind="rollback", created_at__gte=attempt.created_at).values_list("data", flat=True)
+    return any(int(d.get("step", 0)) < step for d in rollbacks)
+
+
+def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
+    """Register a complete checkpoint, reported by the runtime's rank 0 after its directory got its
+    final name (or found on disk by checkpoints_reconcile). Idempotent per (job, path)."""
+    attempt = Attempt.objects.select_related("job").filter(pk=attempt_id).first()
+    if attempt is None:
+        return None
+    job = attempt.job
+    try:
+        step, path = int(data["step"]), Path(str(data["path"])).resolve()
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring malformed checkpoint report for attempt %s: %r", attempt_id, data)
+        return None
+    if path.parent != _job_checkpoint_dir(job.pk) or step < 0:
+        log.warning("ignoring checkpoint %s of job %s: not under %s", path, job.pk, _job_checkpoint_dir(job.pk))
+        return None
+    with transaction.atomic():
+        existing = Checkpoint.objects.filter(job=job, path=str(path)).first()
+        if existing is not None:
+            return existing
+
+        def num(key: str) -> float:
+            v = data.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+        c = Checkpoint.objects.create(job=job, attempt=attempt, step=step, path=str(path),
+                                      size_bytes=int(num("size_bytes")), blocking_s=num("blocking_s"),
+                                      save_s=num("save_s"), superseded=_is_superseded(job, attempt, step))
+        checkpoint_publish(c)
+        _apply_retention(job)
+    return c
+
+
+def _apply_retention(job: Job) -> None:
+    keep = parse_job_spec(job.spec).checkpoint.keep  # the JobSpec owns the default
+    doomed = ckpt_policy.retention(checkpoint_states(job), keep)
+    if not doomed:
+        return
+    Checkpoint.objects.filter(pk__in=doomed).update(deleted_at=timezone.now())
+    for c in Checkpoint.objects.filter(pk__in=doomed):
+        checkpoint_publish(c)
+        transaction.on_commit(partial(_delete_checkpoint_files, c.path))
+
+
+def _delete_checkpoint_files(path: str) -> None:
+    p = Path(path).resolve()
+    if _checkpoint_root() not in p.parents:
+        log.error("refusing to delete %s: outside the checkpoint root %s", p, _checkpoint_root())
+        return
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def checkpoints_reconcile(job: Job) -> int:
+    """Register complete checkpoints found on disk but never reported (the runtime died, or Redis
+    lost the report, between its rename and its report). A directory counts only with its
+    manifest trainyard.json, which rank 0 writes last, before the rename."""
+    root = _job_checkpoint_dir(job.pk)
+    if not root.is_dir():
+        return 0
+    known = set(job.checkpoints.values_list("path", flat=True))
+    found = 0
+    for manifest in sorted(root.glob("step-*/trainyard.json")):
+        if str(manifest.parent.resolve()) in known:
+            continue
+        try:
+            meta = json.loads(manifest.read_text())
+            attempt_id = int(meta["attempt_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("unreadable checkpoint manifest %s", manifest)
+            continue
+        if not job.attempts.filter(pk=attempt_id).exists():
+            continue
+        if checkpoint_register(attempt_id, data={**meta, "path": str(manifest.parent)}) is not None:
+            found += 1
+            log.info("registered checkpoint %s from its manifest", manifest.parent)
+    return found
+
+
+def checkpoint_pin(checkpoint: Checkpoint, *, user: AbstractUser, pinned: bool) -> Checkpoint:
+    """Pin (retention never deletes it) or unpin a checkpoint; unpinning may let retention delete
+    older ones. Raises TransitionError (field "checkpoint") once retention deleted its files."""
+    with transaction.atomic():
+        c = Checkpoint.objects.select_for_update().get(pk=checkpoint.pk)
+        if c.deleted_at is not None:
+            raise TransitionError("the checkpoint's files were deleted by retention; it cannot be pinned",
+                                  field="checkpoint")
+        if c.pinned != pinned:
+            Checkpoint.objects.filter(pk=c.pk).update(pinned=pinned)
+            c.refresh_from_db()
+            job_event(c.job, "checkpoint_pinned" if pinned else "checkpoint_unpinned",
+                   f"checkpoint at step {c.step} {'pinned' if pinned else 'unpinned'} by {user.get_username()}",
+                   actor=user, checkpoint=c.pk, step=c.step)
+            checkpoint_publish(c)
+            if not pinned:
+                _apply_retention(c.job)
+    return c

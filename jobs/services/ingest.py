@@ -1,0 +1,164 @@
+"""Telemetry intake: the relay's batches of metric samples and runtime events, stored in one
+transaction, and where the runtime writes them (one Redis stream per job).
+
+Runtime events: `checkpoint` (registered), `resumed` (a timeline entry), `rank_plan` (what each
+rank holds under the plan) and `telemetry_dropped` (samples lost while Redis was away).
+"""
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.utils import timezone
+
+from ..models import Attempt, Job, JobEvent, MetricSample
+from .checkpoints import checkpoint_register
+from .events import job_event
+
+log = logging.getLogger(__name__)
+
+
+STREAM_PREFIX = "trainyard:job:"
+
+STREAMS_KEY = "trainyard:streams"
+
+
+def job_stream(job_id: int) -> str:
+    """The Redis stream a job's runtime writes its telemetry to and the relay reads."""
+    return f"{STREAM_PREFIX}{job_id}"
+
+
+METRIC_FIELDS = MetricSample.FIELDS
+
+_METRIC_TYPES = frozenset((int, float, type(None)))
+
+_INT64 = 2**63
+
+
+def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
+    """One sample's INSERT parameters, or None for a sample no database would accept (rank, step
+    and ts are required, rank/step non-negative ints, everything else a number or null), so one bad
+    sample never rejects the batch it came in. ~3 us: this runs for every sample."""
+    vals = tuple(map(s.get, METRIC_FIELDS))
+    rank, step = vals[0], vals[1]
+    if type(rank) is not int or type(step) is not int or rank < 0 or step < 0 or vals[2] is None:
+        return None
+    if not _METRIC_TYPES.issuperset(map(type, vals)):
+        return None
+    for v in vals:
+        if type(v) is int and not -_INT64 <= v < _INT64:
+            return None
+    return (job_id, attempt_id) + vals
+
+
+_TELEMETRY_SQL: dict[str, tuple[str, str, str]] = {}
+
+
+def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
+    """(attempt -> job lookup, sample INSERT, job step UPDATE) for this database.
+
+    Raw SQL: the ORM's bulk_create spent ~95% of the relay's time building SQL and model
+    instances (2.9k samples/s; ~40k/s with executemany), and the ORM lookup + update cost ~1.5 ms
+    of a ~3 ms round at low rates. The INSERT skips (attempt, rank, step) duplicates: OR IGNORE on
+    SQLite, ON CONFLICT DO NOTHING on PostgreSQL."""
+    from django.db import connection
+    from django.db.models.constants import OnConflict
+
+    if vendor in _TELEMETRY_SQL:
+        return _TELEMETRY_SQL[vendor]
+    ops, qn = connection.ops, connection.ops.quote_name
+    meta, att, job = MetricSample._meta, Attempt._meta, Job._meta
+    columns = [meta.get_field("job").column, meta.get_field("attempt").column,
+               *(meta.get_field(f).column for f in METRIC_FIELDS)]
+    insert = " ".join(filter(None, [
+        ops.insert_statement(on_conflict=OnConflict.IGNORE), qn(meta.db_table),
+        "(" + ", ".join(qn(c) for c in columns) + ")",
+        "VALUES (" + ", ".join(["%s"] * len(columns)) + ")",
+        ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None)]))
+    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)} FROM {qn(att.db_table)} "
+              f"WHERE {qn(att.pk.column)} IN ")
+    step = qn(job.get_field("step").column)
+    update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
+    _TELEMETRY_SQL[vendor] = lookup, insert, update
+    return lookup, insert, update
+
+
+def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, int]:
+    """Store a batch of metric samples (idempotent: duplicates of (attempt, rank, step) are skipped)
+    and runtime events, in one transaction. Returns job id -> highest step seen in the batch."""
+    from django.db import connection
+
+    lookup, insert, update = _telemetry_sql(connection.vendor)
+    wanted = {a for a in (s.get("attempt") for s in samples) if type(a) is int}
+    wanted |= {a for a in (e.get("attempt") for e in events) if type(a) is int}
+    with transaction.atomic(), connection.cursor() as cursor:
+        # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
+        attempts: dict[int, int] = {}
+        if wanted:
+            cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
+            attempts = dict(cursor.fetchall())
+        rows, top, attempt_top, malformed = [], {}, {}, 0
+        for s in samples:
+            attempt_id = s.get("attempt")
+            job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
+            if job_id is None:
+                continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
+            row = _metric_row(job_id, attempt_id, s)
+            if row is None:
+                malformed += 1
+                continue
+            rows.append(row)
+            if row[3] > top.get(job_id, 0):
+                top[job_id] = row[3]
+            if row[3] > attempt_top.get(attempt_id, -1):
+                attempt_top[attempt_id] = row[3]
+        if malformed:
+            log.warning("dropped %d malformed metric samples", malformed)
+        if rows:
+            cursor.executemany(insert, rows)
+        for job_id, step in top.items():
+            cursor.execute(update, [step, job_id, step])
+        now = timezone.now()
+        for attempt_id, step in attempt_top.items():  # the hang detector's evidence
+            Attempt.objects.filter(pk=attempt_id, last_step__lt=step).update(last_step=step, last_progress_at=now)
+        for e in events:
+            attempt_id = e.get("attempt")
+            job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
+            if job_id is not None:
+                _runtime_event(job_id, attempt_id, e)
+    return top
+
+
+RANK_PLAN_KEYS = ("strategy", "coords", "role", "param_bytes", "optim_bytes")
+
+
+def _rank_plan(attempt_id: int, e: dict) -> None:
+    """What one rank really holds under the plan (mesh coordinates, role, parameter and optimizer
+    bytes): kept on the attempt, shown per rank on the job page and in the API."""
+    rank = e.get("rank")
+    if type(rank) is not int:
+        return
+    attempt = Attempt.objects.select_for_update().filter(pk=attempt_id).first()
+    if attempt is None:
+        return
+    plans = dict(attempt.rank_plans or {})
+    plans[str(rank)] = {k: e[k] for k in RANK_PLAN_KEYS if k in e}
+    Attempt.objects.filter(pk=attempt_id).update(rank_plans=plans)
+
+
+def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:
+    kind = e.get("kind")
+    if kind == "checkpoint":
+        checkpoint_register(attempt_id, data=e)
+    elif kind == "resumed":
+        load_s = e.get("load_s") if isinstance(e.get("load_s"), (int, float)) else None
+        job = Job.objects.get(pk=job_id)
+        job_event(job, "resumed", f"rank {e.get('rank')} loaded the checkpoint at step {e.get('step')}"
+               + (f" in {load_s:.2f} s" if load_s is not None else ""), attempt=Attempt(pk=attempt_id),
+               step=e.get("step"), load_s=load_s, path=e.get("path"))
+    elif kind == "rank_plan":
+        _rank_plan(attempt_id, e)
+    elif kind == "telemetry_dropped":
+        JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=kind,
+                                message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "
+                                        "while Redis was unreachable", data=e)

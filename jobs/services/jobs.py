@@ -1,0 +1,131 @@
+"""Jobs: submit, cancel, roll back to a checkpoint: the top of the services, what users ask for.
+"""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.db import transaction
+
+from .. import dispatch, selectors
+from ..errors import RollbackCheckpointError, TransitionError
+from ..models import Attempt, Checkpoint, Job
+from ..policy import checkpoints as ckpt_policy
+from ..policy import planner, predictor, scheduler
+from .attempts import attempt_stop
+from .checkpoints import checkpoint_publish, checkpoint_states
+from .events import job_event, job_set_status
+from trainyard.spec import SpecError, parse_job_spec
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractUser
+
+
+def job_submit(*, user: AbstractUser, spec: dict) -> Job:
+    """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
+    created) on bad input, or when the cluster could never run it."""
+    parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
+    nodes = selectors.cluster_snapshot()
+    if not nodes:
+        raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
+    r = parsed.resources
+    if not scheduler.fits_cluster(nodes, r.nodes, r.procs_per_node):
+        biggest = max(n.slots for n in nodes)
+        raise SpecError({"resources": [
+            f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
+    stored = parsed.to_json()
+    if parsed.parallel != "auto":
+        stored["parallel"]["dp"] = parsed.dp
+    plan = planner.describe(stored)
+    plan["source"] = ("auto: data parallel over all processes (no strategy search yet)"
+                      if parsed.parallel == "auto" else "spec")
+    team = user.groups.order_by("name").first()
+    shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
+    prediction = predictor.predict(shape, selectors.past_runs())
+    plan["predicted_s"] = round(prediction.seconds, 1)
+    plan["prediction_source"] = prediction.source
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=parsed.name, owner=user, team=team, spec=stored, plan=plan, predicted_s=prediction.seconds,
+            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size)
+        job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"])
+        transaction.on_commit(dispatch.request_tick)
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
+    return job
+
+
+def job_cancel(job: Job, *, user: AbstractUser) -> Job:
+    """Cancel a job: at once while queued, else stop its attempt (the job ends CANCELLED when its
+    processes exit). Raises TransitionError when the job already ended."""
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        if job.status in Job.TERMINAL:
+            raise TransitionError(f"job is already {job.status}")
+        if job.status == Job.Status.QUEUED:
+            job_set_status(job, Job.Status.QUEUED, Job.Status.CANCELLED, f"cancelled by {user.get_username()}")
+            job_event(job, "cancelled", f"cancelled by {user.get_username()} while queued", actor=user)
+            return job
+        Job.objects.filter(pk=job.pk).update(cancel_requested=True)
+        job_set_status(job, Job.ACTIVE, Job.Status.STOPPING, f"cancel requested by {user.get_username()}")
+        job_event(job, "cancel_requested", f"cancel requested by {user.get_username()}", actor=user)
+        attempt = job.attempts.exclude(status=Attempt.Status.ENDED).order_by("-number").first()
+        if attempt is not None:
+            attempt_stop(attempt, reason="cancel")
+    return job
+
+
+def job_rollback(job: Job, *, user: AbstractUser, checkpoint_id: int | str) -> Job:
+    """Rewind a job to one of its checkpoints: later checkpoints are superseded, a running attempt
+    stops (outcome rolled_back), and the next attempt resumes from the checkpoint. A finished job
+    runs again. Raises RollbackCheckpointError for a bad checkpoint, TransitionError when the job
+    is being cancelled."""
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str)) or not str(checkpoint_id).isdigit():
+        raise RollbackCheckpointError({"checkpoint": ["must be the id of one of this job's checkpoints"]})
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        target = Checkpoint.objects.filter(pk=int(checkpoint_id)).first()
+        if not job.checkpoints.exists():
+            raise RollbackCheckpointError({"checkpoint": [f"job {job.pk} has no checkpoints to roll back to"]})
+        if target is None or target.job_id != job.pk:
+            raise RollbackCheckpointError({"checkpoint": [f"checkpoint {checkpoint_id} is not a checkpoint of job {job.pk}"]})
+        if target.deleted_at is not None:
+            raise RollbackCheckpointError({"checkpoint": [f"checkpoint {target.pk} (step {target.step}) was deleted by retention; "
+                                            "pick a checkpoint that still exists"]})
+        if not Path(target.path).is_dir():
+            raise RollbackCheckpointError({"checkpoint": [f"checkpoint {target.pk} (step {target.step}): its files are missing "
+                                            f"at {target.path}"]})
+        if job.cancel_requested and job.status not in Job.TERMINAL:
+            raise TransitionError("the job is being cancelled")
+        doomed = ckpt_policy.rollback_supersedes(checkpoint_states(job), next(
+            s for s in checkpoint_states(job) if s.id == target.pk))
+        Checkpoint.objects.filter(pk__in=doomed).update(superseded=True)
+        Checkpoint.objects.filter(pk=target.pk).update(superseded=False)
+        for c in Checkpoint.objects.filter(pk__in=[*doomed, target.pk]):
+            checkpoint_publish(c)
+        who = user.get_username()
+        job_event(job, "rollback", f"{who} rolled back to the checkpoint at step {target.step}"
+               + (f"; {len(doomed)} later checkpoint(s) superseded" if doomed else ""),
+               actor=user, checkpoint=target.pk, step=target.step, superseded=doomed, from_status=job.status)
+        reason = f"rolling back to step {target.step} ({who})"
+        if job.status in Job.TERMINAL:
+            job_set_status(job, Job.TERMINAL, Job.Status.QUEUED, reason, finished_at=None, restarts=0,
+                            cancel_requested=False, avoid_nodes=[])
+            transaction.on_commit(dispatch.request_tick)
+        elif job.status == Job.Status.QUEUED:
+            Job.objects.filter(pk=job.pk).update(status_reason=reason, restarts=0)
+        else:
+            Job.objects.filter(pk=job.pk).update(restarts=0)
+            job_set_status(job, Job.ACTIVE, Job.Status.STOPPING, reason)
+            attempt = job.attempts.exclude(status=Attempt.Status.ENDED).order_by("-number").first()
+            if attempt is not None:
+                Attempt.objects.filter(pk=attempt.pk).update(stop_reason="rollback")
+                attempt.refresh_from_db()
+                attempt_stop(attempt, reason="rollback")
+            else:
+                job_set_status(job, Job.Status.STOPPING, Job.Status.QUEUED, reason)
+                transaction.on_commit(dispatch.request_tick)
+    job.refresh_from_db()
+    return job

@@ -1,0 +1,162 @@
+"""Node agents: heartbeats, rank and exit reports, lost nodes, and the staff controls (drain,
+cordon, uncordon, clear a quarantine).
+
+A node that misses heartbeats for TRAINYARD_NODE_LOST_S is LOST and its attempts are stopped; an
+attempt whose ranks did not all start within TRAINYARD_LAUNCH_TIMEOUT_S is stopped too.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from .. import dispatch
+from ..errors import NodeActionError
+from ..models import Allocation, Attempt, Job, Node
+from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop
+from .events import job_event, job_set_status
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractUser
+
+log = logging.getLogger(__name__)
+
+
+def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
+    """Upsert a node from its agent's heartbeat. Returns the node and the attempts the agent runs
+    that the control plane no longer expects there (the caller tells the agent to stop them)."""
+    name = payload["name"]
+    now = timezone.now()
+    fields = {
+        "address": payload["address"], "slots": int(payload["slots"]), "labels": payload.get("labels") or {},
+        "devices": payload.get("devices") or [], "cpu_percent": payload.get("cpu_percent"),
+        "mem_percent": payload.get("mem_percent"), "agent_id": payload.get("agent_id", ""), "last_heartbeat": now,
+    }
+    with transaction.atomic():
+        node, created = Node.objects.get_or_create(name=name, defaults=fields)
+        if not created:
+            was_lost = node.status == Node.Status.LOST
+            Node.objects.filter(pk=node.pk).update(**fields)
+            if was_lost:
+                back = (Node.Status.QUARANTINED if node.quarantined_at else
+                        Node.Status.CORDONED if node.drain_mode == "cordon" else
+                        Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
+                Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
+                log.info("node %s is back (%s)", name, back)
+            node.refresh_from_db()
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+        running = set(int(a) for a in payload.get("attempts") or [])
+        expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
+        return node, sorted(running - expected)
+
+
+def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None:
+    """A node reports the ranks it started (rank, local_rank, pid); once every node did, the
+    attempt and its job are RUNNING."""
+    with transaction.atomic():
+        alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name).select_related(
+            "attempt__job").first()
+        if alloc is None:
+            return
+        Allocation.objects.filter(pk=alloc.pk).update(
+            ranks=sorted(({"rank": int(r["rank"]), "local_rank": int(r["local_rank"]), "pid": int(r["pid"])}
+                          for r in ranks), key=lambda r: r["rank"]))
+        attempt = alloc.attempt
+        waiting = Allocation.objects.filter(attempt=attempt, ranks=[]).exists()
+        if waiting:
+            return
+        if Attempt.objects.filter(pk=attempt.pk, status=Attempt.Status.STARTING).update(
+                status=Attempt.Status.RUNNING, started_at=timezone.now()):
+            job = attempt.job
+            if job_set_status(job, Job.Status.STARTING, Job.Status.RUNNING, ""):
+                job_event(job, "running", f"attempt {attempt.number}: all ranks started", attempt=attempt)
+
+
+def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
+    """A node's processes for an attempt have exited (or were stopped, or never started)."""
+    with transaction.atomic():
+        alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name, active=True).select_related(
+            "attempt", "node").first()
+        if alloc is None:
+            return  # duplicate report, or the node was already written off as lost
+        Allocation.objects.filter(pk=alloc.pk).update(active=False, result=result, ended_at=timezone.now())
+        attempt = alloc.attempt
+        failed = result.get("exit_code") != 0 and not result.get("stopped")
+        if failed and attempt.status != Attempt.Status.ENDED and not attempt.stop_reason:
+            attempt_stop(attempt, reason="failure")
+        else:
+            attempt_maybe_finish(attempt)
+
+
+def nodes_check() -> list[str]:
+    """Write off nodes that stopped heartbeating and attempts stuck in launch."""
+    now = timezone.now()
+    lost: list[str] = []
+    with transaction.atomic():
+        cutoff = now - timedelta(seconds=settings.TRAINYARD_NODE_LOST_S)
+        for node in Node.objects.exclude(status=Node.Status.LOST).filter(last_heartbeat__lt=cutoff):
+            Node.objects.filter(pk=node.pk).update(status=Node.Status.LOST)
+            lost.append(node.name)
+            for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
+                Allocation.objects.filter(pk=alloc.pk).update(
+                    active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})
+                attempt_stop(alloc.attempt, reason=f"node_lost:{node.name}")
+        launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
+        for attempt in Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff):
+            attempt_stop(attempt, reason="launch_timeout")
+    return lost
+
+
+def node_clear(node: Node, *, user: AbstractUser) -> Node:
+    """Lift a quarantine (staff; the API checks). The node takes work again unless it is LOST."""
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(quarantined_at=None, quarantine_reason="")
+        Node.objects.filter(pk=node.pk, status=Node.Status.QUARANTINED).update(status=_node_base_status(node))
+        log.info("node %s cleared by %s", node.name, user.get_username())
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+        transaction.on_commit(dispatch.request_tick)
+    node.refresh_from_db()
+    return node
+
+
+def _node_base_status(node: Node) -> str:
+    """What a node that is neither lost nor quarantined is: its drain/cordon state or READY."""
+    return (Node.Status.CORDONED if node.drain_mode == "cordon" else
+            Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
+
+
+NODE_ACTIONS = ("drain", "cordon", "uncordon")
+
+DRAIN_MODES = ("finish", "preempt")
+
+
+def node_set_schedulable(node: Node, *, user: AbstractUser, action: str, mode: str | None = None) -> Node:
+    """Staff controls (the API checks): `cordon` (no new work, running work continues), `drain`
+    (no new work; mode "finish" lets running attempts end, "preempt" checkpoints them away so they
+    resume elsewhere) and `uncordon` (takes work again). Raises NodeActionError for bad input."""
+    if action not in NODE_ACTIONS:
+        raise NodeActionError({"action": [f"must be one of {', '.join(NODE_ACTIONS)}"]})
+    if action == "drain" and mode not in DRAIN_MODES:
+        raise NodeActionError({"mode": ["must be \"finish\" (running jobs finish) or \"preempt\" (running jobs "
+                                  "checkpoint and move)"]})
+    who = user.get_username()
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        drain_mode = {"drain": mode, "cordon": "cordon", "uncordon": ""}[action]
+        Node.objects.filter(pk=node.pk).update(drain_mode=drain_mode)
+        node.drain_mode = drain_mode
+        if node.status != Node.Status.LOST and not node.quarantined_at:
+            Node.objects.filter(pk=node.pk).update(status=_node_base_status(node))
+        log.info("node %s: %s%s by %s", node.name, action, f" ({mode})" if mode else "", who)
+        if action == "drain" and mode == "preempt":
+            for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt__job"):
+                attempt_preempt(alloc.attempt, reason=f"node {node.name} is being drained by {who}")
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+        transaction.on_commit(dispatch.request_tick)
+    node.refresh_from_db()
+    return node

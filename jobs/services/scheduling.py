@@ -1,0 +1,104 @@
+"""Scheduling: the serialized tick that places queued jobs, preempts for reclaim and marks
+borrowing, the predicted start times, and launching a placed attempt on its nodes.
+
+jobs/policy/scheduler.py decides over a snapshot (selectors.cluster_view); this module applies
+the decision in one transaction and sends the launches after commit.
+"""
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from datetime import timezone as dt_timezone
+from functools import partial
+
+from django.db import transaction
+
+from .. import dispatch, selectors
+from ..models import Allocation, Attempt, Job, Node, SchedulerLock
+from ..policy import scheduler
+from .attempts import attempt_preempt
+from .checkpoints import checkpoints_reconcile, resume_checkpoint
+from .events import job_event, job_set_status
+from .ingest import job_stream
+
+
+def schedule_tick() -> list[int]:
+    """Place queued jobs, start reclaim preemptions and re-mark borrowing jobs (jobs/policy/
+    scheduler.py decides). Serialized: the lock row is taken first in the transaction (FOR UPDATE
+    on PostgreSQL; BEGIN IMMEDIATE already holds SQLite's write lock), so two ticks can never both
+    see the same free slots."""
+    started: list[int] = []
+    with transaction.atomic():
+        lock, _ = SchedulerLock.objects.select_for_update().get_or_create(pk=1)
+        SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
+        view = selectors.cluster_view()
+        decision = scheduler.schedule(view)
+        for placement in decision.placements:
+            if _start_attempt(placement):
+                started.append(placement.job_id)
+        for p in decision.preemptions:
+            attempt = Attempt.objects.filter(job_id=p.job_id, status__in=(
+                Attempt.Status.STARTING, Attempt.Status.RUNNING)).order_by("-number").first()
+            if attempt is not None:
+                attempt_preempt(attempt, reason=p.reason, for_job=p.for_job)
+        running = {r.id for r in view.running}
+        Job.objects.filter(pk__in=running & decision.borrowing, borrowing=False).update(borrowing=True)
+        Job.objects.filter(pk__in=running - decision.borrowing, borrowing=True).update(borrowing=False)
+        for job_id, reason in decision.waiting.items():
+            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).exclude(status_reason=reason).update(
+                status_reason=reason[:500])
+    return started
+
+
+def eta_refresh() -> int:
+    """Predicted start times of queued jobs (the policy run forward over predicted run times);
+    beat runs it every 5 s. Writes only the ones that moved by more than 5 s; returns that count."""
+    view = selectors.cluster_view()
+    etas = scheduler.predict_starts(view)
+    changed = 0
+    with transaction.atomic():
+        for job_id, old in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", "predicted_start_at"):
+            ts = etas.get(job_id)
+            new = datetime.fromtimestamp(ts, tz=dt_timezone.utc) if ts is not None and math.isfinite(ts) else None
+            if (old is None) != (new is None) or (old and new and abs((old - new).total_seconds()) > 5):
+                Job.objects.filter(pk=job_id).update(predicted_start_at=new)
+                changed += 1
+    return changed
+
+
+def _start_attempt(placement: scheduler.Placement) -> bool:
+    job = Job.objects.get(pk=placement.job_id)
+    if not job_set_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
+                           + ", ".join(s.node for s in placement.shares)
+                           + (" (borrowing idle capacity beyond its team's quota)" if placement.borrowing else ""),
+                           borrowing=placement.borrowing, predicted_start_at=None):
+        return False
+    number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+    checkpoints_reconcile(job)
+    resume = resume_checkpoint(job)
+    attempt = Attempt.objects.create(
+        job=job, number=number, resumed_from=resume,
+        resumed_from_step=resume.step if resume else (0 if number > 1 else None))
+    if number > 1:  # progress restarts where this attempt resumes; the charts rewind there too
+        Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
+    nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
+    host = placement.shares[0]
+    stream = job_stream(job.pk)
+    for share in placement.shares:
+        Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
+                                  slot_ids=list(share.slot_ids))
+        payload = {
+            "job_id": job.pk, "attempt_id": attempt.pk, "node": share.node, "node_rank": share.node_rank,
+            "nnodes": len(placement.shares), "nproc": len(share.slot_ids), "slots": list(share.slot_ids),
+            "device": job.spec["resources"]["device"], "rdzv_host": host.address, "local_addr": share.address,
+            "stream": stream, "spec": job.spec,
+            "resume": ({"path": resume.path, "step": resume.step, "checkpoint_id": resume.pk} if resume else None),
+        }
+        transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
+    where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
+    origin = (f"resuming from the checkpoint at step {resume.step}" if resume
+              else "from step 0 (no checkpoint yet)" if number > 1 else "")
+    job_event(job, "attempt_started", f"attempt {number} placed on {where}" + (f", {origin}" if origin else ""),
+           attempt=attempt, nodes=[s.node for s in placement.shares],
+           resume_step=attempt.resumed_from_step, checkpoint=resume.pk if resume else None)
+    return True
