@@ -214,11 +214,13 @@ services.node_heartbeat({"name": "bench-node", "address": "127.0.0.1", "slots": 
                          "cpu_percent": 0.0, "mem_percent": 0.0})
 out = []
 for j in range(jobs):
-    job = services.job_submit(user=admin, spec={"name": f"bench-{j}", "resources": {"nodes": 1, "procs_per_node": ranks},
+    job = services.job_submit(user=admin, spec={"name": f"bench-{j}",
+                                                "resources": {"nodes": 1, "procs_per_node": ranks},
                                                 "train": {"steps": 10_000_000}})
     services.schedule_tick()
     att = Attempt.objects.get(job=job)
-    services.attempt_ranks(att.pk, node_name="bench-node", ranks=[{"rank": r, "local_rank": r, "pid": 1} for r in range(ranks)])
+    services.attempt_ranks(att.pk, node_name="bench-node",
+                           ranks=[{"rank": r, "local_rank": r, "pid": 1} for r in range(ranks)])
     att.refresh_from_db()
     assert att.status == "RUNNING", att.status
     out.append({"job": job.pk, "attempt": att.pk})

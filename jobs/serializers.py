@@ -15,6 +15,8 @@ from .policy import diagnosis
 
 
 class AttemptSerializer(serializers.ModelSerializer):
+    """One attempt of a job, with its ranks (node, pid, place in the parallel plan)."""
+
     ranks = serializers.SerializerMethodField()
 
     class Meta:
@@ -27,6 +29,9 @@ class AttemptSerializer(serializers.ModelSerializer):
 
 
 class JobSerializer(serializers.ModelSerializer):
+    """A job as the API, the job socket and the job page show it: its attempts, queue position,
+    predicted start, stragglers and what the hang detector sees."""
+
     owner = serializers.CharField(source="owner.username", read_only=True)
     total_steps = serializers.IntegerField(read_only=True)
     queue_position = serializers.SerializerMethodField()
@@ -74,6 +79,8 @@ class JobSerializer(serializers.ModelSerializer):
 
 
 class MetricSerializer(serializers.ModelSerializer):
+    """One metric sample (one rank, one step)."""
+
     attempt = serializers.IntegerField(source="attempt_id")
 
     class Meta:
@@ -82,6 +89,8 @@ class MetricSerializer(serializers.ModelSerializer):
 
 
 class CheckpointSerializer(serializers.ModelSerializer):
+    """A registered checkpoint: where, how big, how long it took, and its retention state."""
+
     attempt = serializers.IntegerField(source="attempt_id", allow_null=True)
     deleted = serializers.SerializerMethodField()
 
@@ -95,6 +104,8 @@ class CheckpointSerializer(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
+    """A node with its slots in use, devices, load and drain/quarantine state."""
+
     slots_used = serializers.SerializerMethodField()
 
     class Meta:

@@ -53,7 +53,8 @@ def _running_job(user, name="j", steps=100) -> tuple[Job, Attempt]:
 def _samples(attempt: Attempt, steps, sps=(100.0, 120.0)):
     services.telemetry_ingest([
         {"attempt": attempt.pk, "rank": r, "step": s, "ts": 1.0 + s, "loss": 3.0 - s / 100,
-         "samples_per_s": sps[r], "tokens_per_s": sps[r] * 128, "step_s": 0.05} for s in steps for r in range(2)], events=[])
+         "samples_per_s": sps[r], "tokens_per_s": sps[r] * 128, "step_s": 0.05} for s in steps for r in range(2)],
+        events=[])
     assert MetricSample.objects.filter(attempt=attempt).count() == 2 * len(steps)
 
 

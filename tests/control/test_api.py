@@ -3,8 +3,10 @@ import pytest
 from django.core.management import call_command
 from rest_framework.test import APIClient
 
-from jobs import services
+from jobs import errors, services
+from jobs.api_errors import exception_handler
 from jobs.models import Job
+from trainyard.spec import SpecError
 
 pytestmark = pytest.mark.django_db
 
@@ -137,3 +139,19 @@ def test_nodes_list_shape(user, nodes, client_for):
 def test_schema_is_served(user, client_for):
     r = client_for(user).get("/api/schema/")
     assert r.status_code == 200 and b"/api/v1/jobs/" in r.content
+
+
+@pytest.mark.parametrize("exc,status,body", [
+    (errors.InvalidInput({"pinned": ["must be true or false"]}), 400, {"pinned": ["must be true or false"]}),
+    (errors.QuotaError({"0.max_slots": ["required"]}), 400, {"0.max_slots": ["required"]}),
+    (errors.NodeActionError({"mode": ["bad"]}), 400, {"mode": ["bad"]}),
+    (errors.RollbackCheckpointError("gone"), 400, {"checkpoint": ["gone"]}),
+    (errors.Forbidden("only staff may pin checkpoints"), 403, {"detail": ["only staff may pin checkpoints"]}),
+    (errors.NotFound({"node": ["no node named 'x'"]}), 404, {"node": ["no node named 'x'"]}),
+    (errors.TransitionError("job is already SUCCEEDED"), 409, {"status": ["job is already SUCCEEDED"]}),
+    (errors.TransitionError("deleted", field="checkpoint"), 409, {"checkpoint": ["deleted"]}),
+    (SpecError({"train.steps": ["too big"]}), 400, {"train.steps": ["too big"]}),
+])
+def test_one_exception_handler_maps_each_domain_error(exc, status, body):
+    r = exception_handler(exc, {})
+    assert r.status_code == status and r.data == {"errors": body}

@@ -41,7 +41,7 @@ def write_ckpt(root, job, attempt, step, manifest=True):
 def report_ckpt(root, job, attempt, step):
     d = write_ckpt(root, job, attempt, step)
     services.telemetry_ingest([], events=[{"kind": "checkpoint", "rank": 0, "attempt": attempt.pk, "step": step,
-                                    "path": str(d), "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}])
+                                           "path": str(d), "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}])
     return Checkpoint.objects.get(path=str(d.resolve()))
 
 
@@ -260,9 +260,11 @@ def test_user_errors_do_not_count_against_a_node(user, nodes):
     job = submit(user, max_restarts=5)
     for _ in range(2):
         attempt = start(job)
-        services.attempt_node_exit(attempt.pk, node_name="node-b", result={"node": "node-b", "exit_code": 1, "stopped": False, "failures": [
-            {"rank": 1, "timestamp": 1.0, "message": "ValueError: bad", "traceback": ""}]})
-        services.attempt_node_exit(attempt.pk, node_name="node-a", result={"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name="node-b", result={
+            "node": "node-b", "exit_code": 1, "stopped": False, "failures": [
+                {"rank": 1, "timestamp": 1.0, "message": "ValueError: bad", "traceback": ""}]})
+        services.attempt_node_exit(attempt.pk, node_name="node-a",
+                                   result={"exit_code": -15, "stopped": True, "failures": []})
         Job.objects.filter(pk=job.pk).update(status="QUEUED")
     assert Node.objects.get(name="node-b").status == "READY"
 

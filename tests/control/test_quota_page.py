@@ -46,7 +46,7 @@ def test_quota_page_lists_every_team_with_quota_usage_and_inputs(user, other, st
     start(submit(user))  # vision: 2 slots in use
     submit(user)         # and 2 queued behind it
     services.quotas_update(actor=staff, entries=[{"team": "vision", "max_slots": 4, "device_hours": 12.5},
-                                   {"user": "bob", "max_slots": 2}])
+                                                 {"user": "bob", "max_slots": 2}])
     html = logged_in(staff).get("/quotas/").content.decode()
     vision = row(html, "team", "vision")
     assert 'name="max_slots"' in vision and 'value="4"' in vision and 'value="12.5"' in vision

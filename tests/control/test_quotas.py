@@ -119,8 +119,9 @@ def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, cli
     assert attempt.stop_reason == "preempt" and attempt.status == "RUNNING"
     assert not [c for c in sent if c[0] == "stop"]  # cooperative: the runtime checkpoints and exits
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, node_name=n, result={"node": n, "exit_code": 1, "stopped": False, "failures": [
-            {"rank": 0, "timestamp": 1.0, "message": "exitcode 83", "traceback": "", "exitcode": 83}]})
+        services.attempt_node_exit(attempt.pk, node_name=n, result={
+            "node": n, "exit_code": 1, "stopped": False, "failures": [
+                {"rank": 0, "timestamp": 1.0, "message": "exitcode 83", "traceback": "", "exitcode": 83}]})
     attempt.refresh_from_db()
     job.refresh_from_db()
     assert attempt.outcome == "preempted" and job.status == "QUEUED" and job.restarts == 0
@@ -157,5 +158,6 @@ def test_job_finishing_during_its_grace_period_succeeds(user, nodes, monkeypatch
     attempt = start(job)
     services.attempt_preempt(attempt, reason="test")
     for n in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, node_name=n, result={"node": n, "exit_code": 0, "stopped": False, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=n,
+                                   result={"node": n, "exit_code": 0, "stopped": False, "failures": []})
     assert Job.objects.get(pk=job.pk).status == "SUCCEEDED"

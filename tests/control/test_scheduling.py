@@ -22,8 +22,8 @@ def preempts(monkeypatch):
 
 def finish_preempted(attempt):
     for alloc in attempt.allocations.select_related("node"):
-        services.attempt_node_exit(attempt.pk, node_name=alloc.node.name, result={"node": alloc.node.name, "exit_code": 1,
-                                                                 "stopped": False, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=alloc.node.name, result={
+            "node": alloc.node.name, "exit_code": 1, "stopped": False, "failures": []})
 
 
 def test_lowering_a_quota_makes_the_job_borrowing_and_another_teams_job_reclaims_it(
@@ -97,7 +97,7 @@ def test_submit_predicts_run_time_from_history_then_model(user, nodes):
     assert job.plan["prediction_source"] == "model" and job.predicted_s > 0
     a = start(job)
     for alloc in a.allocations.select_related("node"):
-        services.attempt_node_exit(a.pk, node_name=alloc.node.name, result={"node": alloc.node.name, "exit_code": 0,
-                                                          "stopped": False, "failures": []})
+        services.attempt_node_exit(a.pk, node_name=alloc.node.name, result={
+            "node": alloc.node.name, "exit_code": 0, "stopped": False, "failures": []})
     again = submit(user, **TWO)
     assert again.plan["prediction_source"] == "history:user"

@@ -100,8 +100,8 @@ def test_retryable_failure_requeues_until_restarts_run_out(user, nodes):
     for expected in ("QUEUED", "FAILED"):
         attempt = start(job)
         for node in ("node-a", "node-b"):
-            services.attempt_node_exit(attempt.pk, node_name=node, result={"exit_code": -9, "signal": "SIGKILL", "stopped": False,
-                                                          "failures": []})
+            services.attempt_node_exit(attempt.pk, node_name=node, result={
+                "exit_code": -9, "signal": "SIGKILL", "stopped": False, "failures": []})
         job.refresh_from_db()
         assert job.status == expected
     assert job.attempts.count() == 2
@@ -127,7 +127,8 @@ def test_cancel_running_stops_all_nodes_then_cancelled(user, nodes, sent, django
     assert {c[1] for c in sent if c[0] == "stop"} == {"node-a", "node-b"}
     assert Job.objects.get(pk=job.pk).status == "STOPPING"
     for node in ("node-a", "node-b"):
-        services.attempt_node_exit(attempt.pk, node_name=node, result={"exit_code": -15, "stopped": True, "failures": []})
+        services.attempt_node_exit(attempt.pk, node_name=node,
+                                   result={"exit_code": -15, "stopped": True, "failures": []})
     job.refresh_from_db()
     assert job.status == "CANCELLED" and job.attempts.get().outcome == "cancelled"
     with pytest.raises(TransitionError):
@@ -142,7 +143,8 @@ def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, django_capt
         assert services.nodes_check() == ["node-b"]
     assert Node.objects.get(name="node-b").status == "LOST"
     assert ("stop", "node-a", attempt.pk, "node_lost:node-b") in sent
-    services.attempt_node_exit(attempt.pk, node_name="node-a", result={"exit_code": -15, "stopped": True, "failures": []})
+    services.attempt_node_exit(attempt.pk, node_name="node-a",
+                               result={"exit_code": -15, "stopped": True, "failures": []})
     attempt.refresh_from_db()
     job.refresh_from_db()
     assert attempt.outcome == "lost" and job.status == "QUEUED" and job.restarts == 1
@@ -165,7 +167,7 @@ def test_telemetry_ingest_is_idempotent(user, nodes):
                for s in range(1, 6) for r in (0, 1)]
     services.telemetry_ingest(samples, events=[])
     services.telemetry_ingest(samples[:4], events=[{"kind": "telemetry_dropped", "rank": 1, "count": 3,
-                                             "attempt": attempt.pk}])
+                                                    "attempt": attempt.pk}])
     assert MetricSample.objects.filter(job=job).count() == 10
     job.refresh_from_db()
     assert job.step == 5
