@@ -24,7 +24,7 @@ from ..models import Attempt, Checkpoint, Job
 from ..payloads import checkpoint_dict
 from ..policy import checkpoints as ckpt_policy
 from .events import job_event
-from trainyard.spec import parse_job_spec
+from trainyard.spec import CheckpointSpec
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -109,7 +109,9 @@ def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
 
 
 def _apply_retention(job: Job) -> None:
-    keep = parse_job_spec(job.spec).checkpoint.keep  # the JobSpec owns the default
+    # The JobSpec's checkpoint section owns the default. Only that section is parsed: a cross-field
+    # rule added after the job was stored must not stop its retention (nor the relay's batch).
+    keep = CheckpointSpec.model_validate(job.spec.get("checkpoint") or {}).keep
     doomed = ckpt_policy.retention(checkpoint_states(job), keep)
     if not doomed:
         return
