@@ -22,7 +22,7 @@ from . import dispatch, selectors
 from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange,
                      SchedulerLock)
 from .policy import checkpoints as ckpt_policy
-from .policy import diagnosis, planner, predictor, scheduler
+from .policy import diagnosis, planner, predictor, scheduling
 from trainyard.spec import SpecError, parse_job_spec
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def job_submit(user, data) -> Job:
     if not nodes:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
     r = spec.resources
-    if not scheduler.fits_cluster(nodes, r.nodes, r.procs_per_node):
+    if not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
         raise SpecError({"resources": [
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
@@ -145,7 +145,7 @@ def schedule_tick() -> list[int]:
         lock, _ = SchedulerLock.objects.select_for_update().get_or_create(pk=1)
         SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
         view = selectors.cluster_view()
-        decision = scheduler.schedule(view)
+        decision = scheduling.schedule(view)
         for placement in decision.placements:
             if _start_attempt(placement):
                 started.append(placement.job_id)
@@ -167,7 +167,7 @@ def eta_refresh() -> int:
     """Predicted start times of queued jobs (the policy run forward over predicted run times);
     beat runs it every 5 s. Writes only the ones that moved by more than 5 s; returns that count."""
     view = selectors.cluster_view()
-    etas = scheduler.predict_starts(view)
+    etas = scheduling.predict_starts(view)
     changed = 0
     with transaction.atomic():
         for job_id, old in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", "predicted_start_at"):
@@ -179,7 +179,7 @@ def eta_refresh() -> int:
     return changed
 
 
-def _start_attempt(placement: scheduler.Placement) -> bool:
+def _start_attempt(placement: scheduling.Placement) -> bool:
     job = Job.objects.get(pk=placement.job_id)
     if not _set_job_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
                            + ", ".join(s.node for s in placement.shares)

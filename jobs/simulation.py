@@ -1,7 +1,7 @@
 """Trace-driven simulation of the scheduling policies, under simulated time (pure Python, no ORM).
 
 A trace (CSV: job_id,submit_s,user,team,slots,duration_s,estimate_s,priority; see
-bench/tracegen.py) is replayed through the real `jobs.policy.scheduler.schedule()`: at every
+bench/tracegen.py) is replayed through the real `jobs.policy.scheduling.schedule()`: at every
 event time (a submission, a job's end, a preempted job's exit) the simulator builds a
 `ClusterView` and applies the `Decision` as the services would; and, as the services' periodic
 tick does, every `tick_s` (300 simulated seconds) while jobs wait and when a running job passes
@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from .policy.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
 from .policy.predictor import TraceHistory
-from .policy.scheduler import POLICIES, ClusterView, NodeState, Quotas, QueuedJob, RunningJob, schedule
+from .policy.scheduling import POLICIES, ClusterView, NodeState, Quotas, QueuedJob, RunningJob, schedule
 
 TRACE_COLUMNS = ("job_id", "submit_s", "user", "team", "slots", "duration_s", "estimate_s", "priority")
 
