@@ -110,6 +110,7 @@ class FreeSlots:
             self._set(i, self.avail[i] + len(slot_ids))
 
     def level(self, i: int, overlay: Mapping[int, int] | None) -> int:
+        """Slots available on node i in the state the overlay describes."""
         return self.avail[i] + (overlay.get(i, 0) if overlay else 0)
 
     def shares_of(self, nodes: Iterable[tuple[str, Sequence[int]]]) -> IndexShares:
