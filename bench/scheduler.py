@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from jobs.policy.scheduler import (  # noqa: E402
+from jobs.policy.scheduling import (  # noqa: E402
     ClusterView, NodeState, Quotas, QueuedJob, RunningJob, predict_starts, queue_order, schedule)
 from jobs.simulation import SimConfig, TraceJob, simulate  # noqa: E402
 

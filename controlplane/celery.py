@@ -18,7 +18,7 @@ app.conf.beat_schedule = {
     "nodes-check": {"task": "workers.tasks.nodes_check", "schedule": 2.0, "options": {"expires": 4}},
     # Hang and straggler detection over the relay's committed telemetry.
     "attempts-check": {"task": "workers.tasks.attempts_check", "schedule": 2.0, "options": {"expires": 4}},
-    # Queued jobs' predicted start times: the policy run forward (jobs/policy/scheduler.predict_starts).
+    # Queued jobs' predicted start times: the policy run forward (jobs/policy/scheduling/predict.py, predict_starts).
     "eta-refresh": {"task": "workers.tasks.eta_refresh", "schedule": 5.0, "options": {"expires": 10}},
 }
 

@@ -6,7 +6,7 @@ from django.db.models import Q, QuerySet
 
 from .models import Allocation, Attempt, Job, MetricSample, Node
 from .policy import fairshare
-from .policy.scheduler import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
+from .policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
 
 
 def jobs_visible_to(user) -> QuerySet[Job]:
@@ -144,7 +144,7 @@ def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = N
 
 
 def queue_positions() -> dict[int, int]:
-    from .policy.scheduler import queue_order
+    from .policy.scheduling import queue_order
 
     return {j.id: i + 1 for i, j in enumerate(queue_order(cluster_view()))}
 

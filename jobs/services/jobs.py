@@ -13,7 +13,7 @@ from .. import dispatch, selectors
 from ..errors import RollbackCheckpointError, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
-from ..policy import planner, predictor, scheduler
+from ..policy import planner, predictor, scheduling
 from .attempts import attempt_stop
 from .checkpoints import checkpoint_publish, checkpoint_states
 from .events import job_event, job_set_status
@@ -31,7 +31,7 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     if not nodes:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
     r = parsed.resources
-    if not scheduler.fits_cluster(nodes, r.nodes, r.procs_per_node):
+    if not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
         raise SpecError({"resources": [
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "

@@ -1,7 +1,7 @@
 """Scheduling: the serialized tick that places queued jobs, preempts for reclaim and marks
 borrowing, the predicted start times, and launching a placed attempt on its nodes.
 
-jobs/policy/scheduler.py decides over a snapshot (selectors.cluster_view); this module applies
+jobs/policy/scheduling/ decides over a snapshot (selectors.cluster_view); this module applies
 the decision in one transaction and sends the launches after commit.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from django.db import transaction
 
 from .. import dispatch, selectors
 from ..models import Allocation, Attempt, Job, Node, SchedulerLock
-from ..policy import scheduler
+from ..policy import scheduling
 from .attempts import attempt_preempt
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_set_status
@@ -24,7 +24,7 @@ from .ingest import job_stream
 
 def schedule_tick() -> list[int]:
     """Place queued jobs, start reclaim preemptions and re-mark borrowing jobs (jobs/policy/
-    scheduler.py decides). Serialized: the lock row is taken first in the transaction (FOR UPDATE
+    scheduling/ decides). Serialized: the lock row is taken first in the transaction (FOR UPDATE
     on PostgreSQL; BEGIN IMMEDIATE already holds SQLite's write lock), so two ticks can never both
     see the same free slots."""
     started: list[int] = []
@@ -32,7 +32,7 @@ def schedule_tick() -> list[int]:
         lock, _ = SchedulerLock.objects.select_for_update().get_or_create(pk=1)
         SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
         view = selectors.cluster_view()
-        decision = scheduler.schedule(view)
+        decision = scheduling.schedule(view)
         for placement in decision.placements:
             if _start_attempt(placement):
                 started.append(placement.job_id)
@@ -52,21 +52,22 @@ def schedule_tick() -> list[int]:
 
 def eta_refresh() -> int:
     """Predicted start times of queued jobs (the policy run forward over predicted run times);
-    beat runs it every 5 s. Writes only the ones that moved by more than 5 s; returns that count."""
+    beat runs it every 5 s. Writes only what the policy's `eta_changes` reports (appeared, gone,
+    or moved by more than `scheduling.ETA_TOLERANCE_S`, 5 s); returns that count."""
     view = selectors.cluster_view()
-    etas = scheduler.predict_starts(view)
-    changed = 0
+    etas = scheduling.predict_starts(view)
     with transaction.atomic():
-        for job_id, old in Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", "predicted_start_at"):
-            ts = etas.get(job_id)
-            new = datetime.fromtimestamp(ts, tz=dt_timezone.utc) if ts is not None and math.isfinite(ts) else None
-            if (old is None) != (new is None) or (old and new and abs((old - new).total_seconds()) > 5):
-                Job.objects.filter(pk=job_id).update(predicted_start_at=new)
-                changed += 1
-    return changed
+        queued = dict(Job.objects.filter(status=Job.Status.QUEUED).values_list("pk", "predicted_start_at"))
+        old = {pk: at.timestamp() for pk, at in queued.items() if at is not None}
+        new = {pk: ts for pk, ts in etas.items() if pk in queued and math.isfinite(ts)}
+        changes = scheduling.eta_changes(old, new)
+        for job_id, ts in changes.items():
+            Job.objects.filter(pk=job_id).update(
+                predicted_start_at=None if ts is None else datetime.fromtimestamp(ts, tz=dt_timezone.utc))
+    return len(changes)
 
 
-def _start_attempt(placement: scheduler.Placement) -> bool:
+def _start_attempt(placement: scheduling.Placement) -> bool:
     job = Job.objects.get(pk=placement.job_id)
     if not job_set_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
                            + ", ".join(s.node for s in placement.shares)

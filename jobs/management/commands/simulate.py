@@ -2,7 +2,7 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.policy.scheduler import POLICIES
+from jobs.policy.scheduling import POLICIES
 from jobs.simulation import SimConfig, TraceError, read_quotas, read_trace, simulate
 
 
