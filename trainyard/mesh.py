@@ -71,6 +71,11 @@ class Mesh:
         """The dimensions of size > 1, in mesh order."""
         return [d for d in MESH_ORDER if self.shape[d] > 1]
 
+    def describe(self) -> dict:
+        """The mesh as the runtime reports it (the `rank_plan` event's "mesh")."""
+        return {"shape": self.shape, "order": list(MESH_ORDER), "fsdp": self.fsdp,
+                "dims": {d: self.meaning(d) for d in self.dims()}}
+
 
 def stage_layers(layers: int, pp: int) -> list[range]:
     """The contiguous block range of each of `pp` stages, sizes differing by at most one
