@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
+from .mesh import param_count
+
 # Upper bounds that catch typos (hidden: 1280000) before they become an OOM on a node.
 MAX_PARAMS = 20_000_000_000
 MAX_STEPS = 10_000_000
@@ -43,10 +45,9 @@ class ModelSpec(_Strict):
         return self
 
     def param_count(self) -> int:
-        emb = self.vocab * self.hidden
-        if self.kind == "gpt":
-            return 2 * emb + self.seq_len * self.hidden + self.layers * 12 * self.hidden * self.hidden
-        return 2 * emb + self.layers * self.hidden * self.hidden
+        """Parameters of the model the runtime builds from this section (trainyard/mesh.py)."""
+        return param_count(self.kind, layers=self.layers, hidden=self.hidden, seq_len=self.seq_len,
+                           vocab=self.vocab)
 
 
 class DataSpec(_Strict):

@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from trainyard.mesh import param_count, train_flops
+
 HISTORY_K = 5
 # torchrun launch + c10d rendezvous + model build + first checkpoint load on CPU: 10-20 s in the
 # integration tests (2 ranks, loopback); the mean of that.
@@ -99,19 +101,16 @@ def shape_from_spec(spec: Mapping, user: str = "", team: str | None = None) -> J
 
 
 def parameters(shape: JobShape) -> int:
-    """Parameter count of the runtime's models (workers/runtime/model.py)."""
-    h, v, n = shape.hidden, shape.vocab, shape.layers
-    if shape.kind == "mlp":
-        return v * h + n * (h * h + h) + 2 * h + h * v
-    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
-    return v * h + shape.seq_len * h + n * block + 2 * h + h * v
+    """Parameter count of the runtime's model of this shape (trainyard/mesh.py)."""
+    return param_count(shape.kind, layers=shape.layers, hidden=shape.hidden, seq_len=shape.seq_len,
+                       vocab=shape.vocab)
 
 
 def estimate_step_s(shape: JobShape) -> float:
     """Seconds per training step from FLOPs and all-reduce bytes (the constants above)."""
     p = parameters(shape)
     w = max(1, shape.world_size)
-    flops_per_rank = 6.0 * p * shape.global_batch * shape.seq_len / w
+    flops_per_rank = train_flops(p, shape.global_batch * shape.seq_len) / w
     if shape.device == "cuda":
         compute = max(flops_per_rank / CUDA_FLOPS_PER_PROC, CUDA_S_PER_LAYER_FLOOR * shape.layers)
         bw = CUDA_ALLREDUCE_BYTES_PER_S

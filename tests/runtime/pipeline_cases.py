@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from workers.runtime.config import ModelConfig, parse_run_config
 from workers.runtime.model import build_model, lm_loss
-from workers.runtime.parallel import Mesh, param_bytes
+from trainyard.mesh import Mesh
+from workers.runtime.parallel import param_bytes
 from workers.runtime.pipeline import PipelineStrategy
 
 SEED, STEPS, GLOBAL_BATCH, MICROBATCHES = 3, 6, 8, 4
@@ -105,7 +106,9 @@ def reshard_checks(name: str, out: Path, cfg, mesh, strategy, opt, ref, ref_opt)
 
     _save(out / f"ckpt-{name}-full", ref, ref_opt)
     torch.manual_seed(99)
-    fresh = PipelineStrategy(cfg, build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"))
+    fresh = PipelineStrategy(build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"),
+                             hidden=cfg.model.hidden, microbatches=cfg.parallel.microbatches,
+                             schedule=cfg.parallel.schedule)
     fresh_opt = _adamw(fresh.module.parameters())
     _load(out / f"ckpt-{name}-full", fresh.module, fresh_opt)
     full_to_pp = _state_diff(fresh.module, fresh_opt, ref, ref_opt)
@@ -118,7 +121,7 @@ def run_case(name: str, out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert dp * pp == world, (name, world)
     cfg = _config(dp, pp, schedule)
-    mesh = Mesh.from_config(cfg, world)
+    mesh = Mesh.for_world(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.parallel.dp)
     batches = _batches()
 
     torch.manual_seed(SEED)
@@ -138,7 +141,9 @@ def run_case(name: str, out: Path) -> None:
         ref_eval = lm_loss(ref(batches[STEPS][0]), batches[STEPS][1]).item()
 
     torch.manual_seed(SEED)
-    strategy = PipelineStrategy(cfg, build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"))
+    strategy = PipelineStrategy(build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"),
+                                hidden=cfg.model.hidden, microbatches=cfg.parallel.microbatches,
+                                schedule=cfg.parallel.schedule)
     opt = _adamw(strategy.module.parameters())
     d = mesh.coords(rank)["dp"]
     share = GLOBAL_BATCH // dp

@@ -19,10 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from workers.runtime.config import (CommConfig, DataConfig, ModelConfig, ParallelConfig,
-                                    ResourcesConfig, RunConfig, TrainConfig)
+from trainyard.mesh import Mesh
+from workers.runtime.config import ModelConfig, ParallelConfig
 from workers.runtime.model import build_model, lm_loss
-from workers.runtime.parallel import Mesh, optim_bytes, param_bytes
+from workers.runtime.parallel import optim_bytes, param_bytes
 from workers.runtime.sharded import ShardedStrategy
 
 SMALL = ModelConfig(kind="gpt", layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
@@ -93,11 +93,10 @@ def run_case(case: str, x, y, ref_losses, ref_state, rank: int, world: int) -> d
     p = ParallelConfig(**PLANS[plan])
     mesh = Mesh(pp=1, dp=p.dp, tp=p.tp, fsdp=p.fsdp)
     assert mesh.dp * mesh.tp == world, (case, world)
-    cfg = RunConfig(0, 0, "n", "/", "", "", "/", "/", SMALL, DataConfig(),
-                    TrainConfig(grad_accum=int(accum)), ResourcesConfig(), p, CommConfig())
     torch.manual_seed(SEED)
     model = build_model(SMALL)
-    strategy = ShardedStrategy(cfg, model, mesh, rank, torch.device("cpu"))
+    strategy = ShardedStrategy(model, mesh, rank, torch.device("cpu"), vocab=SMALL.vocab,
+                               heads=SMALL.heads, hidden=SMALL.hidden)
     opt = adamw(strategy.module.parameters())
     dp = mesh.coords(rank)["dp"]
     share = BATCH // mesh.dp

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO, free_port
-from workers.runtime.balance import Balance, Balancer, apportion, check_balance, offsets
+from trainyard.spec import SpecError, parse_job_spec
+from workers.runtime.balance import Balance, Balancer, apportion, offsets
 from workers.runtime.chaos import Chaos, SlowKnob
 from workers.runtime.checkpoint import final_name
 from workers.runtime.config import ConfigError, DataConfig, ModelConfig
@@ -111,28 +112,22 @@ def test_balance_runtime_weights_and_slices():
     assert s.calls == [(8, 8), (11, 5)]
 
 
-class _Mesh:
-    def __init__(self, tp=1, pp=1, fsdp=False):
-        self.tp, self.pp, self.fsdp, self.dp = tp, pp, fsdp, 2
-
-
-class _Cfg:
-    def __init__(self, balance="auto", sync="allreduce"):
-        self.train = type("T", (), {"balance": balance})()
-        self.comm = type("C", (), {"sync": sync})()
+def _balance_errors(balance="auto", parallel=None, comm=None) -> list[str]:
+    try:
+        parse_job_spec({"name": "x", "train": {"balance": balance}, "parallel": parallel or "auto",
+                        "comm": comm or {}})
+    except SpecError as e:
+        return e.errors.get("train.balance", [])
+    return []
 
 
 def test_balance_is_refused_outside_plain_ddp():
-    check_balance(_Cfg(), _Mesh())
-    check_balance(_Cfg(balance="none", sync="local_sgd"), _Mesh(tp=2))
-    with pytest.raises(ConfigError, match="train.balance=auto needs plain data parallelism.*tp=2"):
-        check_balance(_Cfg(), _Mesh(tp=2))
-    with pytest.raises(ConfigError, match="pp=2"):
-        check_balance(_Cfg(), _Mesh(pp=2))
-    with pytest.raises(ConfigError, match="fsdp=True"):
-        check_balance(_Cfg(), _Mesh(fsdp=True))
-    with pytest.raises(ConfigError, match="comm.sync='local_sgd'"):
-        check_balance(_Cfg(sync="local_sgd"), _Mesh())
+    # by the JobSpec (trainyard/spec.py unsupported_options), at submit and for the launch config
+    assert _balance_errors() == []
+    assert _balance_errors(balance="none", parallel={"dp": 1, "tp": 2}, comm={"sync": "local_sgd"}) == []
+    for parallel in ({"dp": 1, "tp": 2}, {"dp": 1, "pp": 2}, {"dp": 2, "fsdp": True}):
+        assert "needs plain data parallelism" in " ".join(_balance_errors(parallel=parallel))
+    assert "needs comm.sync allreduce" in " ".join(_balance_errors(comm={"sync": "local_sgd"}))
 
 
 # ---------------------------------------------------------------- sliced data
@@ -240,7 +235,8 @@ def _equivalence_case(out_path: str) -> None:
     import torch.distributed as dist
 
     from workers.runtime.model import build_model, lm_loss
-    from workers.runtime.parallel import DDPStrategy, Mesh
+    from trainyard.mesh import Mesh
+    from workers.runtime.parallel import DDPStrategy
 
     dist.init_process_group("gloo")
     rank, world, total = dist.get_rank(), dist.get_world_size(), 16

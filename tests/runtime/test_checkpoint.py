@@ -532,3 +532,24 @@ def test_a_killed_job_resumes_from_its_checkpoint_with_the_same_losses(tmp_path,
     assert sorted(p.name for p in b_dir.iterdir()) == [
         "step-00000005-a21", "step-00000010-a22", "step-00000012-a22"]
     assert [e["step"] for e in events_c if e["kind"] == "checkpoint" and e["attempt"] == 22] == [10, 12]
+
+
+def test_the_checkpointer_decides_which_steps_it_saves(tmp_path, one_rank):
+    """Every every_steps steps and the last; a forced (preemption) save of a step already saved
+    is skipped, of another step taken."""
+    reporter = Events()
+    saver = ck.Checkpointer(CheckpointConfig(every_steps=3, async_=False), tmp_path, job_id=8,
+                            attempt_id=21, rank=0, world_size=1, device=torch.device("cpu"),
+                            reporter=reporter)
+    model, opt = _model_and_opt()
+    _train_step(model, opt)
+    saved = []
+    for step in range(1, 8):
+        saver.save_if_due(step, model, opt, last_step=7)
+        if saver.saved_step == step:
+            saved.append(step)
+    assert saved == [3, 6, 7]
+    saver.save_if_due(7, model, opt, last_step=7, force=True)  # saved already: nothing
+    saver.save_if_due(5, model, opt, last_step=7, force=True)  # not due, but forced
+    saver.close()
+    assert [e[1]["step"] for e in reporter.events] == [3, 6, 7, 5]

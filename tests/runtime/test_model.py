@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from trainyard.mesh import param_count
 from workers.runtime.config import ModelConfig
 from workers.runtime.model import build_model, lm_loss
 
@@ -56,3 +57,16 @@ def test_attention_has_separate_q_k_v_with_the_fused_layouts_size_and_init():
         assert m.weight.std().item() == pytest.approx(0.02, rel=0.1) and not m.bias.any()
     # GPT-2's residual projections: std 0.02 / sqrt(2 x layers)
     assert attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * layers), rel=0.1)
+
+
+@pytest.mark.parametrize("shape", [
+    {},  # the demo GPT: 875,264
+    {"kind": "mlp"},
+    {"layers": 3, "hidden": 48, "heads": 6, "seq_len": 17, "vocab": 301},
+    {"kind": "mlp", "layers": 5, "hidden": 40, "vocab": 97},
+])
+def test_mesh_param_count_is_the_built_models_parameter_count(shape):
+    cfg = ModelConfig(**shape)
+    built = sum(p.numel() for p in build_model(cfg).parameters())
+    assert param_count(cfg.kind, layers=cfg.layers, hidden=cfg.hidden, seq_len=cfg.seq_len,
+                       vocab=cfg.vocab) == built

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (workers/runtime/pipeline.py): the stage split and config checks
-in-process, then real torchrun (gloo):
+"""Pipeline parallelism (workers/runtime/pipeline.py): the stage split (trainyard/mesh.py) and
+the plans the JobSpec refuses for it, in-process, then real torchrun (gloo):
 - one 2-rank launch of tests/runtime/pipeline_cases.py: pp=2 with GPipe and with 1F1B match
   single-process training of the same GPT on the same global batch and seed (losses over K steps,
   step-1 gradients, eval loss), each stage holds about half the parameter bytes, and a DCP
@@ -21,12 +21,14 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from workers.runtime.config import ConfigError, ModelConfig, parse_run_config
+from trainyard.mesh import Mesh, stage_layers
+from trainyard.spec import SpecError, parse_job_spec
+from workers.runtime.config import ModelConfig
 from workers.runtime.model import build_model
-from workers.runtime.parallel import Mesh, param_bytes
-from workers.runtime.pipeline import GPTStage, check_pipeline_config, dp_ranks, pp_ranks, split_layers
+from workers.runtime.parallel import param_bytes
+from workers.runtime.pipeline import GPTStage, dp_ranks, pp_ranks
 
-from .conftest import SMALL_MODEL, make_launch_config
+from .conftest import SMALL_MODEL
 from .test_torchrun import run_job
 
 # ---------------------------------------------------------------- in-process
@@ -37,15 +39,15 @@ from .test_torchrun import run_job
     (7, 3, [(0, 3), (3, 5), (5, 7)]), (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]), (3, 1, [(0, 3)]),
 ])
 def test_blocks_are_split_contiguously_and_as_evenly_as_possible(layers, stages, expected):
-    assert [(r.start, r.stop) for r in split_layers(layers, stages)] == expected
+    assert [(r.start, r.stop) for r in stage_layers(layers, stages)] == expected
 
 
-def test_more_stages_than_layers_is_a_config_error():
-    with pytest.raises(ConfigError, match="parallel.pp=3 must be between 1 and model.layers=2"):
-        split_layers(2, 3)
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="parallel.pp=3 must be between 1 and model.layers=2"):
+        stage_layers(2, 3)
 
 
-def test_mesh_groups_follow_the_rank_order_of_parallel_py():
+def test_mesh_groups_follow_the_rank_order_of_the_mesh():
     mesh = Mesh(pp=2, dp=3, tp=1)  # rank = pp_coord * dp + dp_coord
     assert [pp_ranks(mesh, d) for d in range(3)] == [[0, 3], [1, 4], [2, 5]]
     assert [dp_ranks(mesh, s) for s in range(2)] == [[0, 1, 2], [3, 4, 5]]
@@ -62,7 +64,7 @@ def test_stages_keep_the_full_models_names_and_chain_to_its_forward():
         expected = full(idx)
     names = {n for n, _ in full.named_parameters()}
     stages = []
-    for s, blocks in enumerate(split_layers(3, 2)):
+    for s, blocks in enumerate(stage_layers(3, 2)):
         torch.manual_seed(0)
         stages.append(GPTStage(build_model(cfg), blocks, s == 0, s == 1))
     stage_names = [{n for n, _ in st.named_parameters()} for st in stages]
@@ -76,29 +78,34 @@ def test_stages_keep_the_full_models_names_and_chain_to_its_forward():
     assert torch.equal(got, expected)
 
 
-def _cfg(**spec):
-    sections = {"model": SMALL_MODEL, "train": {"global_batch": 16},
+def _spec_errors(**spec) -> dict[str, list[str]]:
+    sections = {"name": "pp", "model": SMALL_MODEL, "train": {"global_batch": 16},
                 "parallel": {"dp": 1, "pp": 2, "microbatches": 4, "schedule": "1f1b"}, **spec}
-    return parse_run_config(make_launch_config(Path("/tmp/x"), "redis://x:1/0", **sections))
+    try:
+        parse_job_spec(sections)
+    except SpecError as e:
+        return e.errors
+    return {}
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"model": {**SMALL_MODEL, "kind": "mlp"}}, "parallel.pp=2 needs model.kind=gpt"),
-    ({"train": {"global_batch": 16, "grad_accum": 2}}, "train.grad_accum=2 with parallel.pp=2"),
-    ({"comm": {"compression": "fp16"}}, "comm.compression='fp16'"),
-    ({"parallel": {"dp": 1, "pp": 2, "microbatches": 3}}, r"parallel.microbatches=3 must divide"),
+# What the pipeline cannot run is refused by the JobSpec (trainyard/spec.py unsupported_options),
+# at submit and for the runtime's launch config alike.
+@pytest.mark.parametrize("spec, field, message", [
+    ({"model": {**SMALL_MODEL, "kind": "mlp"}}, "parallel.pp", "model.kind must be gpt"),
+    ({"train": {"global_batch": 16, "grad_accum": 2}}, "train.grad_accum", "parallel.microbatches"),
+    ({"comm": {"compression": "fp16"}}, "comm.compression", "plain data parallelism"),
+    ({"parallel": {"dp": 1, "pp": 2, "microbatches": 3}}, "parallel.microbatches",
+     "divisible by microbatches"),
     ({"parallel": {"dp": 1, "pp": 2, "microbatches": 1, "schedule": "1f1b"}},
-     "parallel.microbatches=1 must be >= parallel.pp=2"),
+     "parallel.microbatches", "at least as many micro-batches"),
 ])
-def test_what_the_pipeline_cannot_run_is_a_config_error_naming_the_field(spec, message):
-    cfg = _cfg(**spec)
-    with pytest.raises(ConfigError, match=message):
-        check_pipeline_config(cfg, Mesh.from_config(cfg, 2))
+def test_what_the_pipeline_cannot_run_is_refused_by_the_spec_naming_the_field(spec, field, message):
+    errors = _spec_errors(**spec)
+    assert message in " ".join(errors.get(field, [])), errors
 
 
 def test_gpipe_runs_with_fewer_microbatches_than_stages():
-    cfg = _cfg(parallel={"dp": 1, "pp": 2, "microbatches": 1, "schedule": "gpipe"})
-    check_pipeline_config(cfg, Mesh.from_config(cfg, 2))
+    assert _spec_errors(parallel={"dp": 1, "pp": 2, "microbatches": 1, "schedule": "gpipe"}) == {}
 
 
 # ---------------------------------------------------------------- torchrun: equivalence

@@ -1,6 +1,6 @@
 """FSDP2, tensor parallelism and dp x tp (workers/runtime/sharded.py).
 
-In-process: the plan's refusals, the TP plan, the mesh arithmetic. Real torchrun (gloo):
+In-process: the plans the JobSpec refuses, the TP plan, the mesh arithmetic. Real torchrun (gloo):
 - sharded_cases.py on 2 ranks (fsdp and tp, grad_accum 1 and 2) and on 4 ranks (dp 2 x tp 2):
   per-step losses equal single-process training on the same global batch, the final weights
   too, replicated gradients agree across tp ranks, and each rank holds about half the bytes;
@@ -20,11 +20,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.conftest import REPO
 from workers.runtime import checkpoint as ck
-from workers.runtime.config import (CommConfig, ConfigError, DataConfig, ModelConfig,
-                                    ParallelConfig, ResourcesConfig, RunConfig, TrainConfig)
+from trainyard.mesh import Mesh
+from trainyard.spec import SpecError, parse_job_spec
+from workers.runtime.config import ModelConfig
 from workers.runtime.model import build_model
-from workers.runtime.parallel import Mesh
-from workers.runtime.sharded import check_sharded_plan, tp_plan
+from workers.runtime.sharded import tp_plan
 
 from .conftest import SMALL_MODEL
 from .test_torchrun import run_job
@@ -32,22 +32,31 @@ from .test_torchrun import run_job
 CASES = Path(__file__).with_name("sharded_cases.py")
 
 
-def _cfg(model=None, comm=None) -> RunConfig:
-    return RunConfig(0, 0, "n", Path("/"), "", "", Path("/"), Path("/"),
-                     model or ModelConfig(**SMALL_MODEL), DataConfig(), TrainConfig(),
-                     ResourcesConfig(), ParallelConfig(), comm or CommConfig())
+def _spec_errors(parallel: dict, model=None, comm=None, procs: int = 2) -> dict[str, list[str]]:
+    try:
+        parse_job_spec({"name": "x", "model": model or SMALL_MODEL, "parallel": parallel,
+                        "comm": comm or {}, "resources": {"nodes": 1, "procs_per_node": procs}})
+    except SpecError as e:
+        return e.errors
+    return {}
 
 
-@pytest.mark.parametrize("mesh, cfg, field", [
-    (Mesh(1, 1, 2, fsdp=True), _cfg(), "parallel.fsdp"),
-    (Mesh(1, 1, 2), _cfg(model=ModelConfig(kind="mlp")), "parallel.tp"),
-    (Mesh(1, 1, 8), _cfg(), "parallel.tp=8 must divide model.heads=4"),
-    (Mesh(1, 2, 1, fsdp=True), _cfg(comm=CommConfig(compression="fp16")), "comm.compression"),
-    (Mesh(1, 1, 2), _cfg(comm=CommConfig(sync="local_sgd")), "comm.sync"),
+# What the sharded strategy cannot run is refused by the JobSpec (trainyard/spec.py
+# unsupported_options), at submit and for the runtime's launch config alike.
+@pytest.mark.parametrize("kwargs, field, message", [
+    ({"parallel": {"dp": 1, "tp": 2, "fsdp": True}}, "parallel.fsdp", "tensor parallelism"),
+    ({"parallel": {"dp": 1, "tp": 2}, "model": {**SMALL_MODEL, "kind": "mlp"}}, "parallel.tp",
+     "model.kind mlp"),
+    ({"parallel": {"dp": 1, "tp": 8}, "procs": 8}, "parallel.tp", "tp (8) must divide model.heads (4)"),
+    ({"parallel": {"dp": 2, "fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression",
+     "plain data parallelism"),
+    ({"parallel": {"dp": 1, "tp": 2}, "comm": {"sync": "local_sgd"}}, "comm.sync",
+     "plain data parallelism"),
 ])
-def test_plans_the_sharded_strategy_cannot_run_are_config_errors_naming_the_field(mesh, cfg, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        check_sharded_plan(cfg, mesh)
+def test_plans_the_sharded_strategy_cannot_run_are_refused_by_the_spec_naming_the_field(
+        kwargs, field, message):
+    errors = _spec_errors(**kwargs)
+    assert message in " ".join(errors.get(field, [])), errors
 
 
 def test_tp_plan_splits_every_block_and_the_vocab_when_it_divides():

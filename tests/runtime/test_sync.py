@@ -15,26 +15,33 @@ from pathlib import Path
 
 import pytest
 
-from workers.runtime.config import ConfigError
-from workers.runtime.sync import _periods
+from trainyard.spec import SpecError, parse_job_spec
 
 from .conftest import SMALL_MODEL
 from .test_torchrun import run_job
 
 
-@pytest.mark.parametrize("raw, msg", [
-    ({"node": 4, "global": 4}, "comm.periods.node=4 must be smaller than comm.periods.global=4"),
-    ({"node": 0, "global": 4}, "comm.periods.node must be an integer >= 1"),
-    ({"node": 2}, "comm.periods must be an object with keys node and global"),
-    ({"node": 2, "global": True}, "comm.periods.global must be an integer >= 1"),
+def _hierarchical(periods):
+    return parse_job_spec({"name": "x", "comm": {"sync": "hierarchical", "periods": periods},
+                           "resources": {"nodes": 2, "procs_per_node": 2}})
+
+
+# comm.periods is checked by the JobSpec (trainyard/spec.py), at submit and for the launch config
+@pytest.mark.parametrize("raw, field", [
+    ({"node": 4, "global": 4}, "comm.periods.global"),
+    ({"node": 0, "global": 4}, "comm.periods.node"),
+    ({"node": 2, "global": True}, "comm.periods.global"),
+    ({"node": 2, "global": 8, "every": 1}, "comm.periods.every"),
 ])
-def test_bad_periods_are_refused_naming_the_field(raw, msg):
-    with pytest.raises(ConfigError, match=msg.replace(".", r"\.")):
-        _periods(raw)
+def test_bad_periods_are_refused_naming_the_field(raw, field):
+    with pytest.raises(SpecError) as e:
+        _hierarchical(raw)
+    assert field in e.value.errors
 
 
 def test_periods_in_order():
-    assert _periods({"node": 2, "global": 8}) == (2, 8)
+    periods = _hierarchical({"node": 2, "global": 8}).comm.periods
+    assert (periods.node, periods.global_) == (2, 8)
 
 
 def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, nproc=2, resume=None,

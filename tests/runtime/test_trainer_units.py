@@ -60,7 +60,8 @@ def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_
     from workers.runtime.comm import CommCounter, CpuClock, counting_allreduce_hook
     from workers.runtime.config import ModelConfig
     from workers.runtime.model import build_model
-    from workers.runtime.parallel import DDPStrategy, Mesh
+    from trainyard.mesh import Mesh
+    from workers.runtime.parallel import DDPStrategy
 
     mcfg = ModelConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
     x = torch.randint(0, 256, (8, 16))

@@ -26,9 +26,10 @@ forward+backward at about the same time instead of the fast ones waiting in the 
   the batch size (fixed per-step costs), so only speeds measured under a split judge it.
 - grad_accum k > 1: every n_i is a multiple of k (the unit), so the k micro-batches of a rank
   stay equal and its mean loss is the mean of the micro-batch means.
-- Supported only for plain DDP with comm.sync=allreduce (`check_balance`): a tensor/pipeline
-  parallel or FSDP rank's batch is not its own to resize, and model averaging (local SGD) is
-  not a gradient average the weights can correct.
+- Supported only for plain DDP with comm.sync=allreduce (the JobSpec refuses the rest at
+  submit, trainyard/spec.py `unsupported_options`): a tensor/pipeline parallel or FSDP rank's
+  batch is not its own to resize, and model averaging (local SGD) is not a gradient average the
+  weights can correct.
 
 A split decided after step S applies from step S+1 on every rank; rank 0 reports it as a job
 event `rebalanced` {step, counts, shares, speeds (the medians it assumed), previous}.
@@ -39,8 +40,6 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-from .config import ConfigError
-
 WINDOW = 5  # measured steps of the warm-up (after 1 unmeasured step), equal split
 # Later re-split decisions look at the median of the last 10 steps: on a shared machine a burst
 # of other work on one rank's core lasts a few steps. With 5-step medians bench/hetero.py
@@ -48,18 +47,6 @@ WINDOW = 5  # measured steps of the warm-up (after 1 unmeasured step), equal spl
 # (0.91-0.95), on the same loaded 2 cores.
 DRIFT_WINDOW = 10
 DRIFT = 0.10  # re-split when a rank's speed share drifts this far (relative) from the assumed one
-
-
-def check_balance(cfg, mesh) -> None:
-    """Refuse train.balance=auto where it cannot work (ConfigError naming the fields)."""
-    if cfg.train.balance != "auto":
-        return
-    if mesh.tp > 1 or mesh.pp > 1 or mesh.fsdp:
-        raise ConfigError(
-            f"train.balance=auto needs plain data parallelism (parallel.tp=1, pp=1, fsdp=false), "
-            f"got tp={mesh.tp} pp={mesh.pp} fsdp={mesh.fsdp}")
-    if cfg.comm.sync != "allreduce":
-        raise ConfigError(f"train.balance=auto needs comm.sync=allreduce, got comm.sync={cfg.comm.sync!r}")
 
 
 def apportion(total: int, weights: Sequence[float], unit: int = 1) -> list[int]:
@@ -153,15 +140,13 @@ class Balance:
         self._apply(self.policy.counts)
 
     @classmethod
-    def start(cls, cfg, mesh, rank: int, batches, reporter, say) -> "Balance | None":
-        """None unless train.balance=auto; else the Balance, with its gloo group (a collective:
-        every rank calls this at the same point)."""
-        if cfg.train.balance != "auto":
-            return None
+    def start(cls, world: int, rank: int, global_batch: int, unit: int, batches, reporter,
+              say) -> "Balance":
+        """The Balance of a train.balance=auto run, with its gloo group (a collective: every rank
+        calls this at the same point)."""
         import torch.distributed as dist
-        check_balance(cfg, mesh)
-        return cls(mesh.dp, rank, cfg.train.global_batch, cfg.train.grad_accum, batches, reporter,
-                   say, group=dist.new_group(backend="gloo"))
+        return cls(world, rank, global_batch, unit, batches, reporter, say,
+                   group=dist.new_group(backend="gloo"))
 
     def _apply(self, counts: list[int]) -> None:
         self.counts = list(counts)

@@ -11,7 +11,9 @@ checkpoint from the `checkpoint` event and reconciles from the manifests, so thi
     .partial-step-<S:08d>-a<attempt>/   a save in progress, or one a crash cut short: never a
                                         checkpoint; rank 0 of a later attempt deletes it at start
 
-A save (every `every_steps` steps and at the last step), on every rank:
+When: `Checkpointer.save_if_due`, called by the trainer after every step, saves every
+`every_steps` steps, at the last step, and when the ranks agreed to stop (preemption), never
+twice for one step. A save, on every rank:
 1. waits for the previous save if it is still in flight (one at a time bounds the staging
    memory to one copy of the state and keeps DCP's collectives on the checkpoint group in order);
 2. captures what the training loop could change before the next optimizer step: this rank's
@@ -287,11 +289,24 @@ class Checkpointer:
         self._thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-ckpt")
                         if cfg.async_ else None)
         self._pending: _Save | None = None
+        self.saved_step: int | None = None  # the step of the last save started (one per step)
         if rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             remove_stale_partials(self.dir, attempt_id)
 
     # ---- saving --------------------------------------------------------------------------
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether `step` is a scheduled save: every `every_steps` steps and the last step."""
+        return is_due(step, self.cfg.every_steps, last_step)
+
+    def save_if_due(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
+                    last_step: int, force: bool = False) -> float:
+        """Save `step` if it is due or `force`d (preemption) and not saved already; returns the
+        seconds this call blocked (0 when it did not save)."""
+        if self.saved_step == step or not (force or self.due(step, last_step)):
+            return 0.0
+        return self.save(step, model, opt)
+
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
         """Start (async) or do (sync) the save of `step`; returns the seconds this call blocked.
 
@@ -300,6 +315,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait()
+        self.saved_step = step
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
         rng = rng_state(self.device)

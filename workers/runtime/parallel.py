@@ -1,11 +1,7 @@
-"""The parallel plan of a run: the device mesh, this rank's place in it, and the Strategy that
-wraps the model for it.
-
-Mesh layout: the world is a ("pp", "dp", "tp") grid in row-major order, tp innermost, so the
-ranks of one tensor-parallel group are consecutive (on one node when procs_per_node >= tp, where
-their per-layer collectives are cheapest), and a pipeline stage is a contiguous block of ranks.
-`coords(rank)` is pure arithmetic, so the data loader can be built (and user errors raised)
-before the process group exists.
+"""The plain data-parallel Strategy (DDP) and what every Strategy shares: byte counts of what a
+rank holds, the held-out loss, and the meter of the sharded and pipelined strategies'
+collectives. The mesh (which rank is where) is trainyard/mesh.py's; `strategy.build_strategy`
+picks the Strategy for a mesh.
 
 Data: the ranks of one dp coordinate see the same samples (tp shards the math of one batch,
 pp passes it from stage to stage); the global batch is split over dp only.
@@ -23,56 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .config import ConfigError, RunConfig
+from trainyard.mesh import Mesh
+
 from .model import lm_loss
-
-MESH_DIMS = ("pp", "dp", "tp")
-DIM_MEANING = {
-    "pp": "pipeline stages: each holds a contiguous slice of the layers",
-    "dp": "data parallel replicas: each trains on its own share of the global batch",
-    "tp": "tensor parallel: attention heads and MLP columns split across these ranks",
-}
-
-
-@dataclass(frozen=True)
-class Mesh:
-    pp: int
-    dp: int
-    tp: int
-    fsdp: bool = False
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig, world_size: int) -> "Mesh":
-        p = cfg.parallel
-        tp, pp = int(p.tp), int(p.pp)
-        if world_size % (tp * pp):
-            raise ConfigError(f"the world size {world_size} is not divisible by tp x pp = {tp} x {pp}")
-        dp = world_size // (tp * pp) if p.dp is None else int(p.dp)
-        if dp * tp * pp != world_size:
-            raise ConfigError(f"parallel dp x tp x pp = {dp} x {tp} x {pp} != world size {world_size}")
-        return cls(pp=pp, dp=dp, tp=tp, fsdp=bool(p.fsdp))
-
-    @property
-    def shape(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
-
-    def coords(self, rank: int) -> dict[str, int]:
-        return {"pp": rank // (self.dp * self.tp), "dp": (rank // self.tp) % self.dp,
-                "tp": rank % self.tp}
-
-    def describe(self) -> dict:
-        dims = {d: DIM_MEANING[d] for d in MESH_DIMS if self.shape[d] > 1}
-        if self.fsdp:
-            dims["dp"] = ("data parallel, fully sharded (FSDP2): each replica holds 1/dp of the "
-                          "parameters, gradients and optimizer state")
-        return {"shape": self.shape, "order": list(MESH_DIMS), "fsdp": self.fsdp, "dims": dims}
 
 
 def param_bytes(module: nn.Module) -> int:
@@ -230,18 +185,3 @@ class MeteredStrategy:
 
     def __getattr__(self, name):  # anything else the trainer or tests ask of the strategy
         return getattr(self.inner, name)
-
-
-def build_strategy(cfg: RunConfig, mesh: Mesh, rank: int, model: nn.Module, device: torch.device,
-                   hook_state=None, hook=None, counter=None):
-    """The Strategy for `mesh`; `model` is the full model, built with the job seed on every rank.
-    `counter` (comm.CommCounter) receives the bytes of non-DDP strategies' collectives."""
-    if mesh.pp > 1:  # pp, or dp x pp
-        from .pipeline import PipelineStrategy
-        return MeteredStrategy(PipelineStrategy(cfg, model, mesh, rank, device), counter)
-    if mesh.tp > 1 or mesh.fsdp:  # tp, dp x tp, or fsdp
-        from .sharded import ShardedStrategy
-        return MeteredStrategy(ShardedStrategy(cfg, model, mesh, rank, device), counter)
-    if mesh.tp == 1 and mesh.pp == 1 and not mesh.fsdp:
-        return DDPStrategy(model, mesh, rank, device, hook_state, hook)
-    raise ConfigError(f"parallel plan {mesh.shape} (fsdp={mesh.fsdp}) is not supported by this runtime")

@@ -20,6 +20,11 @@ all_reduce of a flat buffer, so each replica of a stage applies the mean over th
 
 Evaluation (`eval_loss`) is a plain no-grad forward handed from stage to stage with send/recv
 over the pp group (no schedule state involved), the loss broadcast from the last stage.
+
+What this cannot run (the MLP, tp or fsdp with pp, grad_accum, compression, local SGD, balancing,
+microbatches that do not divide the replica's batch, 1f1b with fewer micro-batches than stages)
+the JobSpec refuses at submit (trainyard/spec.py `unsupported_options`); the stage split is
+trainyard/mesh.py's `stage_layers`.
 """
 from __future__ import annotations
 
@@ -28,24 +33,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from .config import ConfigError, RunConfig
+from trainyard.mesh import Mesh, stage_layers
+
 from .model import GPT, lm_loss
-from .parallel import Mesh, param_bytes
+from .parallel import param_bytes
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def split_layers(layers: int, stages: int) -> list[range]:
-    """Contiguous block ranges per stage, sizes differing by at most one (larger ones first)."""
-    if not 1 <= stages <= layers:
-        raise ConfigError(f"parallel.pp={stages} must be between 1 and model.layers={layers}")
-    base, extra = divmod(layers, stages)
-    out, lo = [], 0
-    for s in range(stages):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append(range(lo, hi))
-        lo = hi
-    return out
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # parallel.schedule -> torch's class
 
 
 class GPTStage(nn.Module):
@@ -94,49 +87,19 @@ class GPTStage(nn.Module):
 
 def pp_ranks(mesh: Mesh, dp: int, tp: int = 0) -> list[int]:
     """Global ranks of the pipeline with dp coordinate `dp`, stage 0 first."""
-    return [(p * mesh.dp + dp) * mesh.tp + tp for p in range(mesh.pp)]
+    return [mesh.rank_of(pp=p, dp=dp, tp=tp) for p in range(mesh.pp)]
 
 
 def dp_ranks(mesh: Mesh, pp: int, tp: int = 0) -> list[int]:
     """Global ranks holding stage `pp` (one per dp coordinate)."""
-    return [(pp * mesh.dp + d) * mesh.tp + tp for d in range(mesh.dp)]
-
-
-def check_pipeline_config(cfg: RunConfig, mesh: Mesh) -> None:
-    """What this strategy cannot run, as ConfigErrors naming the field (before its collectives)."""
-    p = cfg.parallel
-    if cfg.model.kind != "gpt":
-        raise ConfigError(f"parallel.pp={mesh.pp} needs model.kind=gpt, got {cfg.model.kind!r}")
-    if mesh.tp > 1 or mesh.fsdp:
-        raise ConfigError(f"parallel.pp={mesh.pp} cannot be combined with parallel.tp={mesh.tp} "
-                          f"or parallel.fsdp={mesh.fsdp} in this runtime")
-    if cfg.train.grad_accum != 1:
-        raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} with parallel.pp={mesh.pp}: "
-                          f"use parallel.microbatches instead")
-    if cfg.comm.compression != "none" or cfg.comm.sync != "allreduce":
-        raise ConfigError(f"comm.compression={cfg.comm.compression!r} / comm.sync={cfg.comm.sync!r} "
-                          f"is not supported with parallel.pp={mesh.pp} (none / allreduce only)")
-    if cfg.train.balance != "none":
-        raise ConfigError(f"train.balance={cfg.train.balance!r} is not supported with "
-                          f"parallel.pp={mesh.pp}")
-    if p.schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {p.schedule!r}")
-    per_dp = cfg.train.global_batch // mesh.dp
-    if per_dp % p.microbatches:
-        raise ConfigError(f"parallel.microbatches={p.microbatches} must divide train.global_batch / "
-                          f"dp = {cfg.train.global_batch} / {mesh.dp} = {per_dp}")
-    if p.schedule == "1f1b" and p.microbatches < mesh.pp:
-        raise ConfigError(f"parallel.microbatches={p.microbatches} must be >= parallel.pp={mesh.pp} "
-                          f"for parallel.schedule=1f1b")
-    split_layers(cfg.model.layers, mesh.pp)
+    return [mesh.rank_of(pp=pp, dp=d, tp=tp) for d in range(mesh.dp)]
 
 
 class PipelineStrategy:
     """One pipeline stage per rank; dp replicas of each stage average their gradients."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, rank: int,
-                 device: torch.device):
-        check_pipeline_config(cfg, mesh)
+    def __init__(self, model: GPT, mesh: Mesh, rank: int, device: torch.device, *, hidden: int,
+                 microbatches: int, schedule: str):
         self.mesh, self.rank, self.device = mesh, rank, device
         self.name = "pp" if mesh.dp == 1 else "dp x pp"  # as sharded.py names "tp", "dp x tp"
         c = mesh.coords(rank)
@@ -149,22 +112,20 @@ class PipelineStrategy:
         self.dp_group = dp_groups[self.stage_index] if dp_groups else None
         self.first = self.stage_index == 0
         self.last = self.stage_index == mesh.pp - 1
-        blocks = split_layers(cfg.model.layers, mesh.pp)[self.stage_index]
+        blocks = stage_layers(len(model.blocks), mesh.pp)[self.stage_index]
         self.module = GPTStage(model, blocks, self.first, self.last).to(device)
-        self.hidden = cfg.model.hidden
+        self.hidden = hidden
         self.stage = PipelineStage(self.module, self.stage_index, mesh.pp, device,
                                    group=self.pp_group)
-        self.microbatches = cfg.parallel.microbatches
-        self.schedule = SCHEDULES[cfg.parallel.schedule](
-            self.stage, n_microbatches=self.microbatches, loss_fn=lm_loss, scale_grads=True)
-        self.schedule_name = cfg.parallel.schedule
+        self.microbatches = microbatches
+        self.schedule = SCHEDULES[schedule](
+            self.stage, n_microbatches=microbatches, loss_fn=lm_loss, scale_grads=True)
+        self.schedule_name = schedule
 
     # ---- training ----------------------------------------------------------------------------
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, accum: int,
                          weight: float = 1.0) -> torch.Tensor:
-        if accum != 1:
-            raise ConfigError(f"train.grad_accum={accum} with parallel.pp={self.mesh.pp}: "
-                              f"use parallel.microbatches instead")
+        """One schedule step over (x, y) (the schedule cuts the micro-batches: `accum` is 1)."""
         losses: list[torch.Tensor] = []
         if self.first:  # pp >= 2: no stage is both first and last
             self.schedule.step(x, return_outputs=False)

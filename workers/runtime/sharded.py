@@ -17,12 +17,15 @@ per block input in the backward). The token embedding is split by vocab rows and
 vocab columns (its logits all-gathered, so the loss is the plain one on every tp rank) when
 vocab % tp == 0; position embeddings and LayerNorms stay replicated: their gradients come out
 identical on every tp rank because the backward all-reduces the gradient of every block input.
-dp x tp: a ("dp", "tp") mesh (tp innermost, as parallel.Mesh orders ranks); after the last
+dp x tp: a ("dp", "tp") mesh (tp innermost, as trainyard.mesh.Mesh orders ranks); after the last
 micro-batch's backward every gradient (its local shard) is averaged over the dp group in one
 flat all-reduce, which is what DDP would do, minus the overlap with backward.
 
 Checkpoints: the parameters are DTensors, so get_state_dict yields the plain model's FQNs with
 sharded values, and DCP reshards on load: a DDP checkpoint loads under TP or FSDP and back.
+
+What this cannot run (FSDP with TP, TP of the MLP or over heads it does not divide, gradient
+compression, local SGD) the JobSpec refuses at submit (trainyard/spec.py `unsupported_options`).
 """
 from __future__ import annotations
 
@@ -35,27 +38,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .config import ConfigError, RunConfig
+from trainyard.mesh import Mesh
+
 from .model import GPT, lm_loss
-from .parallel import Mesh, eval_loss_of, param_bytes
-
-
-def check_sharded_plan(cfg: RunConfig, mesh: Mesh) -> None:
-    """The combinations this module cannot run, as ConfigErrors naming the field."""
-    if mesh.fsdp and mesh.tp > 1:
-        raise ConfigError("parallel.fsdp: FSDP together with tensor parallelism is not supported; "
-                          "use dp x tp with fsdp false, or fsdp with tp 1")
-    if mesh.tp > 1 and cfg.model.kind != "gpt":
-        raise ConfigError("parallel.tp: tensor parallelism splits attention heads and MLP columns "
-                          f"of the GPT; model.kind {cfg.model.kind} has none: use tp 1")
-    if mesh.tp > 1 and cfg.model.heads % mesh.tp:
-        raise ConfigError(f"parallel.tp={mesh.tp} must divide model.heads={cfg.model.heads}")
-    if cfg.comm.compression != "none":
-        raise ConfigError("comm.compression: gradient compression is a DDP comm hook; it needs "
-                          "plain data parallelism (tp 1, pp 1, fsdp false)")
-    if cfg.comm.sync != "allreduce":
-        raise ConfigError(f"comm.sync: {cfg.comm.sync} averages whole replicas; it needs plain "
-                          "data parallelism (tp 1, pp 1, fsdp false)")
+from .parallel import eval_loss_of, param_bytes
 
 
 def tp_plan(model: GPT, tp: int, vocab: int) -> dict:
@@ -80,10 +66,10 @@ def _span(n: int, parts: int, i: int) -> str:
 class ShardedStrategy:
     """FSDP2 (mesh.fsdp), TP (mesh.tp > 1) or dp x tp; see the module docstring."""
 
-    def __init__(self, cfg: RunConfig, model: nn.Module, mesh: Mesh, rank: int,
-                 device: torch.device):
-        check_sharded_plan(cfg, mesh)
-        self.cfg, self.mesh, self.rank = cfg, mesh, rank
+    def __init__(self, model: nn.Module, mesh: Mesh, rank: int, device: torch.device, *,
+                 vocab: int, heads: int, hidden: int):
+        self.mesh, self.rank = mesh, rank
+        self.vocab, self.heads, self.hidden = vocab, heads, hidden  # the role's arithmetic
         self.coords = mesh.coords(rank)
         self.full_param_bytes = param_bytes(model)
         if mesh.fsdp:
@@ -100,7 +86,7 @@ class ShardedStrategy:
                                                 mesh_dim_names=("dp", "tp"))
             self.dp_group = self.device_mesh["dp"].get_group() if mesh.dp > 1 else None
             parallelize_module(model, self.device_mesh["tp"],
-                               tp_plan(model, mesh.tp, cfg.model.vocab))
+                               tp_plan(model, mesh.tp, vocab))
         self.module = model
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, accum: int,
@@ -147,12 +133,12 @@ class ShardedStrategy:
         if m.fsdp:
             return (f"fsdp shard {c['dp']} of {m.dp}: 1/{m.dp} of every parameter, gradient and "
                     f"optimizer state")
-        mc, t = self.cfg.model, c["tp"]
-        per = mc.heads // m.tp
-        role = (f"tp rank {t} of {m.tp}: heads {t * per}-{(t + 1) * per - 1} of {mc.heads}, "
-                f"MLP columns {_span(4 * mc.hidden, m.tp, t)}")
-        if mc.vocab % m.tp == 0:
-            role += f", vocab {_span(mc.vocab, m.tp, t)}"
+        t = c["tp"]
+        per = self.heads // m.tp
+        role = (f"tp rank {t} of {m.tp}: heads {t * per}-{(t + 1) * per - 1} of {self.heads}, "
+                f"MLP columns {_span(4 * self.hidden, m.tp, t)}")
+        if self.vocab % m.tp == 0:
+            role += f", vocab {_span(self.vocab, m.tp, t)}"
         return role if m.dp == 1 else f"replica {c['dp']} of {m.dp}, {role}"
 
     def info(self) -> dict:

@@ -16,7 +16,8 @@ each step adds to its telemetry sample.
   periods.global all ranks average, at the others divisible by periods.node the ranks of one
   node do (node groups are consecutive ranks, torchrun's numbering of a node's processes).
 
-Both are plain DDP only (no tp/pp/fsdp, no gradient compression): the config is refused here.
+Both are plain DDP only (no tp/pp/fsdp, no gradient compression): the JobSpec refuses the rest at
+submit (trainyard/spec.py `unsupported_options`), as it checks comm.periods.
 Accounting: the hook's gradient all-reduces are counted as in comm.py (its copy of torch's hook
 sees a counting `dist`), and so is the averager's parameter all-reduce (a copy of torch's
 average_parameters with a counting `dist`): a local step reports bytes_sent 0, an averaging step
@@ -52,9 +53,6 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 
 from .autoratio import AutoRatio
 from .comm import CommCounter, GradCompression, StepComm, _counting, compression_hook
-from .config import ConfigError, RunConfig
-
-SYNCS = ("allreduce", "local_sgd", "hierarchical")
 
 
 def _rebind(fn: types.FunctionType, **names: Any) -> types.FunctionType:
@@ -213,56 +211,34 @@ class LocalSGDSync:
         return avg_s, {"averaged": avg.level, "params_checksum": checksum}
 
 
-def build_sync(cfg: RunConfig, mesh: Any, rank: int, counter: CommCounter,
-               compression: GradCompression, event: Callable[..., None],
+def build_sync(sync: str, *, rank: int, world: int, counter: CommCounter,
+               compression: GradCompression, auto_ratio: bool, start_step: int, period: int,
+               periods: tuple[int, int], procs_per_node: int, event: Callable[..., None],
                say: Callable[[str], None] = lambda line: None):
-    """The sync strategy for `cfg.comm`; call on every rank, after init_process_group and
-    before the strategy (both create process groups, which every rank must do in one order)."""
-    c = cfg.comm
-    if c.sync == "allreduce":
+    """The sync strategy `sync` (comm.sync); call on every rank, after init_process_group and
+    before the strategy (both create process groups, which every rank must do in one order).
+    auto_ratio: comm.ratio auto (top-k's ratio chosen by autoratio.py); period: local_sgd's;
+    periods: hierarchical's (node, global) periods."""
+    if sync == "allreduce":
         auto = None
-        if c.compression == "topk" and c.ratio == "auto":
+        if auto_ratio:
             # every rank decides the same ratio from agreed inputs; rank 0 reports it
             def quiet(*a, **k):
                 return None
 
-            auto = AutoRatio(compression, dist.get_world_size(), dist.new_group(backend="gloo"),
+            auto = AutoRatio(compression, world, dist.new_group(backend="gloo"),
                              event if rank == 0 else quiet, say if rank == 0 else quiet)
         return AllReduceSync(compression, auto)
-    if c.sync not in SYNCS:
-        raise ConfigError(f"comm.sync must be one of {', '.join(SYNCS)}, got {c.sync!r}")
-    if mesh.tp > 1 or mesh.pp > 1 or mesh.fsdp:
-        raise ConfigError(f"comm.sync={c.sync} needs plain data parallelism (tp 1, pp 1, no fsdp), "
-                          f"got parallel {mesh.shape} fsdp={mesh.fsdp}")
-    if c.compression != "none":
-        raise ConfigError(f"comm.sync={c.sync} averages models, not compressed gradients: "
-                          f"comm.compression must be none, got {c.compression!r}")
-    world = dist.get_world_size()
-    if c.sync == "local_sgd":
-        averager = averagers.PeriodicModelAverager(period=c.period, warmup_steps=c.start_step)
-        return LocalSGDSync(c.sync, counter, averager, c.start_step, rank, event,
-                            {"period": c.period, "start_step": c.start_step})
-    node, glob = _periods(c.periods)
-    ppn = cfg.resources.procs_per_node
-    if world % ppn:
-        raise ConfigError(f"resources.procs_per_node={ppn} does not divide the world size {world}")
+    if sync == "local_sgd":
+        averager = averagers.PeriodicModelAverager(period=period, warmup_steps=start_step)
+        return LocalSGDSync(sync, counter, averager, start_step, rank, event,
+                            {"period": period, "start_step": start_step})
+    node, glob = periods  # hierarchical
     levels = OrderedDict()
-    if 1 < ppn < world:  # a one-process node has nothing to average within
-        levels[node] = ppn
+    if 1 < procs_per_node < world:  # a one-process node has nothing to average within
+        levels[node] = procs_per_node
     levels[glob] = world
-    averager = HierarchicalModelAverager(levels, warmup_steps=c.start_step)
-    return LocalSGDSync(c.sync, counter, averager, c.start_step, rank, event,
-                        {"periods": {"node": node, "global": glob}, "procs_per_node": ppn,
-                         "start_step": c.start_step})
-
-
-def _periods(raw: Any) -> tuple[int, int]:
-    if not isinstance(raw, dict) or set(raw) != {"node", "global"}:
-        raise ConfigError(f"comm.periods must be an object with keys node and global, got {raw!r}")
-    node, glob = raw["node"], raw["global"]
-    for key, v in (("node", node), ("global", glob)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"comm.periods.{key} must be an integer >= 1, got {v!r}")
-    if node >= glob:
-        raise ConfigError(f"comm.periods.node={node} must be smaller than comm.periods.global={glob}")
-    return node, glob
+    averager = HierarchicalModelAverager(levels, warmup_steps=start_step)
+    return LocalSGDSync(sync, counter, averager, start_step, rank, event,
+                        {"periods": {"node": node, "global": glob}, "procs_per_node": procs_per_node,
+                         "start_step": start_step})

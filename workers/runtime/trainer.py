@@ -1,4 +1,10 @@
-"""One rank of a data-parallel training run: set up, loop, report.
+"""One rank of a training run, in torchtitan's shape: `run` sets up the process (device,
+reporter, data, process group); `Trainer.__init__` builds the model, the Strategy for the mesh
+(strategy.py), the optimizer, the checkpointer and the gradient sync from the launch config and
+hands them plain values; `Trainer.train_step` is one optimizer step and returns its sample;
+`Trainer.train` is the loop (report, rebalance, log, preemption). The checkpointer, not the
+loop, decides whether a step is saved (checkpoint.py `save_if_due`). Only the build functions
+read the launch config.
 
 Per step every rank reports one sample (see reporter.py for transport). Timing fields, all
 wall-clock seconds on this rank, measured with perf_counter (CUDA: after synchronising, with
@@ -41,6 +47,7 @@ data_s and compute_s cover all micro-steps.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -55,16 +62,19 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .balance import Balance, check_balance
+from trainyard.mesh import Mesh
+
+from .balance import Balance
 from .chaos import Chaos, SlowKnob
-from .checkpoint import Checkpointer, is_due, resume_manifest
+from .checkpoint import Checkpointer, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
-from .parallel import Mesh, build_strategy, optim_bytes
+from .parallel import optim_bytes
 from .preempt import PREEMPTED_EXIT_CODE, preempt_key
 from .reporter import Reporter
+from .strategy import build_strategy
 from .sync import build_sync
 
 COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
@@ -113,12 +123,18 @@ def write_rank_file(run_dir: Path, env: DistEnv, node: str) -> Path:
 
 
 def check_world(cfg: RunConfig, env: DistEnv) -> Mesh:
+    """The mesh of this run; ConfigError when torchrun started another number of ranks than the
+    spec's resources."""
     expected = cfg.resources.world_size
     if env.world_size != expected:
         raise ConfigError(
             f"torchrun started {env.world_size} ranks but the spec asks for resources "
             f"{cfg.resources.nodes}x{cfg.resources.procs_per_node}={expected}")
-    return Mesh.from_config(cfg, env.world_size)
+    p = cfg.parallel
+    try:
+        return Mesh.for_world(env.world_size, tp=int(p.tp), pp=int(p.pp), dp=p.dp, fsdp=bool(p.fsdp))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
@@ -142,7 +158,6 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         dp_rank = mesh.coords(env.rank)["dp"]
         batch = cfg.per_rank_batch(mesh.dp)
         cfg.micro_batch(mesh.dp)  # global_batch divisible by dp x grad_accum
-        check_balance(cfg, mesh)  # train.balance=auto: plain DDP only
         # a step consumes one loader batch (its micro-batches are cut from it): a checkpoint at
         # step S has consumed S batches on every rank
         start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
@@ -155,130 +170,197 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         else:
             dist.init_process_group(backend="gloo")
         try:
-            return _train(cfg, env, mesh, device, reporter, batches, val, start_batch)
+            return Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
         finally:
             dist.destroy_process_group()
     finally:
         reporter.close()
 
 
-def _train(cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device, reporter: Reporter,
-           batches: Iterator[Batch], val: np.ndarray | None, start_batch: int = 0) -> dict:
-    train, mcfg = cfg.train, cfg.model
-    batch = cfg.per_rank_batch(mesh.dp)
-    torch.manual_seed(train.seed)  # identical initial weights on every rank
-    model = build_model(mcfg).to(device)
-    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, job_id=cfg.job_id,
-                        attempt_id=cfg.attempt_id, rank=env.rank, world_size=env.world_size,
-                        device=device, reporter=reporter)
-    clock = CudaClock(device) if device.type == "cuda" else CpuClock()
-    counter = CommCounter(clock)
-    comm_cfg = cfg.comm
-    compression = GradCompression(comm_cfg.compression, counter, ratio=comm_cfg.ratio,
-                                  rank=comm_cfg.rank, start_step=comm_cfg.start_step,
-                                  seed=train.seed)
-    run_comm = RunComm(comm_cfg.compression)
-    sync = build_sync(cfg, mesh, env.rank, counter, compression, reporter.event, _say)  # comm.sync
-    strategy = build_strategy(cfg, mesh, env.rank, model, device, sync.hook_state, sync.hook,
-                              counter=counter)
-    ddp = strategy.module  # what the optimizer updates and the checkpoint saves
-    accum = train.grad_accum
-    opt = sync.wrap(torch.optim.AdamW(ddp.parameters(), lr=train.lr, betas=(0.9, 0.95),
-                                      weight_decay=0.01))  # local SGD: PostLocalSGDOptimizer
-    first = 1
-    if cfg.resume is not None:
-        first = _resume(cfg, env, ckpt, ddp, opt, reporter, start_batch) + 1
-    # Preemption consensus (preempt.py) on a group of its own: a one-int all_reduce a step
-    # (~0.1-0.3 ms on gloo/CPU) so every rank stops after the same step, never inside the
-    # gradient all-reduces or a background checkpoint's collectives.
-    control = dist.new_group(backend="gloo")
-    saved_at = 0
-    chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
-    slow = SlowKnob(chaos, env.rank)  # test aid: compute takes `factor` x as long (chaos.py)
-    balance = Balance.start(cfg, mesh, env.rank, batches, reporter, _say)  # None: equal shares
-    proc = psutil.Process()
-    log_every = max(1, train.steps // 10)
-    start = time.time()
-    loss_v = float("nan")
+class Trainer:
+    """One rank's model, strategy, optimizer, checkpointer and sync, built on every rank in the
+    same order (each creates process groups, which is collective), then trained by `train`."""
 
-    for step in range(first, train.steps + 1):
-        lr = lr_at(step, train)
-        for group in opt.param_groups:
-            group["lr"] = lr
+    def __init__(self, cfg: RunConfig, env: DistEnv, mesh: Mesh, device: torch.device,
+                 reporter: Reporter, batches: Iterator[Batch], val: np.ndarray | None,
+                 start_batch: int = 0):
+        train, mcfg = cfg.train, cfg.model
+        self.env, self.mesh, self.device, self.reporter = env, mesh, device, reporter
+        self.batches, self.val = batches, val
+        self.steps, self.accum, self.seq_len = train.steps, train.grad_accum, mcfg.seq_len
+        self.batch = cfg.per_rank_batch(mesh.dp)
+        self.lr_at = functools.partial(lr_at, train=train)
+        self.node, self.attempt_id = cfg.node, cfg.attempt_id
+        torch.manual_seed(train.seed)  # identical initial weights on every rank
+        model = build_model(mcfg).to(device)
+        self.ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, job_id=cfg.job_id,
+                                 attempt_id=cfg.attempt_id, rank=env.rank,
+                                 world_size=env.world_size, device=device, reporter=reporter)
+        self._build_comm(cfg)
+        p = cfg.parallel
+        self.strategy = build_strategy(mesh, env.rank, model, device, vocab=mcfg.vocab,
+                                       heads=mcfg.heads, hidden=mcfg.hidden,
+                                       microbatches=p.microbatches, schedule=p.schedule,
+                                       hook_state=self.sync.hook_state, hook=self.sync.hook,
+                                       counter=self.counter)
+        self.model = self.strategy.module  # what the optimizer updates and the checkpoint saves
+        # local SGD: sync.wrap puts a PostLocalSGDOptimizer around AdamW (sync.py)
+        self.opt = self.sync.wrap(torch.optim.AdamW(self.model.parameters(), lr=train.lr,
+                                                    betas=(0.9, 0.95), weight_decay=0.01))
+        self.first = 1
+        if cfg.resume is not None:
+            self.first = self._resume(cfg.resume.path, train.seed, start_batch) + 1
+        # Preemption consensus (preempt.py) on a group of its own: a one-int all_reduce a step
+        # (~0.1-0.3 ms on gloo/CPU) so every rank stops after the same step, never inside the
+        # gradient all-reduces or a background checkpoint's collectives.
+        self.control = dist.new_group(backend="gloo")
+        self.chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
+        self.slow = SlowKnob(self.chaos, env.rank)  # test aid: compute takes `factor` x as long
+        self.balance = None  # train.balance none: equal shares
+        if train.balance == "auto":
+            self.balance = Balance.start(mesh.dp, env.rank, train.global_batch, train.grad_accum,
+                                         batches, reporter, _say)
+        self.proc = psutil.Process()
+
+    def _build_comm(self, cfg: RunConfig) -> None:
+        """The step clock, the byte counter, gradient compression and the sync (comm.*)."""
+        c = cfg.comm
+        self.clock = CudaClock(self.device) if self.device.type == "cuda" else CpuClock()
+        self.counter = CommCounter(self.clock)
+        self.compression = GradCompression(c.compression, self.counter, ratio=c.ratio, rank=c.rank,
+                                           start_step=c.start_step, seed=cfg.train.seed)
+        self.run_comm = RunComm(c.compression)
+        self.sync = build_sync(c.sync, rank=self.env.rank, world=dist.get_world_size(),
+                               counter=self.counter, compression=self.compression,
+                               auto_ratio=c.ratio == "auto", start_step=c.start_step,
+                               period=c.period, periods=(c.periods["node"], c.periods["global"]),
+                               procs_per_node=cfg.resources.procs_per_node,
+                               event=self.reporter.event, say=_say)
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (batch, forward/backward, optimizer, the checkpoint when due);
+        returns its telemetry sample (the module docstring defines the fields)."""
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr_at(step)
         t0 = time.perf_counter()
-        x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = next(self.batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
-        if chaos is not None:
-            chaos.before_compute(step)
-        n = balance.n if balance is not None else batch  # balance.py: this step's share
-        slow.before_compute(n)
-        sync.begin_step(step)  # compression's step, local SGD's hook and averager counters
-        ref = clock.mark()
-        loss = strategy.forward_backward(x, y, accum, weight=balance.weight if balance else 1.0)
-        backward_end = clock.mark()
-        clock.sync()
+        if self.chaos is not None:
+            self.chaos.before_compute(step)
+        n = self.balance.n if self.balance is not None else self.batch  # this step's share
+        self.slow.before_compute(n)
+        self.sync.begin_step(step)  # compression's step, local SGD's hook and averager counters
+        ref = self.clock.mark()
+        loss = self.strategy.forward_backward(x, y, self.accum,
+                                              weight=self.balance.weight if self.balance else 1.0)
+        backward_end = self.clock.mark()
+        self.clock.sync()
         t2 = time.perf_counter()
         # An async save copies the weights and optimizer state in the background; that copy
         # must be complete before the optimizer changes them (checkpoint blocking, not optim_s).
-        staging_wait_s = ckpt.wait_for_staging()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        staging_wait_s = self.ckpt.wait_for_staging()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
         t3 = time.perf_counter()
-        ckpt.poll()
-        if is_due(step, cfg.checkpoint.every_steps, train.steps):
-            ckpt.save(step, ddp, opt)
-            saved_at = step
-        comm = counter.take()
-        run_comm.add(comm, compression.compressing)
-        comm_s, exposed_s = comm.measure(clock, ref, backward_end)
-        # local SGD: the model averaging in opt.step() (seconds); ratio auto may decide (collective)
-        avg_s, sync_fields = sync.end_step(step, comm, comm_s, max(0.0, t2 - t1 - exposed_s))
-        step_s = time.perf_counter() - t0
+        self.ckpt.poll()
+        self.ckpt.save_if_due(step, self.model, self.opt, last_step=self.steps)
+        comm = self.counter.take()
+        self.run_comm.add(comm, self.compression.compressing)
+        comm_s, exposed_s = comm.measure(self.clock, ref, backward_end)
         compute_s = max(0.0, t2 - t1 - exposed_s)
-        slow.measured(compute_s, n)
-        reporter.metric({
-            "rank": env.rank, "step": step, "ts": time.time(), "loss": loss_v,
-            "samples_per_s": n / step_s, "tokens_per_s": n * mcfg.seq_len / step_s,
+        # local SGD: the model averaging in opt.step() (seconds); ratio auto may decide (collective)
+        avg_s, sync_fields = self.sync.end_step(step, comm, comm_s, compute_s)
+        step_s = time.perf_counter() - t0
+        self.slow.measured(compute_s, n)
+        return {
+            "rank": self.env.rank, "step": step, "ts": time.time(), "loss": loss_v,
+            "samples_per_s": n / step_s, "tokens_per_s": n * self.seq_len / step_s,
             "step_s": step_s, "data_s": t1 - t0, "compute_s": compute_s,
             "comm_s": comm_s + avg_s, "optim_s": t3 - t2 - staging_wait_s - avg_s,
             "bytes_sent": comm.bytes_sent,
-            "mem_bytes": (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                          else proc.memory_info().rss),
-            "attempt": cfg.attempt_id, **sync_fields,  # sync.py: compression_ratio, ...
-            **({"share": balance.share} if balance is not None else {}),
-        })
-        if balance is not None and step < train.steps:  # collective, every rank; may re-split
-            balance.after_step(step, compute_s)             # from step+1 (none after the last)
-        if step == first:  # optimizer state exists now: report what this rank really holds
-            plan = strategy.info()
-            reporter.event("rank_plan", rank=env.rank, node=cfg.node, **plan,
-                           optim_bytes=optim_bytes(opt))
-            _say(f"rank {env.rank} plan {plan['strategy']} mesh {plan['mesh']['shape']} coords "
-                 f"{plan['coords']} param_bytes {plan['param_bytes']} optim_bytes {optim_bytes(opt)}")
-        if step == 1 or step % log_every == 0 or step == train.steps:
-            _say(f"rank {env.rank} step {step}/{train.steps} loss {loss_v:.4f} lr {lr:.2e} "
-                 f"step_ms {step_s * 1000:.1f} samples/s {n / step_s:.1f}")
-        if chaos is not None:
-            chaos.after_step(step)
-        if step < train.steps and _preempt_agreed(reporter.preempt_requested.is_set(), control):
-            _preempt_exit(step, saved_at, ckpt, ddp, opt, reporter, env)
+            "mem_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                          else self.proc.memory_info().rss),
+            "attempt": self.attempt_id, **sync_fields,  # sync.py: compression_ratio, ...
+            **({"share": self.balance.share} if self.balance is not None else {}),
+        }
 
-    ckpt.close()  # the last save is published (and reported) before this rank says it finished
+    def train(self) -> dict:
+        """Steps first..steps, then the held-out loss; returns this rank's summary."""
+        start = time.time()
+        loss_v = float("nan")
+        log_every = max(1, self.steps // 10)
+        for step in range(self.first, self.steps + 1):
+            sample = self.train_step(step)
+            self.reporter.metric(sample)
+            loss_v = sample["loss"]
+            if self.balance is not None and step < self.steps:  # collective; may re-split
+                self.balance.after_step(step, sample["compute_s"])  # from step+1 (none after the last)
+            if step == self.first:  # optimizer state exists now: report what this rank holds
+                self._report_plan()
+            if step == 1 or step % log_every == 0 or step == self.steps:
+                _say(f"rank {self.env.rank} step {step}/{self.steps} loss {loss_v:.4f} "
+                     f"lr {self.lr_at(step):.2e} step_ms {sample['step_s'] * 1000:.1f} "
+                     f"samples/s {sample['samples_per_s']:.1f}")
+            if self.chaos is not None:
+                self.chaos.after_step(step)
+            if step < self.steps and _preempt_agreed(self.reporter.preempt_requested.is_set(),
+                                                     self.control):
+                self._preempt_exit(step)
+        self.ckpt.close()  # the last save is published (and reported) before this rank finishes
+        return self._finish(loss_v, start)
 
-    val_loss = _val_loss(strategy, val, mcfg.seq_len, batch, device)
-    wall_s = time.time() - start
-    comm_summary = run_comm.summary()
-    reporter.event("rank_finished", steps=train.steps, final_loss=loss_v, grad_accum=accum,
-                   **comm_summary)
-    _say(f"rank {env.rank} finished steps {train.steps} final_loss {loss_v:.4f} "
-         f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
-    _say(f"rank {env.rank} comm compression {comm_summary['compression']} bytes_sent "
-         f"{comm_summary['bytes_sent']} dense_bytes {comm_summary['dense_bytes']} ratio "
-         f"{comm_summary['compression_ratio']} (compressed steps: "
-         f"{comm_summary['compression_ratio_compressed_steps']})")
-    return {"steps": train.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+    def _report_plan(self) -> None:
+        plan, rank = self.strategy.info(), self.env.rank
+        opt_bytes = optim_bytes(self.opt)
+        self.reporter.event("rank_plan", rank=rank, node=self.node, **plan, optim_bytes=opt_bytes)
+        _say(f"rank {rank} plan {plan['strategy']} mesh {plan['mesh']['shape']} coords "
+             f"{plan['coords']} param_bytes {plan['param_bytes']} optim_bytes {opt_bytes}")
+
+    def _finish(self, loss_v: float, start: float) -> dict:
+        rank = self.env.rank
+        val_loss = _val_loss(self.strategy, self.val, self.seq_len, self.batch, self.device)
+        wall_s = time.time() - start
+        comm_summary = self.run_comm.summary()
+        self.reporter.event("rank_finished", steps=self.steps, final_loss=loss_v,
+                            grad_accum=self.accum, **comm_summary)
+        _say(f"rank {rank} finished steps {self.steps} final_loss {loss_v:.4f} "
+             f"val_loss {val_loss if val_loss is None else round(val_loss, 4)} wall_s {wall_s:.1f}")
+        _say(f"rank {rank} comm compression {comm_summary['compression']} bytes_sent "
+             f"{comm_summary['bytes_sent']} dense_bytes {comm_summary['dense_bytes']} ratio "
+             f"{comm_summary['compression_ratio']} (compressed steps: "
+             f"{comm_summary['compression_ratio_compressed_steps']})")
+        return {"steps": self.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
+
+    def _preempt_exit(self, step: int) -> None:
+        """Save this step (unless it was just saved), wait until the checkpoint is published and
+        reported, and leave: the job resumes from exactly here."""
+        t0 = time.perf_counter()
+        self.ckpt.save_if_due(step, self.model, self.opt, last_step=self.steps, force=True)
+        self.ckpt.close()
+        rank = self.env.rank
+        if rank == 0:
+            self.reporter.event("preempted_exit", step=step,
+                                save_s=round(time.perf_counter() - t0, 3))
+        _say(f"rank {rank} preempted after step {step}: checkpoint saved in "
+             f"{time.perf_counter() - t0:.2f} s, exiting with {PREEMPTED_EXIT_CODE}")
+        raise Preempted(step)
+
+    def _resume(self, path: Path, seed: int, start_batch: int) -> int:
+        """Load the resume checkpoint into model and optimizer; returns its step."""
+        rank = self.env.rank
+        r = self.ckpt.load(path, self.model, self.opt, seed=seed)
+        if r.batches_consumed != start_batch:  # the data iterator was positioned from the manifest
+            raise RuntimeError(f"{path}: the trainer state consumed {r.batches_consumed} batches "
+                               f"but its manifest says step {start_batch}")
+        if not r.rng_restored:
+            _say(f"rank {rank}: {path} holds no RNG state for rank {rank} (saved with another "
+                 f"world size); seeded its RNGs deterministically from (seed, step, rank) instead")
+        if rank == 0:
+            self.reporter.event("resumed", step=r.step, path=str(path), load_s=r.load_s)
+        _say(f"rank {rank} resumed from step {r.step} ({path}) in {r.load_s:.2f} s")
+        return r.step
 
 
 class Preempted(SystemExit):
@@ -295,38 +377,6 @@ def _preempt_agreed(mine: bool, group) -> bool:
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
-
-
-def _preempt_exit(step: int, saved_at: int, ckpt: Checkpointer, model: torch.nn.Module,
-                  opt: torch.optim.Optimizer, reporter: Reporter, env: DistEnv) -> None:
-    """Save this step (unless it was just saved), wait until the checkpoint is published and
-    reported, and leave: the job resumes from exactly here."""
-    t0 = time.perf_counter()
-    if saved_at != step:
-        ckpt.save(step, model, opt)
-    ckpt.close()
-    if env.rank == 0:
-        reporter.event("preempted_exit", step=step, save_s=round(time.perf_counter() - t0, 3))
-    _say(f"rank {env.rank} preempted after step {step}: checkpoint saved in "
-         f"{time.perf_counter() - t0:.2f} s, exiting with {PREEMPTED_EXIT_CODE}")
-    raise Preempted(step)
-
-
-def _resume(cfg: RunConfig, env: DistEnv, ckpt: Checkpointer, model: torch.nn.Module,
-            opt: torch.optim.Optimizer, reporter: Reporter, start_batch: int) -> int:
-    """Load the resume checkpoint into model and optimizer; returns its step."""
-    path = cfg.resume.path
-    r = ckpt.load(path, model, opt, seed=cfg.train.seed)
-    if r.batches_consumed != start_batch:  # the data iterator was positioned from the manifest
-        raise RuntimeError(f"{path}: the trainer state consumed {r.batches_consumed} batches but "
-                           f"its manifest says step {start_batch}")
-    if not r.rng_restored:
-        _say(f"rank {env.rank}: {path} holds no RNG state for rank {env.rank} (saved with another "
-             f"world size); seeded its RNGs deterministically from (seed, step, rank) instead")
-    if env.rank == 0:
-        reporter.event("resumed", step=r.step, path=str(path), load_s=r.load_s)
-    _say(f"rank {env.rank} resumed from step {r.step} ({path}) in {r.load_s:.2f} s")
-    return r.step
 
 
 def _say(line: str) -> None:
