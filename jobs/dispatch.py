@@ -45,7 +45,7 @@ def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
     import redis
     from django.conf import settings
 
-    from workers.runtime.preempt import preempt_key
+    from trainyard.keys import preempt_key
 
     try:
         redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(

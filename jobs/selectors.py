@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
+from trainyard import keys
+
 from .models import Allocation, Attempt, Checkpoint, Job, MetricSample, Node
 from .policy import fairshare
 from .policy.scheduler import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
@@ -155,11 +157,9 @@ def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> 
     import redis
     from django.conf import settings
 
-    from .telemetry import log_key
-
     r = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
     try:
-        raw = r.lrange(log_key(job_id), -5000, -1)
+        raw = r.lrange(keys.job_log_key(job_id), -5000, -1)
     except redis.RedisError:
         return []
     lines = [json.loads(x) for x in raw]
@@ -223,9 +223,6 @@ def checkpoint_dict(c: Checkpoint) -> dict:
     return dict(CheckpointSerializer(c).data)
 
 
-RELAY_ALIVE_KEY = "trainyard:relay:alive"
-
-
 def relay_alive() -> bool:
     """The relay refreshes this key (10 s expiry) every second while it runs."""
     import redis
@@ -233,7 +230,7 @@ def relay_alive() -> bool:
 
     try:
         return bool(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-                    .exists(RELAY_ALIVE_KEY))
+                    .exists(keys.RELAY_ALIVE_KEY))
     except redis.RedisError:
         return False
 

@@ -23,15 +23,10 @@ from .models import (Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSampl
                      SchedulerLock)
 from .policy import checkpoints as ckpt_policy
 from .policy import diagnosis, planner, predictor, scheduler
+from trainyard import keys
 from trainyard.spec import SpecError, parse_job_spec
 
 log = logging.getLogger(__name__)
-STREAM_PREFIX = "trainyard:job:"
-STREAMS_KEY = "trainyard:streams"
-
-
-def job_stream(job_id: int) -> str:
-    return f"{STREAM_PREFIX}{job_id}"
 
 
 def _event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None = None, actor=None,
@@ -196,7 +191,7 @@ def _start_attempt(placement: scheduler.Placement) -> bool:
         Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
     host = placement.shares[0]
-    stream = job_stream(job.pk)
+    stream = keys.job_stream(job.pk)
     for share in placement.shares:
         Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
                                   slot_ids=list(share.slot_ids))
@@ -645,7 +640,7 @@ def _checkpoint_root() -> Path:
 
 
 def _job_checkpoint_dir(job_id: int) -> Path:
-    return _checkpoint_root() / f"job-{job_id}"
+    return keys.job_checkpoint_dir(_checkpoint_root(), job_id)
 
 
 def _ckpt_states(job: Job) -> list[ckpt_policy.CheckpointState]:
@@ -742,7 +737,7 @@ def checkpoints_reconcile(job: Job) -> int:
         return 0
     known = set(job.checkpoints.values_list("path", flat=True))
     found = 0
-    for manifest in sorted(root.glob("step-*/trainyard.json")):
+    for manifest in sorted(root.glob(f"{keys.STEP_DIR_GLOB}/{keys.MANIFEST}")):
         if str(manifest.parent.resolve()) in known:
             continue
         try:

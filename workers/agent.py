@@ -18,12 +18,13 @@ from pathlib import Path
 import psutil
 import redis
 
+from trainyard import keys
+
 from .celery_app import CONTROL_QUEUE, REDIS_URL, app, node_queue
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 
 log = logging.getLogger("trainyard.agent")
 HEARTBEAT_S = 2.0
-RDZV_KEY = "trainyard:rdzv:{attempt_id}"
 RDZV_WAIT_S = 60.0
 
 
@@ -92,7 +93,7 @@ class Agent:
 
     # ---------------------------------------------------------------- tasks
     def _rdzv_port(self, attempt_id: int, node_rank: int) -> int:
-        key = RDZV_KEY.format(attempt_id=attempt_id)
+        key = keys.rdzv_port_key(attempt_id)
         if node_rank == 0:
             # SET NX: a redelivered launch reuses the port its first delivery announced.
             self.redis.set(key, pick_free_port(self.address), nx=True, ex=86400)
@@ -122,9 +123,9 @@ class Agent:
         config = {
             "job_id": job_id, "attempt_id": attempt_id, "node": self.name, "run_dir": str(run_dir),
             "redis_url": REDIS_URL, "stream": p["stream"],
-            "data_root": os.environ.get("TRAINYARD_DATA_ROOT", str(Path("var/data").resolve())),
-            "checkpoint_dir": str(Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "var/checkpoints")).resolve()
-                                  / f"job-{job_id}"),
+            "data_root": str(keys.data_root()),
+            # The same function and environment variable the control plane's checkpoint_register checks against.
+            "checkpoint_dir": str(keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)),
             "spec": p["spec"],
             "resume": p.get("resume"),  # {"path", "step", "checkpoint_id"} or None
         }

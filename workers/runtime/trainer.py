@@ -55,6 +55,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from trainyard.keys import preempt_key
+
 from .balance import Balance, check_balance
 from .chaos import Chaos, SlowKnob
 from .checkpoint import Checkpointer, is_due, resume_manifest
@@ -63,7 +65,7 @@ from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import Mesh, build_strategy, optim_bytes
-from .preempt import PREEMPTED_EXIT_CODE, preempt_key
+from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
 from .sync import build_sync
 
