@@ -144,7 +144,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
 }
 
-# Celery: one app for control worker and node agents (see workers/celery_app.py).
+# Celery: the control plane's app (jobs/celery_app.py); node agents run their own (workers/celery_app.py).
 CELERY_BROKER_URL = REDIS_URL
 
 # Trainyard knobs.

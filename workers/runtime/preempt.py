@@ -1,10 +1,11 @@
 """Cooperative preemption: the contract between the control plane and the runtime.
 
-The control plane sets `trainyard.keys.preempt_key(attempt)` in Redis (jobs.dispatch.request_preempt).
-Every rank's reporter thread polls it (at most every POLL_S, off the training thread); the ranks
-agree on it with a one-element all_reduce on a gloo group of their own each step (so all stop
-after the same step), save a checkpoint of that step, wait for it to be complete and exit with
-PREEMPTED_EXIT_CODE. If they do not within the grace period, the control plane stops them.
+The control plane sets `trainyard.keys.preempt_key(attempt)` in Redis to a
+trainyard.launch.PreemptRequest (jobs.dispatch.request_preempt). Every rank's reporter thread
+polls it (at most every POLL_S, off the training thread); the ranks agree on it with a
+one-element all_reduce on a gloo group of their own each step (so all stop after the same step),
+save a checkpoint of that step, wait for it to be complete and exit with PREEMPTED_EXIT_CODE.
+If they do not within the grace period, the control plane stops them.
 """
 from __future__ import annotations
 
