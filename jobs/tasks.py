@@ -10,27 +10,31 @@ from . import dispatch, services
 from .celery_app import app
 
 
-@app.task(name=SCHEDULE_TICK_TASK, time_limit=60, soft_time_limit=50)
+# shared=False: registered with this side's app only (Celery shares tasks with every app in a
+# process by default), so each side serves exactly its own queue's tasks even when both load.
+
+
+@app.task(name=SCHEDULE_TICK_TASK, shared=False, time_limit=60, soft_time_limit=50)
 def schedule_tick() -> list[int]:
     return services.schedule_tick()
 
 
-@app.task(name=NODES_CHECK_TASK, time_limit=60, soft_time_limit=50)
+@app.task(name=NODES_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
 def nodes_check() -> list[str]:
     return services.nodes_check()
 
 
-@app.task(name=ETA_REFRESH_TASK, time_limit=60, soft_time_limit=50)
+@app.task(name=ETA_REFRESH_TASK, shared=False, time_limit=60, soft_time_limit=50)
 def eta_refresh() -> int:
     return services.eta_refresh()
 
 
-@app.task(name=ATTEMPTS_CHECK_TASK, time_limit=60, soft_time_limit=50)
+@app.task(name=ATTEMPTS_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
     return services.attempts_check()
 
 
-@app.task(name=HEARTBEAT_TASK, time_limit=30, expires=10)
+@app.task(name=HEARTBEAT_TASK, shared=False, time_limit=30, expires=10)
 def node_heartbeat(payload: dict) -> None:
     node, orphans = services.node_heartbeat(payload)
     for attempt_id in orphans:
@@ -38,11 +42,11 @@ def node_heartbeat(payload: dict) -> None:
         dispatch.send_stop(node.name, 0, attempt_id, "orphan")
 
 
-@app.task(name=RANKS_TASK, time_limit=30)
+@app.task(name=RANKS_TASK, shared=False, time_limit=30)
 def attempt_ranks(attempt_id: int, node: str, ranks: list) -> None:
     services.attempt_ranks(int(attempt_id), str(node), ranks)
 
 
-@app.task(name=NODE_EXIT_TASK, time_limit=30)
+@app.task(name=NODE_EXIT_TASK, shared=False, time_limit=30)
 def attempt_node_exit(attempt_id: int, node: str, result: dict) -> None:
     services.attempt_node_exit(int(attempt_id), str(node), result)

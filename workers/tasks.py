@@ -8,14 +8,18 @@ from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK, Launch, Stop
 from .celery_app import app
 
 
-@app.task(name=NODE_LAUNCH_TASK, time_limit=180, acks_late=False)
+# shared=False: registered with this side's app only (Celery shares tasks with every app in a
+# process by default), so each side serves exactly its own queue's tasks even when both load.
+
+
+@app.task(name=NODE_LAUNCH_TASK, shared=False, time_limit=180, acks_late=False)
 def node_launch(payload: dict) -> bool:
     from . import agent
 
     return agent.AGENT.launch(Launch.model_validate(payload))
 
 
-@app.task(name=NODE_STOP_TASK, time_limit=60, acks_late=False)
+@app.task(name=NODE_STOP_TASK, shared=False, time_limit=60, acks_late=False)
 def node_stop(job_id: int, attempt_id: int, reason: str) -> None:
     from . import agent
 
