@@ -5,8 +5,10 @@ import os
 import secrets
 from pathlib import Path
 
+from trainyard import keys
+
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("TRAINYARD_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR = keys.var_dir()  # TRAINYARD_VAR_DIR, else var/ in the repository
 
 
 def _secret_key() -> str:
@@ -142,12 +144,14 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
 }
 
-# Celery: one app for control worker and node agents (see workers/celery_app.py).
+# Celery: the control plane's app (jobs/celery_app.py); node agents run their own (workers/celery_app.py).
 CELERY_BROKER_URL = REDIS_URL
 
 # Trainyard knobs.
-TRAINYARD_DATA_ROOT = Path(os.environ.get("TRAINYARD_DATA_ROOT", VAR_DIR / "data"))
-TRAINYARD_CHECKPOINT_ROOT = Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", VAR_DIR / "checkpoints"))
+# Resolved by trainyard.keys from the same environment the node agents read, so both name a
+# job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).
+TRAINYARD_DATA_ROOT = keys.data_root()
+TRAINYARD_CHECKPOINT_ROOT = keys.checkpoint_root()
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.

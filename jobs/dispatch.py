@@ -1,24 +1,32 @@
 """Outbound side effects of services: Celery sends to node queues and the control queue.
-Services call these only from transaction.on_commit, so a rolled-back decision sends nothing."""
+Services call these only from transaction.on_commit, so a rolled-back decision sends nothing.
+
+Sends go by task name (trainyard.launch) through the control plane's own Celery app, with the
+typed message models' JSON, so the control plane never imports the node agents' code."""
 from __future__ import annotations
 
 import logging
 
-from workers.celery_app import CONTROL_QUEUE, app, node_queue
+from trainyard.keys import CONTROL_QUEUE, node_queue, preempt_key
+from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK, PreemptRequest, Stop
+
+from .celery_app import app
 
 log = logging.getLogger(__name__)
 
 
 def send_launch(node: str, payload: dict) -> None:
-    app.send_task("workers.tasks.node_launch", args=[payload], queue=node_queue(node))
+    """Send a Launch message's JSON (built by the services) to the node's queue."""
+    app.send_task(NODE_LAUNCH_TASK, args=[payload], queue=node_queue(node))
 
 
 def send_stop(node: str, job_id: int, attempt_id: int, reason: str) -> None:
-    app.send_task("workers.tasks.node_stop", args=[job_id, attempt_id, reason], queue=node_queue(node))
+    stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
+    app.send_task(NODE_STOP_TASK, args=stop.args(), queue=node_queue(node))
 
 
 def request_tick() -> None:
-    app.send_task("workers.tasks.schedule_tick", queue=CONTROL_QUEUE, expires=10)
+    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_QUEUE, expires=10)
 
 
 def publish(group: str, message: dict) -> None:
@@ -45,10 +53,9 @@ def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
     import redis
     from django.conf import settings
 
-    from workers.runtime.preempt import preempt_key
-
+    request = PreemptRequest(reason=reason, grace_s=grace_s)
     try:
         redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(
-            preempt_key(attempt_id), json.dumps({"reason": reason, "grace_s": grace_s}), ex=int(max(600, 4 * grace_s)))
+            preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=int(max(600, 4 * grace_s)))
     except redis.RedisError as exc:
         log.warning("could not request preemption of attempt %s: %s", attempt_id, exc)

@@ -8,7 +8,7 @@ Anything else gets 401 (no or wrong credentials) or 403 (a signed-in non-staff u
 Every family is written with # HELP and # TYPE; label values are escaped as the format asks.
 Per-job series exist only for jobs in STARTING/RUNNING/STOPPING, so finished jobs do not pile
 up in Prometheus. Relay figures come from the counters the relay keeps in Redis
-(jobs.telemetry.STATS_KEY) plus the job streams' current backlog and the age of their oldest
+(trainyard.keys.RELAY_STATS_KEY) plus the job streams' current backlog and the age of their oldest
 entry; if Redis cannot be reached, `trainyard_redis_up 0` says so and the rest still renders.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ from django.conf import settings
 from django.db.models import Count
 from django.http import HttpResponse
 
-from . import selectors, services
+from trainyard import keys
+
+from . import selectors
 from .models import Job, MetricSample, Node
-from .telemetry import GROUP, STATS_KEY
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -145,9 +146,9 @@ RELAY_GAUGES = (
 def collect_relay(exp: Exposition) -> None:
     try:
         r = _client()
-        stats = {k.decode(): v.decode() for k, v in r.hgetall(STATS_KEY).items()}
+        stats = {k.decode(): v.decode() for k, v in r.hgetall(keys.RELAY_STATS_KEY).items()}
         backlog, pending, oldest_ms = 0, 0, None
-        streams = list(r.scan_iter(match=services.STREAM_PREFIX + "*", _type="stream", count=1000))
+        streams = list(r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000))
         pipe = r.pipeline(transaction=False)
         for key in streams:
             pipe.xlen(key)
@@ -160,7 +161,7 @@ def collect_relay(exp: Exposition) -> None:
                 oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
         pipe = r.pipeline(transaction=False)
         for key in streams:
-            pipe.xpending(key, GROUP)
+            pipe.xpending(key, keys.RELAY_GROUP)
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, dict):
                 pending += reply.get("pending") or 0

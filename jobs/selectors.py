@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
+from trainyard import keys
+
 from .models import Allocation, Attempt, Job, MetricSample, Node
 from .policy import fairshare
 from .policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
@@ -149,11 +151,6 @@ def queue_positions() -> dict[int, int]:
     return {j.id: i + 1 for i, j in enumerate(queue_order(cluster_view()))}
 
 
-def log_key(job_id: int) -> str:
-    """The capped Redis list of a job's captured log lines: the relay appends, pages read."""
-    return f"trainyard:joblog:{job_id}"
-
-
 def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> list[dict]:
     """The newest captured log lines of a job (kept in a capped Redis list by the relay)."""
     import json
@@ -163,7 +160,7 @@ def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> 
 
     r = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
     try:
-        raw = r.lrange(log_key(job_id), -5000, -1)
+        raw = r.lrange(keys.job_log_key(job_id), -5000, -1)
     except redis.RedisError:
         return []
     lines = [json.loads(x) for x in raw]
@@ -172,7 +169,6 @@ def job_log_lines(job_id: int, *, rank: int | None = None, limit: int = 500) -> 
     return lines[-limit:]
 
 
-RELAY_ALIVE_KEY = "trainyard:relay:alive"
 
 
 def relay_alive() -> bool:
@@ -182,7 +178,7 @@ def relay_alive() -> bool:
 
     try:
         return bool(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-                    .exists(RELAY_ALIVE_KEY))
+                    .exists(keys.RELAY_ALIVE_KEY))
     except redis.RedisError:
         return False
 

@@ -10,7 +10,7 @@ One round: one XREADGROUP over all streams (up to `batch` entries each, blocking
 one transaction for everything read, then the committed samples go to the Channels groups
 `job.<id>` (through a long-lived publisher thread, in order, at most PUBLISH_MAX_SAMPLES per
 message) and one pipelined round trip XACKs, XDELs, appends logs and, every STATS_EVERY_S,
-bumps the counters in STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
+bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
 under load a round takes longer than that and so reads more: batches grow with the rate
 instead of the relay falling behind at a fixed batch size.
 """
@@ -26,13 +26,13 @@ import orjson
 import redis
 from django.conf import settings
 
-from . import selectors, services
+from trainyard import keys
+
+from . import services
 from .models import Job
 
 log = logging.getLogger("trainyard.relay")
-GROUP = "relay"
 LOG_KEEP_LINES = 5000
-STATS_KEY = "trainyard:relay:stats"
 STATS_EVERY_S = 0.5
 MIN_ROUND_S = 0.02  # rounds start at most 50 times a second: <= 20 ms of added latency
 # Samples per websocket message: ~330 bytes each as JSON, so 500 stay far below daphne's 1 MiB
@@ -140,12 +140,12 @@ class Relay:
         return self._publish
 
     def discover(self) -> None:
-        for key in self.r.scan_iter(match=services.STREAM_PREFIX + "*", _type="stream", count=1000):
+        for key in self.r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000):
             name = key.decode()
             if name in self.streams:
                 continue
             try:
-                self.r.xgroup_create(name, GROUP, id="0", mkstream=True)
+                self.r.xgroup_create(name, keys.RELAY_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
@@ -158,14 +158,14 @@ class Relay:
         if time.monotonic() - self._last_scan > 1.0:
             self.discover()
             # The hang detector trusts "no progress in the database" only while this key lives.
-            self.r.set(selectors.RELAY_ALIVE_KEY, time.time(), ex=10)
+            self.r.set(keys.RELAY_ALIVE_KEY, time.time(), ex=10)
         if not self.streams:
             time.sleep(self.block_ms / 1000)
             return 0
         pending = {s: i for s, i in self.streams.items() if i == "0"}
         block = None if pending else self.block_ms
         self._round_start = time.monotonic()
-        resp = self.r.xreadgroup(GROUP, self.consumer, pending or self.streams, count=self.batch, block=block)
+        resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, pending or self.streams, count=self.batch, block=block)
         read = []
         for stream, entries in resp or []:
             stream = stream.decode()
@@ -197,7 +197,7 @@ class Relay:
         per_job: list[tuple[int, list[dict], list[dict], list[bytes]]] = []  # job, samples, live logs, log lines
         n_entries = 0
         for stream, entries in read:
-            job_id = int(stream.rsplit(":", 1)[1])
+            job_id = keys.stream_job_id(stream)
             job_samples: list[dict] = []
             live_logs: list[dict] = []
             logs: list[bytes] = []
@@ -234,10 +234,10 @@ class Relay:
         pipe = self.r.pipeline(transaction=False)
         for (stream, entries), (job_id, _, _, logs) in zip(read, per_job):
             if logs:
-                pipe.rpush(selectors.log_key(job_id), *logs)
-                pipe.ltrim(selectors.log_key(job_id), -LOG_KEEP_LINES, -1)
+                pipe.rpush(keys.job_log_key(job_id), *logs)
+                pipe.ltrim(keys.job_log_key(job_id), -LOG_KEEP_LINES, -1)
             ids = [e[0] for e in entries]
-            pipe.xack(stream, GROUP, *ids)
+            pipe.xack(stream, keys.RELAY_GROUP, *ids)
             pipe.xdel(stream, *ids)
         self._count(len(samples), n_entries, t0)
         if time.monotonic() - self._stats_written >= STATS_EVERY_S:
@@ -262,9 +262,9 @@ class Relay:
         """Counters for /metrics, at most every STATS_EVERY_S (5 commands a round cost ~0.3 ms)."""
         for key, delta in self._stats_delta.items():
             if delta:
-                pipe.hincrby(STATS_KEY, key, delta)
+                pipe.hincrby(keys.RELAY_STATS_KEY, key, delta)
         self._stats_delta = dict.fromkeys(self._stats_delta, 0)
-        pipe.hset(STATS_KEY, mapping={**self._last_batch,
+        pipe.hset(keys.RELAY_STATS_KEY, mapping={**self._last_batch,
                                       "publish_errors_total": getattr(self._publish, "errors", 0)})
         self._stats_written = time.monotonic()
 
@@ -272,7 +272,7 @@ class Relay:
         """Forget drained streams of finished jobs (the stream key itself stays until empty)."""
         self._last_gc = time.monotonic()
         for stream in list(self.streams):
-            job_id = int(stream.rsplit(":", 1)[1])
+            job_id = keys.stream_job_id(stream)
             done = Job.objects.filter(pk=job_id, status__in=Job.TERMINAL).exists()
             if done and self.r.xlen(stream) == 0:
                 self.r.delete(stream)
@@ -296,7 +296,7 @@ class Relay:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         log.info("relay %s started", self.consumer)
-        self.r.hset(STATS_KEY, mapping={"started_unixtime": time.time(), "consumer": self.consumer})
+        self.r.hset(keys.RELAY_STATS_KEY, mapping={"started_unixtime": time.time(), "consumer": self.consumer})
         try:
             while self.running:
                 try:

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from trainyard.launch import NodeExit, RankInfo
 from workers import launch_spec, launcher, launcher_logs
 from workers.launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 
@@ -56,10 +57,16 @@ class Recorder:
             assert self.cond.wait_for(lambda: predicate(self), timeout), self.events
 
     def exits(self) -> list[dict]:
-        return [e[1] for e in self.events if e[0] == "exit"]
+        out = [e[1] for e in self.events if e[0] == "exit"]
+        for result in out:  # the agent sends it as a NodeExit: it must validate and keep every key
+            assert NodeExit.model_validate(result).wire() == result
+        return out
 
     def ranks(self) -> list[dict]:
-        return [r for e in self.events if e[0] == "ranks" for r in e[1]]
+        out = [r for e in self.events if e[0] == "ranks" for r in e[1]]
+        for rank in out:  # sent as RankInfo
+            assert RankInfo.model_validate(rank).model_dump(mode="json") == rank
+        return out
 
     def lines(self, rank: int | None = None) -> list[tuple[int, str, str]]:
         return [(e[1], e[2], line) for e in self.events if e[0] == "log"

@@ -18,12 +18,16 @@ from pathlib import Path
 import psutil
 import redis
 
-from .celery_app import CONTROL_QUEUE, REDIS_URL, app, node_queue
+from trainyard import keys
+from trainyard.keys import CONTROL_QUEUE, node_queue
+from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartbeat, Launch, NodeExit,
+                              RankFailure, RankInfo)
+
+from .celery_app import REDIS_URL, app
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 
 log = logging.getLogger("trainyard.agent")
 HEARTBEAT_S = 2.0
-RDZV_KEY = "trainyard:rdzv:{attempt_id}"
 RDZV_WAIT_S = 60.0
 
 
@@ -72,7 +76,8 @@ class Agent:
 
     def _callbacks(self, job_id: int, attempt_id: int, stream: str) -> dict:
         def on_ranks(ranks: list[dict]) -> None:
-            app.send_task("workers.tasks.attempt_ranks", args=[attempt_id, self.name, ranks], queue=CONTROL_QUEUE)
+            infos = [RankInfo.model_validate(r).model_dump(mode="json") for r in ranks]
+            app.send_task(RANKS_TASK, args=[attempt_id, self.name, infos], queue=CONTROL_QUEUE)
 
         def on_log(rank: int, which: str, lines: list[str]) -> None:
             try:
@@ -84,15 +89,14 @@ class Agent:
         def on_exit(result: dict) -> None:
             with self._registry_lock:
                 self.supervisors.pop(attempt_id, None)
-            result = dict(result, node=self.name)
-            app.send_task("workers.tasks.attempt_node_exit", args=[attempt_id, self.name, result],
-                          queue=CONTROL_QUEUE)
+            report = NodeExit.model_validate(dict(result, node=self.name))
+            app.send_task(NODE_EXIT_TASK, args=[attempt_id, self.name, report.wire()], queue=CONTROL_QUEUE)
 
         return {"on_ranks": on_ranks, "on_log": on_log, "on_exit": on_exit}
 
     # ---------------------------------------------------------------- tasks
     def _rdzv_port(self, attempt_id: int, node_rank: int) -> int:
-        key = RDZV_KEY.format(attempt_id=attempt_id)
+        key = keys.rdzv_port_key(attempt_id)
         if node_rank == 0:
             # SET NX: a redelivered launch reuses the port its first delivery announced.
             self.redis.set(key, pick_free_port(self.address), nx=True, ex=86400)
@@ -104,34 +108,35 @@ class Agent:
             time.sleep(0.1)
         raise TimeoutError(f"rank-0 node did not publish a rendezvous port for attempt {attempt_id}")
 
-    def launch(self, p: dict) -> bool:
-        attempt_id, job_id = int(p["attempt_id"]), int(p["job_id"])
+    def launch(self, msg: Launch) -> bool:
+        attempt_id, job_id = msg.attempt_id, msg.job_id
         run_dir = self.run_dir(attempt_id)
         if (run_dir / "launched").exists():
             log.info("attempt %s was already launched on %s: ignoring duplicate launch", attempt_id, self.name)
             return False
-        cbs = self._callbacks(job_id, attempt_id, p["stream"])
+        cbs = self._callbacks(job_id, attempt_id, msg.stream)
         try:
-            port = self._rdzv_port(attempt_id, int(p["node_rank"]))
+            port = self._rdzv_port(attempt_id, msg.node_rank)
         except (TimeoutError, redis.RedisError) as exc:
-            cbs["on_exit"]({"attempt_id": attempt_id, "exit_code": None, "signal": None, "stopped": False,
-                            "failures": [{"rank": None, "local_rank": None, "exitcode": None,
-                                          "timestamp": time.time(), "message": f"RendezvousError: {exc}",
-                                          "traceback": ""}], "log_tail": {}, "duration_s": 0.0})
+            cbs["on_exit"](NodeExit(
+                attempt_id=attempt_id, exit_code=None, signal=None, stopped=False,
+                failures=[RankFailure(rank=None, local_rank=None, exitcode=None, timestamp=time.time(),
+                                      message=f"RendezvousError: {exc}", traceback="")],
+                log_tail={}, duration_s=0.0).wire())
             return False
         config = {
             "job_id": job_id, "attempt_id": attempt_id, "node": self.name, "run_dir": str(run_dir),
-            "redis_url": REDIS_URL, "stream": p["stream"],
-            "data_root": os.environ.get("TRAINYARD_DATA_ROOT", str(Path("var/data").resolve())),
-            "checkpoint_dir": str(Path(os.environ.get("TRAINYARD_CHECKPOINT_ROOT", "var/checkpoints")).resolve()
-                                  / f"job-{job_id}"),
-            "spec": p["spec"],
-            "resume": p.get("resume"),  # {"path", "step", "checkpoint_id"} or None
+            "redis_url": REDIS_URL, "stream": msg.stream,
+            "data_root": str(keys.data_root()),
+            # The same function and environment variable the control plane's checkpoint_register checks against.
+            "checkpoint_dir": str(keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)),
+            "spec": msg.spec,
+            "resume": msg.resume.model_dump(mode="json") if msg.resume else None,
         }
         req = LaunchRequest(
-            job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=int(p["node_rank"]),
-            nnodes=int(p["nnodes"]), nproc=int(p["nproc"]), slots=tuple(int(s) for s in p["slots"]),
-            device=p["device"], rdzv_host=p["rdzv_host"], rdzv_port=port, local_addr=self.address,
+            job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
+            nnodes=msg.nnodes, nproc=msg.nproc, slots=tuple(msg.slots),
+            device=msg.device, rdzv_host=msg.rdzv_host, rdzv_port=port, local_addr=self.address,
             config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot)
         with self._lock(attempt_id):
             sup = Supervisor(req, **cbs)
@@ -141,7 +146,7 @@ class Agent:
             with self._registry_lock:
                 self.supervisors[attempt_id] = sup
         log.info("launched attempt %s (job %s) on %s, rdzv %s:%s", attempt_id, job_id, self.name,
-                 p["rdzv_host"], port)
+                 msg.rdzv_host, port)
         return True
 
     def stop(self, attempt_id: int, reason: str) -> None:
@@ -164,9 +169,9 @@ class Agent:
         sup.stop()
 
     def _report_never_started(self, attempt_id: int, reason: str) -> None:
-        app.send_task("workers.tasks.attempt_node_exit", args=[attempt_id, self.name, {
-            "attempt_id": attempt_id, "node": self.name, "exit_code": None, "signal": None, "stopped": True,
-            "failures": [], "log_tail": {}, "duration_s": 0.0, "reason": reason}], queue=CONTROL_QUEUE)
+        report = NodeExit(attempt_id=attempt_id, node=self.name, exit_code=None, signal=None, stopped=True,
+                          failures=[], log_tail={}, duration_s=0.0, reason=reason)
+        app.send_task(NODE_EXIT_TASK, args=[attempt_id, self.name, report.wire()], queue=CONTROL_QUEUE)
 
     # ---------------------------------------------------------------- lifecycle
     def adopt_running(self) -> None:
@@ -183,14 +188,13 @@ class Agent:
                     self.supervisors[attempt_id] = sup
                 log.info("re-attached to running attempt %s", attempt_id)
 
-    def heartbeat_payload(self) -> dict:
+    def heartbeat_payload(self) -> Heartbeat:
         with self._registry_lock:
             attempts = sorted(self.supervisors)
-        return {
-            "name": self.name, "address": self.address, "slots": self.slots, "labels": self.labels,
-            "devices": discover_devices(self.device, self.slots), "cpu_percent": psutil.cpu_percent(None),
-            "mem_percent": psutil.virtual_memory().percent, "agent_id": self.agent_id, "attempts": attempts,
-        }
+        return Heartbeat(
+            name=self.name, address=self.address, slots=self.slots, labels=self.labels,
+            devices=discover_devices(self.device, self.slots), cpu_percent=psutil.cpu_percent(None),
+            mem_percent=psutil.virtual_memory().percent, agent_id=self.agent_id, attempts=attempts)
 
     def stop_all(self) -> None:
         """Graceful agent shutdown (Ctrl-C under `make run`): stop every attempt running here, in parallel."""
@@ -206,7 +210,7 @@ class Agent:
     def heartbeat_forever(self) -> None:
         while not self._stop.is_set():
             try:
-                app.send_task("workers.tasks.node_heartbeat", args=[self.heartbeat_payload()],
+                app.send_task(HEARTBEAT_TASK, args=[self.heartbeat_payload().model_dump(mode="json")],
                               queue=CONTROL_QUEUE, expires=10)
             except Exception as exc:  # Redis down: keep trying, the supervisors keep running
                 log.warning("heartbeat failed: %s", exc)

@@ -21,8 +21,9 @@ run_dir layout (one per attempt per node):
 Ranks get OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), TRAINYARD_{NODE,RUN_DIR,JOB_ID,
 ATTEMPT_ID,LOCAL_ADDR} and req.env on top of the agent's environment.
 
-on_exit result (JSON-safe): attempt_id, job_id, node, exit_code (torchrun's; -signum when it
-was killed; None when lost), signal, stopped, lost, failures (earliest first: rank,
+on_exit result (JSON-safe; the agent sends it as a trainyard.launch.NodeExit, and on_ranks'
+list as trainyard.launch.RankInfo): attempt_id, job_id, node, exit_code (torchrun's; -signum
+when it was killed; None when lost), signal, stopped, lost, failures (earliest first: rank,
 local_rank, exitcode, signal, timestamp, message, traceback), log_tail {"<rank>": lines},
 duration_s; plus torchrun_tail (its last stderr lines) when exit_code != 0.
 """

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from .attempts import attempt_preempt, attempts_check
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
-from .ingest import STREAM_PREFIX, job_stream, telemetry_ingest
+from .ingest import telemetry_ingest
 from .jobs import job_cancel, job_rollback, job_submit
 from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
 from .quotas import quota_audit, quotas_update
 from .scheduling import eta_refresh, schedule_tick
 
 __all__ = [
-    "STREAM_PREFIX", "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "checkpoint_pin",
+    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "checkpoint_pin",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_cancel", "job_rollback", "job_stream",
     "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
     "quotas_update", "schedule_tick", "telemetry_ingest",

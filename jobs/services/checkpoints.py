@@ -18,13 +18,15 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from trainyard import keys
+from trainyard.spec import CheckpointSpec
+
 from .. import dispatch
 from ..errors import TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..payloads import checkpoint_dict
 from ..policy import checkpoints as ckpt_policy
 from .events import job_event
-from trainyard.spec import CheckpointSpec
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -37,7 +39,7 @@ def _checkpoint_root() -> Path:
 
 
 def _job_checkpoint_dir(job_id: int) -> Path:
-    return _checkpoint_root() / f"job-{job_id}"
+    return keys.job_checkpoint_dir(_checkpoint_root(), job_id)
 
 
 def checkpoint_states(job: Job) -> list[ckpt_policy.CheckpointState]:
@@ -138,7 +140,7 @@ def checkpoints_reconcile(job: Job) -> int:
         return 0
     known = set(job.checkpoints.values_list("path", flat=True))
     found = 0
-    for manifest in sorted(root.glob("step-*/trainyard.json")):
+    for manifest in sorted(root.glob(f"{keys.STEP_DIR_GLOB}/{keys.MANIFEST}")):
         if str(manifest.parent.resolve()) in known:
             continue
         try:

@@ -1,5 +1,5 @@
 """Telemetry intake: the relay's batches of metric samples and runtime events, stored in one
-transaction, and where the runtime writes them (one Redis stream per job).
+transaction (the relay reads them from each job's Redis stream, trainyard.keys.job_stream).
 
 Runtime events: `checkpoint` (registered), `resumed` (a timeline entry), `rank_plan` (what each
 rank holds under the plan) and `telemetry_dropped` (samples lost while Redis was away).
@@ -16,16 +16,6 @@ from .checkpoints import checkpoint_register
 from .events import job_event
 
 log = logging.getLogger(__name__)
-
-
-STREAM_PREFIX = "trainyard:job:"
-
-STREAMS_KEY = "trainyard:streams"
-
-
-def job_stream(job_id: int) -> str:
-    """The Redis stream a job's runtime writes its telemetry to and the relay reads."""
-    return f"{STREAM_PREFIX}{job_id}"
 
 
 METRIC_FIELDS = MetricSample.FIELDS

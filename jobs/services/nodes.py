@@ -15,6 +15,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from trainyard.launch import Heartbeat, NodeExit, RankInfo
+
 from .. import dispatch
 from ..errors import NodeActionError
 from ..models import Allocation, Attempt, Job, Node
@@ -30,12 +32,13 @@ log = logging.getLogger(__name__)
 def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
     """Upsert a node from its agent's heartbeat. Returns the node and the attempts the agent runs
     that the control plane no longer expects there (the caller tells the agent to stop them)."""
-    name = payload["name"]
+    beat = Heartbeat.model_validate(payload)
+    name = beat.name
     now = timezone.now()
     fields = {
-        "address": payload["address"], "slots": int(payload["slots"]), "labels": payload.get("labels") or {},
-        "devices": payload.get("devices") or [], "cpu_percent": payload.get("cpu_percent"),
-        "mem_percent": payload.get("mem_percent"), "agent_id": payload.get("agent_id", ""), "last_heartbeat": now,
+        "address": beat.address, "slots": beat.slots, "labels": beat.labels, "devices": beat.devices,
+        "cpu_percent": beat.cpu_percent, "mem_percent": beat.mem_percent, "agent_id": beat.agent_id,
+        "last_heartbeat": now,
     }
     with transaction.atomic():
         node, created = Node.objects.get_or_create(name=name, defaults=fields)
@@ -50,7 +53,7 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
                 log.info("node %s is back (%s)", name, back)
             node.refresh_from_db()
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
-        running = set(int(a) for a in payload.get("attempts") or [])
+        running = set(beat.attempts)
         expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
         return node, sorted(running - expected)
 
@@ -63,9 +66,10 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
             "attempt__job").first()
         if alloc is None:
             return
+        infos = [RankInfo.model_validate(r) for r in ranks]
         Allocation.objects.filter(pk=alloc.pk).update(
-            ranks=sorted(({"rank": int(r["rank"]), "local_rank": int(r["local_rank"]), "pid": int(r["pid"])}
-                          for r in ranks), key=lambda r: r["rank"]))
+            ranks=sorted(({"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid} for r in infos),
+                         key=lambda r: r["rank"]))
         attempt = alloc.attempt
         waiting = Allocation.objects.filter(attempt=attempt, ranks=[]).exists()
         if waiting:
@@ -78,7 +82,9 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
 
 
 def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
-    """A node's processes for an attempt have exited (or were stopped, or never started)."""
+    """A node's processes for an attempt have exited (or were stopped, or never started).
+    `result` is a NodeExit's JSON, stored as it came (the evidence diagnosis reads)."""
+    report = NodeExit.model_validate(result)
     with transaction.atomic():
         alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name, active=True).select_related(
             "attempt", "node").first()
@@ -86,7 +92,7 @@ def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
             return  # duplicate report, or the node was already written off as lost
         Allocation.objects.filter(pk=alloc.pk).update(active=False, result=result, ended_at=timezone.now())
         attempt = alloc.attempt
-        failed = result.get("exit_code") != 0 and not result.get("stopped")
+        failed = report.exit_code != 0 and not report.stopped
         if failed and attempt.status != Attempt.Status.ENDED and not attempt.stop_reason:
             attempt_stop(attempt, reason="failure")
         else:

@@ -13,13 +13,15 @@ from functools import partial
 
 from django.db import transaction
 
+from trainyard import keys
+from trainyard.launch import Launch, Resume
+
 from .. import dispatch, selectors
 from ..models import Allocation, Attempt, Job, Node, SchedulerLock
 from ..policy import scheduling
 from .attempts import attempt_preempt
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_set_status
-from .ingest import job_stream
 
 
 def schedule_tick() -> list[int]:
@@ -84,17 +86,17 @@ def _start_attempt(placement: scheduling.Placement) -> bool:
         Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
     host = placement.shares[0]
-    stream = job_stream(job.pk)
+    stream = keys.job_stream(job.pk)
     for share in placement.shares:
         Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
                                   slot_ids=list(share.slot_ids))
-        payload = {
-            "job_id": job.pk, "attempt_id": attempt.pk, "node": share.node, "node_rank": share.node_rank,
-            "nnodes": len(placement.shares), "nproc": len(share.slot_ids), "slots": list(share.slot_ids),
-            "device": job.spec["resources"]["device"], "rdzv_host": host.address, "local_addr": share.address,
-            "stream": stream, "spec": job.spec,
-            "resume": ({"path": resume.path, "step": resume.step, "checkpoint_id": resume.pk} if resume else None),
-        }
+        payload = Launch(
+            job_id=job.pk, attempt_id=attempt.pk, node=share.node, node_rank=share.node_rank,
+            nnodes=len(placement.shares), nproc=len(share.slot_ids), slots=list(share.slot_ids),
+            device=job.spec["resources"]["device"], rdzv_host=host.address, local_addr=share.address,
+            stream=stream, spec=job.spec,
+            resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
+        ).model_dump(mode="json")
         transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
     where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
     origin = (f"resuming from the checkpoint at step {resume.step}" if resume

@@ -12,7 +12,7 @@ from django.test import Client
 
 from jobs import prometheus, services
 from jobs.prometheus import Exposition
-from jobs.telemetry import GROUP, STATS_KEY
+from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_stream
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.django_db
@@ -147,15 +147,15 @@ def test_relay_counters_backlog_and_lag_from_redis(staff, redis_server, settings
     settings.REDIS_URL = redis_server.url
     monkeypatch.setattr(prometheus, "_redis", None)
     r = redis.Redis.from_url(redis_server.url)
-    r.hset(STATS_KEY, mapping={"samples_total": 1234, "entries_total": 56, "batches_total": 7,
+    r.hset(RELAY_STATS_KEY, mapping={"samples_total": 1234, "entries_total": 56, "batches_total": 7,
                                "last_batch_unixtime": 1700000000.5, "last_batch_samples": 10,
                                "last_batch_seconds": 0.004, "publish_errors_total": 0})
-    stream = services.job_stream(41)
-    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    stream = job_stream(41)
+    r.xgroup_create(stream, RELAY_GROUP, id="0", mkstream=True)
     old_ms = int(time.time() * 1000) - 3000  # an entry written 3 s ago and never committed
     r.xadd(stream, {"type": "metrics", "data": json.dumps([])}, id=f"{old_ms}-0")
     r.xadd(stream, {"type": "metrics", "data": json.dumps([])})
-    r.xreadgroup(GROUP, "relay-1", {stream: ">"}, count=1)
+    r.xreadgroup(RELAY_GROUP, "relay-1", {stream: ">"}, count=1)
     c = Client()
     c.force_login(staff)
     fams = parse(c.get("/metrics").content.decode())

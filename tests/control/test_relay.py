@@ -6,8 +6,8 @@ import redis
 
 from jobs import services
 from jobs.models import MetricSample
-from jobs.selectors import log_key
-from jobs.telemetry import GROUP, Relay
+from jobs.telemetry import Relay
+from trainyard.keys import RELAY_GROUP, job_log_key, job_stream
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]
 
@@ -28,7 +28,7 @@ def test_relay_ingests_and_acks(user, nodes, redis_server):
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
-    stream = services.job_stream(job.pk)
+    stream = job_stream(job.pk)
     for step in range(1, 51):
         r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, step), sample(attempt.pk, 1, step)])})
     r.xadd(stream, {"type": "log", "data": json.dumps({"attempt": attempt.pk, "rank": 1, "lines": ["hello", "world"]})})
@@ -38,8 +38,8 @@ def test_relay_ingests_and_acks(user, nodes, redis_server):
     assert MetricSample.objects.filter(job=job).count() == 100
     job.refresh_from_db()
     assert job.step == 50
-    assert r.xlen(stream) == 0 and r.xpending(stream, GROUP)["pending"] == 0
-    assert [json.loads(x)["line"] for x in r.lrange(log_key(job.pk), 0, -1)] == ["hello", "world"]
+    assert r.xlen(stream) == 0 and r.xpending(stream, RELAY_GROUP)["pending"] == 0
+    assert [json.loads(x)["line"] for x in r.lrange(job_log_key(job.pk), 0, -1)] == ["hello", "world"]
 
 
 def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, nodes, redis_server):
@@ -47,16 +47,16 @@ def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, no
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
-    stream = services.job_stream(job.pk)
+    stream = job_stream(job.pk)
     for step in range(1, 21):
         r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, step)])})
     first = Relay(redis_server.url, block_ms=20)
     first.discover()
     # The first relay reads 10 entries, commits half of them, then "dies" before acking anything.
-    entries = r.xreadgroup(GROUP, first.consumer, {stream: ">"}, count=10)[0][1]
+    entries = r.xreadgroup(RELAY_GROUP, first.consumer, {stream: ">"}, count=10)[0][1]
     services.telemetry_ingest([json.loads(f[b"data"])[0] for _, f in entries[:5]], events=[])
-    assert r.xpending(stream, GROUP)["pending"] == 10
+    assert r.xpending(stream, RELAY_GROUP)["pending"] == 10
     second = Relay(redis_server.url, consumer=first.consumer, block_ms=20)
     drain(second)
     assert sorted(MetricSample.objects.filter(job=job).values_list("step", flat=True)) == list(range(1, 21))
-    assert r.xpending(stream, GROUP)["pending"] == 0
+    assert r.xpending(stream, RELAY_GROUP)["pending"] == 0

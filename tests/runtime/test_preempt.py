@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers.runtime.preempt import PREEMPTED_EXIT_CODE, preempt_key
+from trainyard.keys import preempt_key
+from workers.runtime.preempt import PREEMPTED_EXIT_CODE
 
 from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
 from .test_torchrun import Output, wait_for

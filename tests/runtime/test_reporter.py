@@ -85,7 +85,8 @@ def test_after_an_outage_the_buffer_is_flushed_and_evictions_are_reported(redis_
 def test_preemption_request_is_seen_within_a_poll_period(redis_server):
     import redis
 
-    from workers.runtime.preempt import POLL_S, preempt_key
+    from trainyard.keys import preempt_key
+    from workers.runtime.preempt import POLL_S
 
     rep = Reporter(redis_server.url, "s", rank=0, attempt=5, preempt_key=preempt_key(5))
     time.sleep(2 * POLL_S)

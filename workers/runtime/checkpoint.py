@@ -70,10 +70,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from trainyard.keys import MANIFEST  # the one manifest name, shared with the control plane
+
 from .config import CheckpointConfig, ConfigError, ResumeConfig
 
 FORMAT = 1
-MANIFEST = "trainyard.json"
 PARTIAL = ".partial-"
 MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "created_unixtime",
                  "size_bytes", "blocking_s", "save_s")

@@ -62,6 +62,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from trainyard.keys import preempt_key
 from trainyard.mesh import Mesh
 
 from .balance import Balance
@@ -72,7 +73,7 @@ from .config import ConfigError, RunConfig, TrainConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import optim_bytes
-from .preempt import PREEMPTED_EXIT_CODE, preempt_key
+from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
 from .strategy import build_strategy
 from .sync import build_sync

@@ -1,0 +1,52 @@
+"""Control-queue Celery tasks (run by the control worker, `celery -A controlplane worker -Q
+control`): thin, each calls one jobs.services function. Node agents send the reports by task
+name (trainyard.launch); services validate them with the trainyard.launch models."""
+from __future__ import annotations
+
+from trainyard.launch import (ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, HEARTBEAT_TASK, NODE_EXIT_TASK,
+                              NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
+
+from . import dispatch, services
+from .celery_app import app
+
+
+# shared=False: registered with this side's app only (Celery shares tasks with every app in a
+# process by default), so each side serves exactly its own queue's tasks even when both load.
+
+
+@app.task(name=SCHEDULE_TICK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+def schedule_tick() -> list[int]:
+    return services.schedule_tick()
+
+
+@app.task(name=NODES_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+def nodes_check() -> list[str]:
+    return services.nodes_check()
+
+
+@app.task(name=ETA_REFRESH_TASK, shared=False, time_limit=60, soft_time_limit=50)
+def eta_refresh() -> int:
+    return services.eta_refresh()
+
+
+@app.task(name=ATTEMPTS_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+def attempts_check() -> dict:
+    return services.attempts_check()
+
+
+@app.task(name=HEARTBEAT_TASK, shared=False, time_limit=30, expires=10)
+def node_heartbeat(payload: dict) -> None:
+    node, orphans = services.node_heartbeat(payload)
+    for attempt_id in orphans:
+        # The agent runs an attempt the control plane has already ended: stop it there.
+        dispatch.send_stop(node.name, 0, attempt_id, "orphan")
+
+
+@app.task(name=RANKS_TASK, shared=False, time_limit=30)
+def attempt_ranks(attempt_id: int, node: str, ranks: list) -> None:
+    services.attempt_ranks(int(attempt_id), node_name=str(node), ranks=ranks)
+
+
+@app.task(name=NODE_EXIT_TASK, shared=False, time_limit=30)
+def attempt_node_exit(attempt_id: int, node: str, result: dict) -> None:
+    services.attempt_node_exit(int(attempt_id), node_name=str(node), result=result)

@@ -1,0 +1,121 @@
+"""Every name the control plane and the data plane must agree on outside a message body: Redis
+keys, streams and queues, and the on-disk checkpoint layout (standard library only).
+
+Both sides compute these here, so a name cannot drift between a writer and its reader: before
+this module the checkpoint directory was derived twice (a cwd-relative `var/checkpoints` on the
+agent, an absolute path in the control plane, which drops checkpoints outside its own), and
+seven Redis names lived in five files.
+
+Redis (one database, shared by Celery, the streams and the Channels layer):
+    control                      Celery queue of the control worker (schedule, reports)
+    node.<name>                  Celery queue of one node agent (launch, stop)
+    trainyard:job:<id>           a job's telemetry stream: runtimes and agents XADD, the relay reads
+    relay                        the relay's consumer group on every job stream
+    trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
+    trainyard:relay:stats        hash: the relay's counters (read by /metrics)
+    trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
+    trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (workers/runtime/preempt.py)
+    trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
+
+Disk (one root, TRAINYARD_CHECKPOINT_ROOT, shared by the nodes and the control plane):
+    <root>/job-<id>/step-<S:08d>-a<attempt>/trainyard.json    a complete checkpoint and its manifest
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+# ---------------------------------------------------------------- Celery queues
+
+CONTROL_QUEUE = "control"
+"""The control worker's queue: scheduling ticks and every report from the node agents."""
+
+
+def node_queue(node: str) -> str:
+    """The queue one node agent consumes (launch and stop of its share of attempts)."""
+    return f"node.{node}"
+
+
+# ---------------------------------------------------------------- Redis keys and streams
+
+JOB_STREAM_PREFIX = "trainyard:job:"
+"""Prefix of the per-job telemetry streams; `JOB_STREAM_PREFIX + "*"` finds them all (SCAN)."""
+
+RELAY_GROUP = "relay"
+"""The consumer group the relay reads every job stream with (entries XACKed after commit)."""
+
+RELAY_STATS_KEY = "trainyard:relay:stats"
+"""Hash of the relay's counters and last batch, read by /metrics."""
+
+RELAY_ALIVE_KEY = "trainyard:relay:alive"
+"""Set by the relay every round with a 10 s expiry; its absence means no relay runs."""
+
+
+def job_stream(job_id: int) -> str:
+    """The Redis Stream a job's runtimes (metrics, events) and agents (logs) write to."""
+    return f"{JOB_STREAM_PREFIX}{int(job_id)}"
+
+
+def stream_job_id(stream: str) -> int:
+    """The job id a job stream's name carries (the inverse of `job_stream`)."""
+    return int(stream.rsplit(":", 1)[1])
+
+
+def job_log_key(job_id: int) -> str:
+    """List of a job's most recent log lines (JSON), appended by the relay, read by the logs API."""
+    return f"trainyard:joblog:{int(job_id)}"
+
+
+def preempt_key(attempt_id: int) -> str:
+    """Set by the control plane to ask an attempt's ranks to checkpoint and exit; polled by them."""
+    return f"trainyard:preempt:{int(attempt_id)}"
+
+
+def rdzv_port_key(attempt_id: int) -> str:
+    """The torchrun rendezvous port the attempt's node_rank-0 agent picked, read by its peers."""
+    return f"trainyard:rdzv:{int(attempt_id)}"
+
+
+# ---------------------------------------------------------------- directories
+
+REPO_VAR_DIR = Path(__file__).resolve().parent.parent / "var"
+"""Default state directory when TRAINYARD_VAR_DIR is unset: `var/` next to this package."""
+
+MANIFEST = "trainyard.json"
+"""A checkpoint's manifest, written last by rank 0: a step directory without it is incomplete."""
+
+STEP_DIR_GLOB = "step-*"
+"""Matches every checkpoint directory of a job (complete or still being renamed into place)."""
+
+
+def var_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The state directory (database, Redis data, agents' run dirs): TRAINYARD_VAR_DIR, absolute."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("TRAINYARD_VAR_DIR") or REPO_VAR_DIR).resolve()
+
+
+def data_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Where `data.kind: tokens` files live: TRAINYARD_DATA_ROOT, else <var>/data; absolute."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("TRAINYARD_DATA_ROOT") or var_dir(env) / "data").resolve()
+
+
+def checkpoint_root(environ: Mapping[str, str] | None = None) -> Path:
+    """The one checkpoint root: TRAINYARD_CHECKPOINT_ROOT, else <var>/checkpoints; absolute.
+
+    The control plane (settings.TRAINYARD_CHECKPOINT_ROOT) and every node agent resolve it
+    here from the same environment, so both name a job's directory the same way.
+    """
+    env = os.environ if environ is None else environ
+    return Path(env.get("TRAINYARD_CHECKPOINT_ROOT") or var_dir(env) / "checkpoints").resolve()
+
+
+def job_checkpoint_dir(root: Path, job_id: int) -> Path:
+    """A job's checkpoint directory under the checkpoint root: every attempt saves there."""
+    return Path(root) / f"job-{int(job_id)}"
+
+
+def step_dir_name(step: int, attempt_id: int) -> str:
+    """A complete checkpoint's directory name: sorts by step, and two attempts never collide."""
+    return f"step-{int(step):08d}-a{int(attempt_id)}"

@@ -1,0 +1,182 @@
+"""The messages that cross the Celery bus between the control plane and the node agents, typed
+once for both sides (pydantic and the standard library only).
+
+The sender builds a model and sends `.model_dump(mode="json")` (`exclude_unset=True` where a
+message has optional parts, so the JSON carries exactly the keys the sender set); the receiver
+validates what arrives with the same model instead of reading dict keys. The JSON is the wire
+format of the tasks below and did not change when these models were introduced.
+
+    control plane --node.<name>--> agent     NODE_LAUNCH_TASK(Launch)   NODE_STOP_TASK(*Stop.args())
+    agent --control--> control plane         HEARTBEAT_TASK(Heartbeat)  every 2 s
+                                             RANKS_TASK(attempt_id, node, [RankInfo])  all ranks up
+                                             NODE_EXIT_TASK(attempt_id, node, NodeExit)  once per node
+    control plane --Redis key--> ranks       keys.preempt_key(attempt) = PreemptRequest
+
+Task names and queues (`trainyard.keys.CONTROL_QUEUE`, `node_queue`) are the only other thing
+both sides must agree on; each side sends by name, so neither imports the other's tasks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .keys import CONTROL_QUEUE
+
+# ---------------------------------------------------------------- Celery task names
+
+NODE_LAUNCH_TASK = "workers.tasks.node_launch"
+"""Node queue: start this node's share of an attempt (args: [Launch])."""
+NODE_STOP_TASK = "workers.tasks.node_stop"
+"""Node queue: stop an attempt's processes on this node (args: Stop.args())."""
+
+SCHEDULE_TICK_TASK = "jobs.tasks.schedule_tick"
+"""Control queue: one scheduling pass (beat every 2 s, and on submit and attempt end)."""
+NODES_CHECK_TASK = "jobs.tasks.nodes_check"
+"""Control queue: write off silent nodes and attempts stuck in launch (beat every 2 s)."""
+ATTEMPTS_CHECK_TASK = "jobs.tasks.attempts_check"
+"""Control queue: hang and straggler detection over committed telemetry (beat every 2 s)."""
+ETA_REFRESH_TASK = "jobs.tasks.eta_refresh"
+"""Control queue: queued jobs' predicted start times (beat every 5 s)."""
+HEARTBEAT_TASK = "jobs.tasks.node_heartbeat"
+"""Control queue: a node agent's heartbeat (args: [Heartbeat])."""
+RANKS_TASK = "jobs.tasks.attempt_ranks"
+"""Control queue: every rank of an attempt on one node has started (args: [attempt_id, node, [RankInfo]])."""
+NODE_EXIT_TASK = "jobs.tasks.attempt_node_exit"
+"""Control queue: an attempt's processes on one node have ended (args: [attempt_id, node, NodeExit])."""
+
+# ---------------------------------------------------------------- Celery settings
+
+CELERY_SETTINGS: dict[str, Any] = {
+    "task_serializer": "json",
+    "accept_content": ["json"],
+    "result_backend": None,
+    "task_ignore_result": True,
+    "task_default_queue": CONTROL_QUEUE,
+    # Control tasks are idempotent (they re-check state), so acking after the task body runs
+    # means a control worker killed mid-task re-runs it instead of losing an attempt's exit.
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "broker_connection_retry_on_startup": True,
+    "broker_transport_options": {"visibility_timeout": 3600},
+    "worker_hijack_root_logger": False,
+}
+"""The Celery configuration both Celery apps use (the control plane's jobs.celery_app and the
+node agents' workers.celery_app): the same serializer and delivery guarantees on both ends."""
+
+
+class _Message(BaseModel):
+    # Unknown keys are errors: both ends are built from this one module, so an unknown key is
+    # a typo or a version skew worth failing loudly on.
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- control plane -> node agent
+
+class Resume(_Message):
+    """The checkpoint a new attempt resumes from (the latest live one, or a rollback target)."""
+
+    path: str
+    step: int
+    checkpoint_id: int
+
+
+class Launch(_Message):
+    """Start one node's share of an attempt: built by the scheduler's attempt start, one per node."""
+
+    job_id: int
+    attempt_id: int
+    node: str = Field(description="the node this share runs on, e.g. node-a")
+    node_rank: int = Field(description="0 hosts the torchrun rendezvous store")
+    nnodes: int
+    nproc: int = Field(description="processes on this node, one per slot")
+    slots: list[int] = Field(description="slot indices on this node (len == nproc)")
+    device: str = Field(description="cpu | cuda (the JobSpec's resources.device)")
+    rdzv_host: str = Field(description="advertised address of the node_rank-0 node")
+    local_addr: str = Field(description="this node's advertised address")
+    stream: str = Field(description="the job's telemetry stream (keys.job_stream)")
+    spec: dict[str, Any] = Field(description="the job's validated JobSpec as stored")
+    resume: Resume | None = None
+
+
+class Stop(_Message):
+    """Stop an attempt's processes on one node (cancel, failure of a peer, preemption, orphan)."""
+
+    job_id: int = Field(description="0 when the sender does not know it (an orphan)")
+    attempt_id: int
+    reason: str
+
+    def args(self) -> list:
+        """The task's positional arguments: NODE_STOP_TASK takes (job_id, attempt_id, reason)."""
+        return [self.job_id, self.attempt_id, self.reason]
+
+
+class PreemptRequest(_Message):
+    """The value of keys.preempt_key(attempt): the ranks checkpoint and exit within grace_s."""
+
+    reason: str
+    grace_s: float
+
+
+# ---------------------------------------------------------------- node agent -> control plane
+
+class Heartbeat(_Message):
+    """A node agent's state every 2 s: identity, capacity, load and the attempts it runs."""
+
+    name: str
+    address: str
+    slots: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    devices: list[dict[str, Any]] = Field(default_factory=list, description="agent.discover_devices")
+    cpu_percent: float | None = None
+    mem_percent: float | None = None
+    agent_id: str = Field("", description="changes when the agent restarts")
+    attempts: list[int] = Field(default_factory=list, description="attempt ids with processes here")
+
+
+class RankInfo(_Message):
+    """One started rank, as the runtime wrote it to ranks/<local_rank>.json."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    node: str | None = None
+
+
+class RankFailure(_Message):
+    """One failed rank of a node's exit report: from its error file or torchrun's summary."""
+
+    rank: int | None = None
+    local_rank: int | None = None
+    exitcode: int | None = None
+    signal: str | None = None
+    timestamp: float | None = None
+    message: str | None = None
+    traceback: str | None = None
+
+
+class NodeExit(_Message):
+    """How an attempt ended on one node (exactly once per node and attempt).
+
+    exit_code is torchrun's (-signum when it was killed; None when lost or never started).
+    Sent with exclude_unset: a report carries only the keys its sender knew.
+    """
+
+    attempt_id: int | None = None
+    job_id: int | None = None
+    node: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    stopped: bool = False
+    lost: bool = False
+    failures: list[RankFailure] = Field(default_factory=list, description="earliest first")
+    log_tail: dict[str, list[str]] = Field(default_factory=dict, description="global rank -> last lines")
+    duration_s: float = 0.0
+    torchrun_tail: list[str] | None = Field(None, description="torchrun's last stderr lines, on failure")
+    error: str | None = None
+    reason: str | None = Field(None, description="why a stop found nothing running here")
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON sent and stored: only the keys the sender set."""
+        return self.model_dump(mode="json", exclude_unset=True)
