@@ -374,14 +374,15 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts) or "spec"
 
 
-def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
-    """The validated JobSpec for `data` (a parsed JSON/YAML mapping), or SpecError naming each
-    bad field: the model's own checks, then every "submit" rule, then (with `data_root`) whether
-    data.path names a usable token file there."""
+def validate_job_spec(data: Any, *, unknown_keys: Literal["forbid", "ignore"] = "forbid") -> JobSpec:
+    """`data` as a JobSpec, checked by the model alone (types, bounds and the "model", "data" and
+    "spec" rules), or SpecError naming each bad field. The runtime validates its launch config
+    with this (workers/runtime/config.py), ignoring keys it does not know (a newer control plane
+    may send them); `parse_job_spec` adds the submit-time checks."""
     if not isinstance(data, dict):
         raise SpecError({"spec": ["a job spec must be a JSON/YAML object (mapping)"]})
     try:
-        spec = JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, extra=unknown_keys)
     except ValidationError as exc:
         errors: dict[str, list[str]] = {}
         for err in exc.errors(include_url=False):
@@ -394,6 +395,13 @@ def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
                 msg = "unknown key"
             errors.setdefault(_loc(err["loc"]), []).append(msg)
         raise SpecError(errors) from None
+
+
+def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
+    """The validated JobSpec for `data` (a parsed JSON/YAML mapping), or SpecError naming each
+    bad field: the model's own checks, then every "submit" rule, then (with `data_root`) whether
+    data.path names a usable token file there."""
+    spec = validate_job_spec(data)
     errors = unsupported_options(spec)
     if spec.data.kind == "tokens" and data_root is not None:
         problem = data_path_problem(spec.data.path or "", data_root)

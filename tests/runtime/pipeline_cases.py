@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from workers.runtime.config import ModelConfig, parse_run_config
+from trainyard.spec import ModelSpec
+from workers.runtime.config import parse_run_config
 from workers.runtime.model import build_model, lm_loss
 from workers.runtime.parallel import Mesh, param_bytes
 from workers.runtime.pipeline import PipelineStrategy
@@ -98,14 +99,14 @@ def reshard_checks(name: str, out: Path, cfg, mesh, strategy, opt, ref, ref_opt)
     rank = dist.get_rank()
     _save(out / f"ckpt-{name}-pp", strategy.module, opt)
     torch.manual_seed(99)
-    full = build_model(ModelConfig(**MODEL))
+    full = build_model(ModelSpec(**MODEL))
     full_opt = _adamw(full.parameters())
     _load(out / f"ckpt-{name}-pp", full, full_opt)
     pp_to_full = _state_diff(strategy.module, opt, full, full_opt)
 
     _save(out / f"ckpt-{name}-full", ref, ref_opt)
     torch.manual_seed(99)
-    fresh = PipelineStrategy(cfg, build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"))
+    fresh = PipelineStrategy(cfg, build_model(ModelSpec(**MODEL)), mesh, rank, torch.device("cpu"))
     fresh_opt = _adamw(fresh.module.parameters())
     _load(out / f"ckpt-{name}-full", fresh.module, fresh_opt)
     full_to_pp = _state_diff(fresh.module, fresh_opt, ref, ref_opt)
@@ -122,7 +123,7 @@ def run_case(name: str, out: Path) -> None:
     batches = _batches()
 
     torch.manual_seed(SEED)
-    ref = build_model(ModelConfig(**MODEL))
+    ref = build_model(ModelSpec(**MODEL))
     ref_opt = _adamw(ref.parameters())
     full_bytes = param_bytes(ref)
     ref_losses, ref_grads = [], {}
@@ -138,7 +139,7 @@ def run_case(name: str, out: Path) -> None:
         ref_eval = lm_loss(ref(batches[STEPS][0]), batches[STEPS][1]).item()
 
     torch.manual_seed(SEED)
-    strategy = PipelineStrategy(cfg, build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"))
+    strategy = PipelineStrategy(cfg, build_model(ModelSpec(**MODEL)), mesh, rank, torch.device("cpu"))
     opt = _adamw(strategy.module.parameters())
     d = mesh.coords(rank)["dp"]
     share = GLOBAL_BATCH // dp

@@ -19,13 +19,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from workers.runtime.config import (CommConfig, DataConfig, ModelConfig, ParallelConfig,
-                                    ResourcesConfig, RunConfig, TrainConfig)
+from trainyard.spec import CommSpec, DataSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainSpec
+from workers.runtime.config import RunConfig
 from workers.runtime.model import build_model, lm_loss
 from workers.runtime.parallel import Mesh, optim_bytes, param_bytes
 from workers.runtime.sharded import ShardedStrategy
 
-SMALL = ModelConfig(kind="gpt", layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
+SMALL = ModelSpec(kind="gpt", layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
 STEPS, BATCH, SEED = 6, 8, 0
 PLANS = {"fsdp": dict(dp=2, tp=1, fsdp=True), "tp": dict(dp=1, tp=2, fsdp=False),
          "dp2xtp2": dict(dp=2, tp=2, fsdp=False)}
@@ -90,11 +90,11 @@ def run_case(case: str, x, y, ref_losses, ref_state, rank: int, world: int) -> d
     weight = 1.0
     if weighted:
         ref_losses, ref_state = reference(x, y, WEIGHTS)
-    p = ParallelConfig(**PLANS[plan])
+    p = ParallelSpec(**PLANS[plan])
     mesh = Mesh(pp=1, dp=p.dp, tp=p.tp, fsdp=p.fsdp)
     assert mesh.dp * mesh.tp == world, (case, world)
-    cfg = RunConfig(0, 0, "n", "/", "", "", "/", "/", SMALL, DataConfig(),
-                    TrainConfig(grad_accum=int(accum)), ResourcesConfig(), p, CommConfig())
+    cfg = RunConfig(0, 0, "n", "/", "", "", "/", "/", SMALL, DataSpec(),
+                    TrainSpec(grad_accum=int(accum)), ResourcesSpec(), p, CommSpec())
     torch.manual_seed(SEED)
     model = build_model(SMALL)
     strategy = ShardedStrategy(cfg, model, mesh, rank, torch.device("cpu"))

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.conftest import REPO
 from workers.runtime import checkpoint as ck
-from workers.runtime.config import (CommConfig, ConfigError, DataConfig, ModelConfig,
-                                    ParallelConfig, ResourcesConfig, RunConfig, TrainConfig)
+from trainyard.spec import CommSpec, DataSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainSpec
+from workers.runtime.config import ConfigError, RunConfig
 from workers.runtime.model import build_model
 from workers.runtime.parallel import Mesh
 from workers.runtime.sharded import check_sharded_plan, tp_plan
@@ -34,16 +34,16 @@ CASES = Path(__file__).with_name("sharded_cases.py")
 
 def _cfg(model=None, comm=None) -> RunConfig:
     return RunConfig(0, 0, "n", Path("/"), "", "", Path("/"), Path("/"),
-                     model or ModelConfig(**SMALL_MODEL), DataConfig(), TrainConfig(),
-                     ResourcesConfig(), ParallelConfig(), comm or CommConfig())
+                     model or ModelSpec(**SMALL_MODEL), DataSpec(), TrainSpec(),
+                     ResourcesSpec(), ParallelSpec(), comm or CommSpec())
 
 
 @pytest.mark.parametrize("mesh, cfg, field", [
     (Mesh(1, 1, 2, fsdp=True), _cfg(), "parallel.fsdp"),
-    (Mesh(1, 1, 2), _cfg(model=ModelConfig(kind="mlp")), "parallel.tp"),
+    (Mesh(1, 1, 2), _cfg(model=ModelSpec(kind="mlp")), "parallel.tp"),
     (Mesh(1, 1, 8), _cfg(), "parallel.tp=8 must divide model.heads=4"),
-    (Mesh(1, 2, 1, fsdp=True), _cfg(comm=CommConfig(compression="fp16")), "comm.compression"),
-    (Mesh(1, 1, 2), _cfg(comm=CommConfig(sync="local_sgd")), "comm.sync"),
+    (Mesh(1, 2, 1, fsdp=True), _cfg(comm=CommSpec(compression="fp16")), "comm.compression"),
+    (Mesh(1, 1, 2), _cfg(comm=CommSpec(sync="local_sgd")), "comm.sync"),
 ])
 def test_plans_the_sharded_strategy_cannot_run_are_config_errors_naming_the_field(mesh, cfg, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -51,7 +51,7 @@ def test_plans_the_sharded_strategy_cannot_run_are_config_errors_naming_the_fiel
 
 
 def test_tp_plan_splits_every_block_and_the_vocab_when_it_divides():
-    model = build_model(ModelConfig(**SMALL_MODEL))
+    model = build_model(ModelSpec(**SMALL_MODEL))
     plan = tp_plan(model, 2, 256)
     names = dict(model.named_modules())
     assert set(plan) <= set(names)
@@ -157,7 +157,7 @@ def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, parallel: 
 
 def _model():
     torch.manual_seed(0)
-    return build_model(ModelConfig(**SMALL_MODEL))
+    return build_model(ModelSpec(**SMALL_MODEL))
 
 
 def _weights(path: str) -> dict:

@@ -68,7 +68,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .config import CheckpointConfig, ConfigError, ResumeConfig
+from trainyard.spec import CheckpointSpec
+
+from .config import ConfigError, ResumeConfig
 
 FORMAT = 1
 MANIFEST = "trainyard.json"
@@ -274,7 +276,7 @@ class Checkpointer:
     Construct on every rank at the same point (it creates the checkpoint process group).
     """
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, *, job_id: int, attempt_id: int,
+    def __init__(self, cfg: CheckpointSpec, directory: Path, *, job_id: int, attempt_id: int,
                  rank: int, world_size: int, device: torch.device, reporter: Any):
         self.cfg = cfg
         self.dir = Path(directory)

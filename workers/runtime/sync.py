@@ -242,7 +242,7 @@ def build_sync(cfg: RunConfig, mesh: Any, rank: int, counter: CommCounter,
         averager = averagers.PeriodicModelAverager(period=c.period, warmup_steps=c.start_step)
         return LocalSGDSync(c.sync, counter, averager, c.start_step, rank, event,
                             {"period": c.period, "start_step": c.start_step})
-    node, glob = _periods(c.periods)
+    node, glob = _periods(c.periods.model_dump(by_alias=True))
     ppn = cfg.resources.procs_per_node
     if world % ppn:
         raise ConfigError(f"resources.procs_per_node={ppn} does not divide the world size {world}")

@@ -59,7 +59,9 @@ from .balance import Balance, check_balance
 from .chaos import Chaos, SlowKnob
 from .checkpoint import Checkpointer, is_due, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
-from .config import ConfigError, RunConfig, TrainConfig
+from trainyard.spec import TrainSpec
+
+from .config import ConfigError, RunConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import Mesh, build_strategy, optim_bytes
@@ -89,7 +91,7 @@ class DistEnv:
             raise RuntimeError(f"{e.args[0]} is not set: run this module under torchrun") from None
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
+def lr_at(step: int, train: TrainSpec) -> float:
     """Learning rate for 1-based `step`: linear warmup, then constant or cosine to 10%."""
     if step <= train.warmup_steps:
         return train.lr * step / train.warmup_steps
