@@ -60,6 +60,8 @@ def _per_replica_batch(s: JobSpec) -> int:
     return s.train.global_batch // max(1, s.dp)
 
 
+# Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
+# messages). The runtime and the form never repeat one: they dispatch on values these allow.
 RULES: tuple[Rule, ...] = (
     Rule("model", "model", lambda m: m.kind == "gpt" and m.hidden % m.heads,
          lambda m: f"hidden ({m.hidden}) must be divisible by heads ({m.heads})"),
