@@ -38,7 +38,7 @@ MODEL = {"kind": "gpt", "layers": 4, "hidden": 32, "heads": 4, "seq_len": 32, "v
 def _config(dp: int, pp: int, schedule: str):
     raw = {"job_id": 1, "attempt_id": 1, "node": "n", "run_dir": "/tmp/x", "redis_url": "redis://x:1/0",
            "stream": "s", "data_root": "/tmp/x", "checkpoint_dir": "/tmp/x",
-           "spec": {"model": MODEL, "train": {"global_batch": GLOBAL_BATCH, "seed": SEED},
+           "spec": {"name": "x", "model": MODEL, "train": {"global_batch": GLOBAL_BATCH, "seed": SEED},
                     "resources": {"nodes": 1, "procs_per_node": dp * pp},
                     "parallel": {"dp": dp, "pp": pp, "tp": 1, "microbatches": MICROBATCHES,
                                  "schedule": schedule}}}
