@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from workers.runtime.checkpoint import Checkpointer  # noqa: E402  (the runtime's saves)
-from workers.runtime.config import CheckpointConfig  # noqa: E402
+from trainyard.spec import CheckpointSpec  # noqa: E402
 
 TENSOR_MB = 16  # a 2048 x 2048 fp32 matrix: about one transformer layer's weight at hidden 2048
 TARGET_RATIO, TARGET_MIN_MB = 0.10, 100
@@ -173,7 +173,7 @@ def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
     model, opt = make_model(mb)
     fwd_bwd = ForwardBackward(model, args.tokens)
     events = Events()
-    ckpt = Checkpointer(CheckpointConfig(every_steps=1, async_=True), work / f"ckpt-{mb}",
+    ckpt = Checkpointer(CheckpointSpec.model_validate({"every_steps": 1, "async": True}), work / f"ckpt-{mb}",
                         job_id=1, attempt_id=1, rank=0, world_size=1, device=torch.device("cpu"),
                         reporter=events)
     # the previous runtime path: one stager for the run, staging synchronously in the call

@@ -131,11 +131,11 @@ def plain_worker(config_path: str, out_path: str) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from workers.runtime.config import ModelConfig
+    from trainyard.spec import ModelSpec
     from workers.runtime.model import build_model
 
     s = json.loads(Path(config_path).read_text())
-    m, t = ModelConfig(**s["model"]), s["train"]
+    m, t = ModelSpec(**s["model"]), s["train"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = t["global_batch"] // world

@@ -3,11 +3,13 @@ fields (kept in sync with the text by static/js/submit.js) so errors can sit nex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from django import forms
+from pydantic import BaseModel
 
-from trainyard.spec import JobSpec, SpecError, parse_text
+from trainyard.spec import (CommSpec, DataSpec, JobSpec, ModelSpec, ResourcesSpec, SpecError, TrainSpec,
+                            parse_text)
 
 DEMO_SPEC = """{
   "name": "gpt-demo",
@@ -28,15 +30,20 @@ class SpecField:
     help: str = ""
 
 
+def _choices(model: type[BaseModel], name: str) -> tuple[str, ...]:
+    """The values of a Literal field of the JobSpec, in the order the spec declares them."""
+    return get_args(model.model_fields[name].annotation)
+
+
 SPEC_FIELDS: tuple[SpecField, ...] = (
     SpecField("name", "Name", "text", "Job"),
-    SpecField("priority", "Priority", "select", "Job", ("low", "normal", "high")),
-    SpecField("model.kind", "Model", "select", "Model", ("gpt", "mlp")),
+    SpecField("priority", "Priority", "select", "Job", _choices(JobSpec, "priority")),
+    SpecField("model.kind", "Model", "select", "Model", _choices(ModelSpec, "kind")),
     SpecField("model.layers", "Layers", "int", "Model"),
     SpecField("model.hidden", "Hidden size", "int", "Model"),
     SpecField("model.heads", "Heads", "int", "Model", help="gpt: must divide the hidden size"),
     SpecField("model.seq_len", "Sequence length", "int", "Model"),
-    SpecField("data.kind", "Data", "select", "Data", ("demo", "synthetic", "tokens"),
+    SpecField("data.kind", "Data", "select", "Data", _choices(DataSpec, "kind"),
               help="demo: the shipped text corpus; synthetic: random tokens; tokens: a uint16 .bin file"),
     SpecField("data.path", "Token file", "text", "Data", help="only for data kind 'tokens', under the data root"),
     SpecField("train.steps", "Steps", "int", "Training"),
@@ -44,16 +51,16 @@ SPEC_FIELDS: tuple[SpecField, ...] = (
     SpecField("train.lr", "Learning rate", "float", "Training"),
     SpecField("resources.nodes", "Nodes", "int", "Resources"),
     SpecField("resources.procs_per_node", "Processes per node", "int", "Resources"),
-    SpecField("resources.device", "Device", "select", "Resources", ("cpu", "cuda")),
+    SpecField("resources.device", "Device", "select", "Resources", _choices(ResourcesSpec, "device")),
     SpecField("parallel.tp", "Tensor parallel", "int", "Parallelism",
               help="ranks splitting each layer's heads and MLP columns; must divide heads"),
     SpecField("parallel.pp", "Pipeline stages", "int", "Parallelism", help="at most the number of layers"),
     SpecField("train.grad_accum", "Gradient accumulation", "int", "Parallelism",
               help="micro-steps per optimizer step, synchronised only on the last"),
     SpecField("comm.compression", "Gradient compression", "select", "Parallelism",
-              ("none", "fp16", "bf16", "powersgd", "topk"), help="plain data parallelism only"),
-    SpecField("comm.sync", "Synchronization", "select", "Parallelism", ("allreduce", "local_sgd", "hierarchical")),
-    SpecField("train.balance", "Batch balancing", "select", "Parallelism", ("none", "auto"),
+              _choices(CommSpec, "compression"), help="plain data parallelism only"),
+    SpecField("comm.sync", "Synchronization", "select", "Parallelism", _choices(CommSpec, "sync")),
+    SpecField("train.balance", "Batch balancing", "select", "Parallelism", _choices(TrainSpec, "balance"),
               help="auto: split the batch by each rank's measured speed"),
 )
 # Errors at a section's own path ("model": "hidden must be divisible by heads") show atop its fields.

@@ -1,12 +1,19 @@
-"""The JobSpec contract (docs/architecture.md, "Contracts"): pydantic models with defaults and clear errors.
+"""The JobSpec contract (docs/architecture.md, "Contracts"): the one typed description of a job.
+
+Both planes import this module: the control plane parses every submitted spec with
+`parse_job_spec` (HTTP 400 on error) and stores it with every default filled in; the runtime
+validates the `spec` part of its launch config with the same `JobSpec` model
+(workers/runtime/config.py). Each field is declared, defaulted and bounded once, here, with a
+description; every rule that relates two or more fields is one `Rule` in `RULES`.
 
 `parse_job_spec` returns a validated spec or raises SpecError whose `.errors` maps dotted field
 paths ("model.hidden") to messages, which the API returns as HTTP 400 verbatim.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
@@ -16,12 +23,150 @@ from .mesh import param_count
 # Upper bounds that catch typos (hidden: 1280000) before they become an OOM on a node.
 MAX_PARAMS = 20_000_000_000
 MAX_STEPS = 10_000_000
+BYTE_VOCAB = 256  # the demo corpus is byte-level text: every token id is in [0, 256)
+UINT16_IDS = 65536  # a data.kind tokens file holds uint16 ids
 
 
 class SpecError(Exception):
+    """A spec that cannot be accepted: `.errors` maps dotted field paths to messages (HTTP 400)."""
+
     def __init__(self, errors: dict[str, list[str]]):
         super().__init__("; ".join(f"{k}: {' '.join(v)}" for k, v in errors.items()))
         self.errors = errors
+
+
+# ---- cross-field rules (the table comes first: the sections' defaults are validated as the
+# classes are defined) -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """One rule relating several fields: when `broken(x)`, `message(x)` is reported at `field`.
+
+    `on` says what `x` is and who evaluates the rule:
+    - "model" / "data": that section, by its own validator (so the error sits at the section's
+      path next to pydantic's per-field errors); the first broken one is reported.
+    - "spec": the whole JobSpec, by its model validator; every JobSpec satisfies these (the
+      runtime relies on them). The first broken one is reported alone: the later ones read the
+      values it found inconsistent (dp, the batch split).
+    - "submit": combinations that parse but this release cannot run, checked by
+      `parse_job_spec` after the model, all reported together, so a job never fails on them at
+      run time.
+    """
+
+    on: Literal["model", "data", "spec", "submit"]
+    field: str
+    broken: Callable[[Any], bool]
+    message: Callable[[Any], str]
+
+
+def _per_replica_batch(s: JobSpec) -> int:
+    return s.train.global_batch // max(1, s.dp)
+
+
+# Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
+# messages). The runtime and the form never repeat one: they dispatch on values these allow.
+RULES: tuple[Rule, ...] = (
+    Rule("model", "model", lambda m: m.kind == "gpt" and m.hidden % m.heads,
+         lambda m: f"hidden ({m.hidden}) must be divisible by heads ({m.heads})"),
+    Rule("model", "model", lambda m: m.param_count() > MAX_PARAMS,
+         lambda m: f"model has about {m.param_count():.3g} parameters; the limit is {MAX_PARAMS:.3g}"),
+    Rule("data", "data", lambda d: d.kind == "tokens" and not d.path,
+         lambda d: "data.kind 'tokens' needs data.path (a uint16 .bin file under the data root)"),
+    Rule("data", "data", lambda d: d.kind != "tokens" and d.path,
+         lambda d: f"data.path is only used with kind 'tokens', not '{d.kind}'"),
+    Rule("spec", "parallel.dp", lambda s: s.dp * s.plan.tp * s.plan.pp != s.resources.world_size,
+         lambda s: f"dp x tp x pp = {s.dp} x {s.plan.tp} x {s.plan.pp} must equal the number of "
+                   f"processes, resources.nodes x procs_per_node = {s.resources.world_size}"),
+    Rule("spec", "train.global_batch", lambda s: s.train.global_batch % (s.dp * s.train.grad_accum),
+         lambda s: f"global_batch ({s.train.global_batch}) must be divisible "
+                   f"by dp x grad_accum = {s.dp * s.train.grad_accum}"),
+    Rule("spec", "model.vocab", lambda s: s.data.kind == "demo" and s.model.vocab < BYTE_VOCAB,
+         lambda s: f"the demo corpus uses byte tokens: vocab must be at least {BYTE_VOCAB}"),
+    Rule("spec", "train.warmup_steps", lambda s: s.train.warmup_steps > s.train.steps,
+         lambda s: "warmup_steps must not exceed steps"),
+    Rule("submit", "parallel.tp", lambda s: s.model.kind == "gpt" and s.model.heads % s.plan.tp,
+         lambda s: f"tp ({s.plan.tp}) must divide model.heads ({s.model.heads}): each tensor-parallel "
+                   f"rank computes whole attention heads"),
+    Rule("submit", "parallel.tp", lambda s: s.model.kind == "mlp" and s.plan.tp > 1,
+         lambda s: "tensor parallelism splits attention heads and MLP columns of the GPT; "
+                   "model.kind mlp has no heads: use tp 1"),
+    Rule("submit", "parallel.pp", lambda s: s.plan.pp > s.model.layers,
+         lambda s: f"pp ({s.plan.pp}) must not exceed model.layers ({s.model.layers}): every pipeline "
+                   f"stage needs at least one layer"),
+    Rule("submit", "parallel.pp", lambda s: s.plan.pp > 1 and s.model.kind != "gpt",
+         lambda s: "pipeline stages split the GPT's blocks: model.kind must be gpt"),
+    Rule("submit", "parallel.pp", lambda s: s.plan.pp > 1 and s.plan.tp > 1,
+         lambda s: "pipeline and tensor parallelism together (tp x pp) are not supported; "
+                   "use dp x pp or dp x tp"),
+    Rule("submit", "parallel.microbatches",
+         lambda s: s.plan.pp > 1 and _per_replica_batch(s) % s.plan.microbatches,
+         lambda s: f"each data-parallel replica's batch (global_batch / dp = {_per_replica_batch(s)}) "
+                   f"must be divisible by microbatches ({s.plan.microbatches})"),
+    Rule("submit", "parallel.microbatches",
+         lambda s: s.plan.pp > 1 and s.plan.schedule == "1f1b" and s.plan.microbatches < s.plan.pp,
+         lambda s: f"the 1f1b schedule needs at least as many micro-batches as "
+                   f"stages ({s.plan.pp}), got {s.plan.microbatches}"),
+    Rule("submit", "train.grad_accum", lambda s: s.plan.pp > 1 and s.train.grad_accum != 1,
+         lambda s: "with pipeline parallelism the step is already split into "
+                   "parallel.microbatches; use that instead of grad_accum"),
+    Rule("submit", "parallel.fsdp", lambda s: s.plan.pp > 1 and s.plan.fsdp,
+         lambda s: "FSDP together with pipeline parallelism is not supported; "
+                   "use dp x pp with fsdp false"),
+    Rule("submit", "parallel.fsdp", lambda s: s.plan.fsdp and s.plan.tp > 1,
+         lambda s: "FSDP together with tensor parallelism is not supported; use dp x tp "
+                   "with fsdp false, or fsdp with tp 1"),
+    Rule("submit", "comm.compression", lambda s: not s.plain_ddp and s.comm.compression != "none",
+         lambda s: "gradient compression is a DDP comm hook: it needs plain data "
+                   "parallelism (tp 1, pp 1, fsdp false)"),
+    Rule("submit", "comm.sync", lambda s: not s.plain_ddp and s.comm.sync != "allreduce",
+         lambda s: f"{s.comm.sync} averages whole model replicas: it needs plain data parallelism "
+                   f"(tp 1, pp 1, fsdp false)"),
+    Rule("submit", "comm.sync", lambda s: s.comm.sync != "allreduce" and s.dp < 2,
+         lambda s: f"{s.comm.sync} averages models across ranks: it needs at least 2 data-parallel "
+                   f"ranks, the job has {s.dp}"),
+    Rule("submit", "comm.compression", lambda s: s.comm.sync != "allreduce" and s.comm.compression != "none",
+         lambda s: f"compression applies to every-step gradient all-reduce; with "
+                   f"comm.sync {s.comm.sync} use compression none"),
+    Rule("submit", "comm.sync",
+         lambda s: s.comm.sync == "hierarchical" and (s.resources.nodes < 2 or s.resources.procs_per_node < 2),
+         lambda s: "hierarchical averaging needs several nodes with several ranks each "
+                   f"(resources {s.resources.nodes} x {s.resources.procs_per_node}); use local_sgd"),
+    Rule("submit", "comm.periods.global",
+         lambda s: s.comm.sync == "hierarchical" and (s.comm.periods.global_ <= s.comm.periods.node
+                                                      or s.comm.periods.global_ % s.comm.periods.node),
+         lambda s: f"the global period ({s.comm.periods.global_}) must be a multiple "
+                   f"of the node period ({s.comm.periods.node}) and larger than it"),
+    Rule("submit", "comm.ratio", lambda s: s.comm.ratio == "auto" and s.comm.compression != "topk",
+         lambda s: "ratio auto chooses the top-k ratio: it needs compression topk"),
+    Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and not s.plain_ddp,
+         lambda s: "balancing splits the batch between data-parallel replicas: it "
+                   "needs plain data parallelism (tp 1, pp 1, fsdp false)"),
+    Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and s.comm.sync != "allreduce",
+         lambda s: "balancing weights the every-step gradient all-reduce: it needs "
+                   "comm.sync allreduce"),
+    Rule("submit", "model.vocab", lambda s: s.data.kind == "tokens" and s.model.vocab > UINT16_IDS,
+         lambda s: f"data.kind tokens stores uint16 ids: vocab must be at most {UINT16_IDS}, "
+                   f"got {s.model.vocab}"),
+)
+
+
+def broken_rules(x: Any, on: str) -> list[tuple[str, str]]:
+    """(field, message) of every rule in RULES evaluated `on` x that x breaks, in table order."""
+    return [(r.field, r.message(x)) for r in RULES if r.on == on and r.broken(x)]
+
+
+def _raise_first_broken(x: Any, on: str) -> None:
+    # Evaluate in table order and stop at the first: the same single message as before the table.
+    for r in RULES:
+        if r.on == on and r.broken(x):
+            raise _FieldError(r.field, r.message(x))
+
+
+class _FieldError(ValueError):
+    """Raised inside a model validator to attach the message to a specific field path."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class _Strict(BaseModel):
@@ -29,19 +174,20 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    kind: Literal["gpt", "mlp"] = "gpt"
-    layers: int = Field(4, ge=1, le=256)
-    hidden: int = Field(128, ge=8, le=65536)
-    heads: int = Field(4, ge=1, le=512)
-    seq_len: int = Field(128, ge=2, le=131072)
-    vocab: int = Field(256, ge=2, le=1_000_000)
+    """The network: one of the two built-in families (workers/runtime/model.py)."""
+
+    kind: Literal["gpt", "mlp"] = Field("gpt", description="gpt: a causal transformer; mlp: a residual MLP "
+                                                           "(no attention, no heads)")
+    layers: int = Field(4, ge=1, le=256, description="transformer blocks (gpt) or residual blocks (mlp)")
+    hidden: int = Field(128, ge=8, le=65536, description="width of every layer; gpt: divisible by heads")
+    heads: int = Field(4, ge=1, le=512, description="gpt: attention heads per block; ignored by mlp")
+    seq_len: int = Field(128, ge=2, le=131072, description="tokens per training window (the context length)")
+    vocab: int = Field(256, ge=2, le=1_000_000, description="token ids are in [0, vocab); data.kind demo "
+                                                            "needs at least 256 (byte tokens)")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
-        if self.kind == "gpt" and self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
-        if self.param_count() > MAX_PARAMS:
-            raise ValueError(f"model has about {self.param_count():.3g} parameters; the limit is {MAX_PARAMS:.3g}")
+        _raise_first_broken(self, "model")
         return self
 
     def param_count(self) -> int:
@@ -51,62 +197,86 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    kind: Literal["demo", "synthetic", "tokens"] = "demo"
-    path: str | None = None
+    """Where the training tokens come from."""
+
+    kind: Literal["demo", "synthetic", "tokens"] = Field(
+        "demo", description="demo: the shipped byte-level text corpus; synthetic: seeded random tokens; "
+                            "tokens: a uint16 .bin file under the data root")
+    path: str | None = Field(None, description="tokens only: the .bin file, relative to the data root")
 
     @model_validator(mode="after")
     def _check(self) -> "DataSpec":
-        if self.kind == "tokens" and not self.path:
-            raise ValueError("data.kind 'tokens' needs data.path (a uint16 .bin file under the data root)")
-        if self.kind != "tokens" and self.path:
-            raise ValueError(f"data.path is only used with kind 'tokens', not '{self.kind}'")
+        _raise_first_broken(self, "data")
         return self
 
 
 class TrainSpec(_Strict):
-    steps: int = Field(200, ge=1, le=MAX_STEPS)
-    global_batch: int = Field(32, ge=1, le=1_048_576)
-    lr: float = Field(1.0e-3, gt=0, le=10)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    grad_accum: int = Field(1, ge=1, le=4096)
-    balance: Literal["none", "auto"] = "none"
+    """The optimisation loop: how long, how big a step, and the learning-rate schedule."""
+
+    steps: int = Field(200, ge=1, le=MAX_STEPS, description="optimizer steps in the whole run")
+    global_batch: int = Field(32, ge=1, le=1_048_576,
+                              description="samples per optimizer step over all ranks; divisible by "
+                                          "dp x grad_accum")
+    lr: float = Field(1.0e-3, gt=0, le=10, description="peak learning rate (AdamW)")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr; at most steps")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant",
+                                                       description="after warm-up: constant, or cosine decay to 0")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the model's initialisation and the data order")
+    grad_accum: int = Field(1, ge=1, le=4096,
+                            description="micro-steps per optimizer step; gradients are synchronised only "
+                                        "on the last")
+    balance: Literal["none", "auto"] = Field("none", description="auto: split each step's batch between "
+                                                                 "data-parallel ranks by their measured speed")
 
 
 class ResourcesSpec(_Strict):
-    nodes: int = Field(2, ge=1, le=4096)
-    procs_per_node: int = Field(1, ge=1, le=64)
-    device: Literal["cpu", "cuda"] = "cpu"
+    """What the job occupies: nodes x processes per node, on one kind of device."""
+
+    nodes: int = Field(2, ge=1, le=4096, description="machines the job spans (a gang: all or none start)")
+    procs_per_node: int = Field(1, ge=1, le=64, description="training processes (ranks) per node")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per process")
 
     @property
     def world_size(self) -> int:
+        """Processes in the job: nodes x procs_per_node."""
         return self.nodes * self.procs_per_node
 
 
 class ParallelSpec(_Strict):
+    """How the ranks split the work: dp x tp x pp = world size, optionally FSDP-sharded."""
+
     dp: int | None = Field(None, ge=1, description="defaults to world size / (tp * pp)")
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    fsdp: bool = False
-    microbatches: int = Field(4, ge=1, le=1024)
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    tp: int = Field(1, ge=1, description="tensor parallel: ranks splitting each block's heads and MLP columns")
+    pp: int = Field(1, ge=1, description="pipeline parallel: stages, each holding consecutive blocks")
+    fsdp: bool = Field(False, description="shard parameters, gradients and optimizer state over dp (FSDP2)")
+    microbatches: int = Field(4, ge=1, le=1024, description="pp: micro-batches per step of each replica")
+    schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="pp: the pipeline schedule")
 
 
 class Periods(_Strict):
-    node: int = Field(2, ge=1)
-    global_: int = Field(8, ge=1, alias="global")
+    """comm.sync hierarchical: how often the models are averaged within a node and globally."""
+
+    node: int = Field(2, ge=1, description="steps between averages among a node's ranks")
+    global_: int = Field(8, ge=1, alias="global",
+                         description="steps between averages over all ranks; a multiple of node, larger")
 
 
 class CommSpec(_Strict):
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = "none"
-    ratio: Union[Literal["auto"], float] = Field(0.01, description="topk: fraction of each gradient bucket sent, (0, 1]")
+    """How gradients or models are synchronised between data-parallel replicas."""
+
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none", description="gradient all-reduce compression (a DDP comm hook; workers/runtime/comm.py)")
+    ratio: Union[Literal["auto"], float] = Field(
+        0.01, description="topk: fraction of each gradient bucket sent, (0, 1]; auto: chosen from "
+                          "measured step times")
     rank: int = Field(2, ge=1, le=1024, description="powersgd: matrix approximation rank")
     start_step: int = Field(10, ge=0, le=MAX_STEPS,
                             description="steps 1..start_step all-reduce dense gradients; compression starts after")
-    sync: Literal["allreduce", "local_sgd", "hierarchical"] = "allreduce"
-    period: int = Field(4, ge=1)
-    periods: Periods = Periods()
+    sync: Literal["allreduce", "local_sgd", "hierarchical"] = Field(
+        "allreduce", description="allreduce: every step's gradients; local_sgd / hierarchical: average "
+                                 "whole models every few steps")
+    period: int = Field(4, ge=1, description="local_sgd: steps between model averages (after start_step)")
+    periods: Periods = Field(Periods(), description="hierarchical: the node and global averaging periods")
 
     @field_validator("ratio", mode="before")
     @classmethod
@@ -125,9 +295,11 @@ class CommSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(50, ge=1)
-    async_: bool = Field(True, alias="async")
-    keep: int = Field(3, ge=1, le=1000)
+    """When the runtime saves, and how many complete checkpoints the control plane keeps."""
+
+    every_steps: int = Field(50, ge=1, description="save after every this many steps (and after the last)")
+    async_: bool = Field(True, alias="async", description="save in the background while training goes on")
+    keep: int = Field(3, ge=1, le=1000, description="complete checkpoints kept; older ones are deleted")
 
 
 def _parallel_tag(v: Any) -> str:
@@ -135,20 +307,25 @@ def _parallel_tag(v: Any) -> str:
 
 
 class JobSpec(_Strict):
-    name: str = Field(min_length=1, max_length=200)
-    model: ModelSpec = ModelSpec()
-    data: DataSpec = DataSpec()
-    train: TrainSpec = TrainSpec()
-    resources: ResourcesSpec = ResourcesSpec()
+    """A whole job as submitted: name, model, data, training, resources, parallelism, communication,
+    checkpointing and scheduling. `to_json()` is the stored form, every default filled in."""
+
+    name: str = Field(min_length=1, max_length=200, description="shown in the dashboard; no control characters")
+    model: ModelSpec = Field(ModelSpec(), description="the network")
+    data: DataSpec = Field(DataSpec(), description="the training tokens")
+    train: TrainSpec = Field(TrainSpec(), description="the optimisation loop")
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="nodes, processes and device")
     parallel: Annotated[
         Union[Annotated[Literal["auto"], Tag("auto")], Annotated[ParallelSpec, Tag("object")]],
         Discriminator(_parallel_tag),
-    ] = ParallelSpec()
-    comm: CommSpec = CommSpec()
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    priority: Literal["low", "normal", "high"] = "normal"
-    max_restarts: int = Field(3, ge=0, le=100)
-    hang_timeout_s: Union[Literal["auto"], Annotated[float, Field(gt=0, le=7 * 86400)]] = "auto"
+    ] = Field(ParallelSpec(), description="the parallel plan; auto: data parallel over every process")
+    comm: CommSpec = Field(CommSpec(), description="gradient / model synchronisation")
+    checkpoint: CheckpointSpec = Field(CheckpointSpec(), description="saving and retention")
+    priority: Literal["low", "normal", "high"] = Field("normal", description="queue order among runnable jobs")
+    max_restarts: int = Field(3, ge=0, le=100, description="attempts after the first before the job fails")
+    hang_timeout_s: Union[Literal["auto"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
+        "auto", description="seconds without a step before an attempt counts as hung; auto: from its "
+                            "own step times")
 
     @field_validator("name")
     @classmethod
@@ -159,115 +336,36 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _consistency(self) -> "JobSpec":
-        world = self.resources.world_size
-        if isinstance(self.parallel, ParallelSpec):
-            p = self.parallel
-            dp = p.dp if p.dp is not None else world // (p.tp * p.pp)
-            if dp * p.tp * p.pp != world:
-                raise _FieldError("parallel.dp", f"dp x tp x pp = {dp} x {p.tp} x {p.pp} must equal the number of "
-                                                 f"processes, resources.nodes x procs_per_node = {world}")
-        else:
-            dp = world
-        if self.train.global_batch % (dp * self.train.grad_accum):
-            raise _FieldError("train.global_batch", f"global_batch ({self.train.global_batch}) must be divisible "
-                                                    f"by dp x grad_accum = {dp * self.train.grad_accum}")
-        if self.data.kind == "demo" and self.model.vocab < 256:
-            raise _FieldError("model.vocab", "the demo corpus uses byte tokens: vocab must be at least 256")
-        if self.train.warmup_steps > self.train.steps:
-            raise _FieldError("train.warmup_steps", "warmup_steps must not exceed steps")
+        _raise_first_broken(self, "spec")
         return self
 
     @property
+    def plan(self) -> ParallelSpec:
+        """The parallel plan; "auto" reads as the default plan (dp over every process)."""
+        return self.parallel if isinstance(self.parallel, ParallelSpec) else ParallelSpec()
+
+    @property
     def dp(self) -> int:
-        if isinstance(self.parallel, ParallelSpec) and self.parallel.dp is not None:
-            return self.parallel.dp
-        if isinstance(self.parallel, ParallelSpec):
-            return self.resources.world_size // (self.parallel.tp * self.parallel.pp)
-        return self.resources.world_size
+        """Data-parallel replicas: parallel.dp, else world size / (tp x pp)."""
+        p = self.plan
+        return p.dp if p.dp is not None else self.resources.world_size // (p.tp * p.pp)
+
+    @property
+    def plain_ddp(self) -> bool:
+        """Plain data parallelism (tp 1, pp 1, fsdp false): what comm hooks and model averaging need."""
+        p = self.plan
+        return p.tp == 1 and p.pp == 1 and not p.fsdp
 
     def to_json(self) -> dict:
         """Full spec with every default filled in, in the user-facing key names."""
         return self.model_dump(mode="json", by_alias=True)
 
 
-class _FieldError(ValueError):
-    """Raised inside a model validator to attach the message to a specific field path."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-# Combinations that parse field by field but cannot run together: refused at submit, with the
-# field to change and the reason, so a job never fails on them at run time.
 def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
+    """The "submit" rules `spec` breaks, as SpecError.errors: field path -> messages."""
     errs: dict[str, list[str]] = {}
-
-    def no(field: str, why: str) -> None:
-        errs.setdefault(field, []).append(why)
-
-    p = spec.parallel if isinstance(spec.parallel, ParallelSpec) else ParallelSpec()
-    m, t, c, r = spec.model, spec.train, spec.comm, spec.resources
-    plain_ddp = p.tp == 1 and p.pp == 1 and not p.fsdp
-    if m.kind == "gpt" and m.heads % p.tp:
-        no("parallel.tp", f"tp ({p.tp}) must divide model.heads ({m.heads}): each tensor-parallel rank "
-                          f"computes whole attention heads")
-    if m.kind == "mlp" and p.tp > 1:
-        no("parallel.tp", "tensor parallelism splits attention heads and MLP columns of the GPT; "
-                          "model.kind mlp has no heads: use tp 1")
-    if p.pp > m.layers:
-        no("parallel.pp", f"pp ({p.pp}) must not exceed model.layers ({m.layers}): every pipeline "
-                          f"stage needs at least one layer")
-    if p.pp > 1 and m.kind != "gpt":
-        no("parallel.pp", "pipeline stages split the GPT's blocks: model.kind must be gpt")
-    if p.pp > 1 and p.tp > 1:
-        no("parallel.pp", "pipeline and tensor parallelism together (tp x pp) are not supported; "
-                          "use dp x pp or dp x tp")
-    if p.pp > 1:
-        per_dp = t.global_batch // max(1, spec.dp)
-        if per_dp % p.microbatches:
-            no("parallel.microbatches", f"each data-parallel replica's batch (global_batch / dp = "
-                                        f"{per_dp}) must be divisible by microbatches ({p.microbatches})")
-        if p.schedule == "1f1b" and p.microbatches < p.pp:
-            no("parallel.microbatches", f"the 1f1b schedule needs at least as many micro-batches as "
-                                        f"stages ({p.pp}), got {p.microbatches}")
-        if t.grad_accum != 1:
-            no("train.grad_accum", "with pipeline parallelism the step is already split into "
-                                   "parallel.microbatches; use that instead of grad_accum")
-        if p.fsdp:
-            no("parallel.fsdp", "FSDP together with pipeline parallelism is not supported; "
-                                "use dp x pp with fsdp false")
-    if p.fsdp and p.tp > 1:
-        no("parallel.fsdp", "FSDP together with tensor parallelism is not supported; use dp x tp "
-                            "with fsdp false, or fsdp with tp 1")
-    if not plain_ddp and c.compression != "none":
-        no("comm.compression", "gradient compression is a DDP comm hook: it needs plain data "
-                               "parallelism (tp 1, pp 1, fsdp false)")
-    if not plain_ddp and c.sync != "allreduce":
-        no("comm.sync", f"{c.sync} averages whole model replicas: it needs plain data parallelism "
-                        f"(tp 1, pp 1, fsdp false)")
-    if c.sync != "allreduce" and spec.dp < 2:
-        no("comm.sync", f"{c.sync} averages models across ranks: it needs at least 2 data-parallel "
-                        f"ranks, the job has {spec.dp}")
-    if c.sync != "allreduce" and c.compression != "none":
-        no("comm.compression", f"compression applies to every-step gradient all-reduce; with "
-                               f"comm.sync {c.sync} use compression none")
-    if c.sync == "hierarchical":
-        if r.nodes < 2 or r.procs_per_node < 2:
-            no("comm.sync", "hierarchical averaging needs several nodes with several ranks each "
-                            f"(resources {r.nodes} x {r.procs_per_node}); use local_sgd")
-        if c.periods.global_ <= c.periods.node or c.periods.global_ % c.periods.node:
-            no("comm.periods.global", f"the global period ({c.periods.global_}) must be a multiple "
-                                      f"of the node period ({c.periods.node}) and larger than it")
-    if c.ratio == "auto" and c.compression != "topk":
-        no("comm.ratio", "ratio auto chooses the top-k ratio: it needs compression topk")
-    if t.balance == "auto":
-        if not plain_ddp:
-            no("train.balance", "balancing splits the batch between data-parallel replicas: it "
-                                "needs plain data parallelism (tp 1, pp 1, fsdp false)")
-        if c.sync != "allreduce":
-            no("train.balance", "balancing weights the every-step gradient all-reduce: it needs "
-                                "comm.sync allreduce")
+    for field, message in broken_rules(spec, "submit"):
+        errs.setdefault(field, []).append(message)
     return errs
 
 
@@ -278,11 +376,15 @@ def _loc(loc: tuple) -> str:
     return ".".join(parts) or "spec"
 
 
-def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
+def validate_job_spec(data: Any, *, unknown_keys: Literal["forbid", "ignore"] = "forbid") -> JobSpec:
+    """`data` as a JobSpec, checked by the model alone (types, bounds and the "model", "data" and
+    "spec" rules), or SpecError naming each bad field. The runtime validates its launch config
+    with this (workers/runtime/config.py), ignoring keys it does not know (a newer control plane
+    may send them); `parse_job_spec` adds the submit-time checks."""
     if not isinstance(data, dict):
         raise SpecError({"spec": ["a job spec must be a JSON/YAML object (mapping)"]})
     try:
-        spec = JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, extra=unknown_keys)
     except ValidationError as exc:
         errors: dict[str, list[str]] = {}
         for err in exc.errors(include_url=False):
@@ -295,6 +397,13 @@ def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
                 msg = "unknown key"
             errors.setdefault(_loc(err["loc"]), []).append(msg)
         raise SpecError(errors) from None
+
+
+def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
+    """The validated JobSpec for `data` (a parsed JSON/YAML mapping), or SpecError naming each
+    bad field: the model's own checks, then every "submit" rule, then (with `data_root`) whether
+    data.path names a usable token file there."""
+    spec = validate_job_spec(data)
     errors = unsupported_options(spec)
     if spec.data.kind == "tokens" and data_root is not None:
         problem = data_path_problem(spec.data.path or "", data_root)
@@ -306,6 +415,7 @@ def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
 
 
 def data_path_problem(path: str, data_root: Path) -> str | None:
+    """Why `path` is not a usable tokens file under `data_root`, or None when it is."""
     root = Path(data_root).resolve()
     p = Path(path)
     full = (p if p.is_absolute() else root / p).resolve()

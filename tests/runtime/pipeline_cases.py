@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from workers.runtime.config import ModelConfig, parse_run_config
+from trainyard.spec import ModelSpec
+from workers.runtime.config import parse_run_config
 from workers.runtime.model import build_model, lm_loss
 from trainyard.mesh import Mesh
 from workers.runtime.parallel import param_bytes
@@ -38,7 +39,7 @@ MODEL = {"kind": "gpt", "layers": 4, "hidden": 32, "heads": 4, "seq_len": 32, "v
 def _config(dp: int, pp: int, schedule: str):
     raw = {"job_id": 1, "attempt_id": 1, "node": "n", "run_dir": "/tmp/x", "redis_url": "redis://x:1/0",
            "stream": "s", "data_root": "/tmp/x", "checkpoint_dir": "/tmp/x",
-           "spec": {"model": MODEL, "train": {"global_batch": GLOBAL_BATCH, "seed": SEED},
+           "spec": {"name": "x", "model": MODEL, "train": {"global_batch": GLOBAL_BATCH, "seed": SEED},
                     "resources": {"nodes": 1, "procs_per_node": dp * pp},
                     "parallel": {"dp": dp, "pp": pp, "tp": 1, "microbatches": MICROBATCHES,
                                  "schedule": schedule}}}
@@ -99,14 +100,14 @@ def reshard_checks(name: str, out: Path, cfg, mesh, strategy, opt, ref, ref_opt)
     rank = dist.get_rank()
     _save(out / f"ckpt-{name}-pp", strategy.module, opt)
     torch.manual_seed(99)
-    full = build_model(ModelConfig(**MODEL))
+    full = build_model(ModelSpec(**MODEL))
     full_opt = _adamw(full.parameters())
     _load(out / f"ckpt-{name}-pp", full, full_opt)
     pp_to_full = _state_diff(strategy.module, opt, full, full_opt)
 
     _save(out / f"ckpt-{name}-full", ref, ref_opt)
     torch.manual_seed(99)
-    fresh = PipelineStrategy(build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"),
+    fresh = PipelineStrategy(build_model(ModelSpec(**MODEL)), mesh, rank, torch.device("cpu"),
                              hidden=cfg.model.hidden, microbatches=cfg.parallel.microbatches,
                              schedule=cfg.parallel.schedule)
     fresh_opt = _adamw(fresh.module.parameters())
@@ -125,7 +126,7 @@ def run_case(name: str, out: Path) -> None:
     batches = _batches()
 
     torch.manual_seed(SEED)
-    ref = build_model(ModelConfig(**MODEL))
+    ref = build_model(ModelSpec(**MODEL))
     ref_opt = _adamw(ref.parameters())
     full_bytes = param_bytes(ref)
     ref_losses, ref_grads = [], {}
@@ -141,7 +142,7 @@ def run_case(name: str, out: Path) -> None:
         ref_eval = lm_loss(ref(batches[STEPS][0]), batches[STEPS][1]).item()
 
     torch.manual_seed(SEED)
-    strategy = PipelineStrategy(build_model(ModelConfig(**MODEL)), mesh, rank, torch.device("cpu"),
+    strategy = PipelineStrategy(build_model(ModelSpec(**MODEL)), mesh, rank, torch.device("cpu"),
                                 hidden=cfg.model.hidden, microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
     opt = _adamw(strategy.module.parameters())

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from trainyard.mesh import Mesh
-from workers.runtime.config import ModelConfig, ParallelConfig
+from trainyard.spec import ModelSpec, ParallelSpec
 from workers.runtime.model import build_model, lm_loss
 from workers.runtime.parallel import optim_bytes, param_bytes
 from workers.runtime.sharded import ShardedStrategy
 
-SMALL = ModelConfig(kind="gpt", layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
+SMALL = ModelSpec(kind="gpt", layers=2, hidden=64, heads=4, seq_len=64, vocab=256)
 STEPS, BATCH, SEED = 6, 8, 0
 PLANS = {"fsdp": dict(dp=2, tp=1, fsdp=True), "tp": dict(dp=1, tp=2, fsdp=False),
          "dp2xtp2": dict(dp=2, tp=2, fsdp=False)}
@@ -90,7 +90,7 @@ def run_case(case: str, x, y, ref_losses, ref_state, rank: int, world: int) -> d
     weight = 1.0
     if weighted:
         ref_losses, ref_state = reference(x, y, WEIGHTS)
-    p = ParallelConfig(**PLANS[plan])
+    p = ParallelSpec(**PLANS[plan])
     mesh = Mesh(pp=1, dp=p.dp, tp=p.tp, fsdp=p.fsdp)
     assert mesh.dp * mesh.tp == world, (case, world)
     torch.manual_seed(SEED)

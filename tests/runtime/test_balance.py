@@ -22,7 +22,8 @@ from trainyard.spec import SpecError, parse_job_spec
 from workers.runtime.balance import Balance, Balancer, apportion, offsets
 from workers.runtime.chaos import Chaos, SlowKnob
 from workers.runtime.checkpoint import final_name
-from workers.runtime.config import ConfigError, DataConfig, ModelConfig
+from trainyard.spec import DataSpec, ModelSpec
+from workers.runtime.config import ConfigError
 from workers.runtime.data import (SliceBatches, TokenWindows, build_batches, forever,
                                   global_batches, train_loader)
 
@@ -181,7 +182,7 @@ def test_slice_changes_take_effect_at_the_next_batch_even_when_prefetched(prefet
 
 def test_build_batches_balance_starts_with_the_ranks_equal_share(tmp_path):
     (tmp_path / "t.bin").write_bytes(np.arange(400, dtype=np.uint16).tobytes())
-    kw = dict(data=DataConfig("tokens", "t.bin"), model=ModelConfig(seq_len=8, vocab=500),
+    kw = dict(data=DataSpec(kind="tokens", path="t.bin"), model=ModelSpec(seq_len=8, vocab=500),
               data_root=tmp_path, rank=1, world_size=2, batch=4, seed=0, start_batch=7)
     plain, _ = build_batches(**kw)
     sliced, _ = build_batches(**kw, balance=True)
@@ -240,11 +241,11 @@ def _equivalence_case(out_path: str) -> None:
 
     dist.init_process_group("gloo")
     rank, world, total = dist.get_rank(), dist.get_world_size(), 16
-    mcfg = ModelConfig(**SMALL_MODEL)
+    mcfg = ModelSpec(**SMALL_MODEL)
     torch.manual_seed(0)
     strategy = DDPStrategy(build_model(mcfg), Mesh(pp=1, dp=world, tp=1), rank, torch.device("cpu"))
     opt = torch.optim.AdamW(strategy.module.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
-    kw = dict(data=DataConfig("demo"), model=mcfg, data_root=Path("."), world_size=world,
+    kw = dict(data=DataSpec(kind="demo"), model=mcfg, data_root=Path("."), world_size=world,
               batch=total // world, seed=0, balance=True)
     batches, _ = build_batches(rank=rank, **kw)
     if rank == 0:

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from workers.runtime import chaos as chaos_mod
 from workers.runtime import checkpoint as ck
 from workers.runtime.chaos import Chaos, ChaosPlan
-from workers.runtime.config import CheckpointConfig, ConfigError, DataConfig, ModelConfig, parse_run_config
+from trainyard.spec import CheckpointSpec, DataSpec, ModelSpec
+from workers.runtime.config import ConfigError, parse_run_config
 from workers.runtime.data import TokenWindows, build_batches
 
 from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
@@ -75,7 +76,7 @@ def test_resume_config_is_parsed_and_its_step_checked_against_the_manifest(tmp_p
     final = ck.publish(_partial(tmp_path, 5, 21), {"format": 1, "step": 5})
     raw = make_launch_config(tmp_path, "redis://x:1/0", checkpoint={"every_steps": 5, "async": False})
     assert parse_run_config(raw).resume is None
-    assert parse_run_config(raw).checkpoint == CheckpointConfig(every_steps=5, async_=False, keep=3)
+    assert parse_run_config(raw).checkpoint == CheckpointSpec.model_validate({"every_steps": 5, "async": False, "keep": 3})
     raw["resume"] = {"path": str(final), "step": 5, "checkpoint_id": 3}
     cfg = parse_run_config(raw)
     assert (cfg.resume.path, cfg.resume.step, cfg.resume.checkpoint_id) == (final, 5, 3)
@@ -112,7 +113,7 @@ def test_saves_are_due_every_n_steps_and_at_the_last_step(step, every, last, due
 def test_starting_at_batch_k_equals_iterating_past_k_batches_and_loads_none_of_them(
         tmp_path, monkeypatch, start):
     (tmp_path / "t.bin").write_bytes(np.arange(400, dtype=np.uint16).tobytes())
-    args = dict(data=DataConfig("tokens", "t.bin"), model=ModelConfig(seq_len=8, vocab=400),
+    args = dict(data=DataSpec(kind="tokens", path="t.bin"), model=ModelSpec(seq_len=8, vocab=400),
                 data_root=tmp_path, rank=1, world_size=2, batch=4, seed=3, prefetch=False)
     full, _ = build_batches(**args)
     expected = [next(full) for _ in range(start + 30)][start:]  # crosses an epoch boundary
@@ -227,7 +228,7 @@ def _assert_state(model, opt, snapshot):
 @pytest.mark.parametrize("async_", [True, False])
 def test_save_publishes_once_and_load_restores_weights_optimizer_and_rng(tmp_path, one_rank, async_):
     reporter = Events()
-    saver = ck.Checkpointer(CheckpointConfig(every_steps=1, async_=async_), tmp_path, job_id=8,
+    saver = ck.Checkpointer(CheckpointSpec.model_validate({"every_steps": 1, "async": async_}), tmp_path, job_id=8,
                             attempt_id=21, rank=0, world_size=1, device=torch.device("cpu"),
                             reporter=reporter)
     model, opt = _model_and_opt()
@@ -312,7 +313,7 @@ def test_the_state_copy_overlaps_the_next_forward_and_backward_and_saves_the_sta
     gate = threading.Event()
     monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate))
     reporter = Events()
-    saver = ck.Checkpointer(CheckpointConfig(every_steps=1), tmp_path, job_id=8, attempt_id=21,
+    saver = ck.Checkpointer(CheckpointSpec(every_steps=1), tmp_path, job_id=8, attempt_id=21,
                             rank=0, world_size=1, device=torch.device("cpu"), reporter=reporter)
     model, opt = _bn_model_and_opt()
     for _ in range(2):
@@ -357,7 +358,7 @@ def test_a_failed_state_copy_fails_the_save_on_the_training_thread_and_publishes
     gate.set()
     monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate, MemoryError("no room")))
     reporter = Events()
-    saver = ck.Checkpointer(CheckpointConfig(), tmp_path, job_id=8, attempt_id=21, rank=0,
+    saver = ck.Checkpointer(CheckpointSpec(), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=reporter)
     model, opt = _model_and_opt()
     saver.save(5, model, opt)
@@ -369,7 +370,7 @@ def test_a_failed_state_copy_fails_the_save_on_the_training_thread_and_publishes
 
 
 def test_without_its_rank_file_a_rank_seeds_its_rngs_deterministically(tmp_path, one_rank):
-    saver = ck.Checkpointer(CheckpointConfig(async_=False), tmp_path, job_id=8, attempt_id=21, rank=0,
+    saver = ck.Checkpointer(CheckpointSpec.model_validate({"async": False}), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=Events())
     model, opt = _model_and_opt()
     _train_step(model, opt)
@@ -391,7 +392,7 @@ def test_a_failed_async_save_is_raised_on_the_training_thread_and_never_publishe
 
     monkeypatch.setattr(ck.dcp, "save", failing_save)
     reporter = Events()
-    saver = ck.Checkpointer(CheckpointConfig(), tmp_path, job_id=8, attempt_id=21, rank=0,
+    saver = ck.Checkpointer(CheckpointSpec(), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=reporter)
     model, opt = _model_and_opt()
     saver.save(5, model, opt)
@@ -538,7 +539,7 @@ def test_the_checkpointer_decides_which_steps_it_saves(tmp_path, one_rank):
     """Every every_steps steps and the last; a forced (preemption) save of a step already saved
     is skipped, of another step taken."""
     reporter = Events()
-    saver = ck.Checkpointer(CheckpointConfig(every_steps=3, async_=False), tmp_path, job_id=8,
+    saver = ck.Checkpointer(CheckpointSpec.model_validate({"every_steps": 3, "async": False}), tmp_path, job_id=8,
                             attempt_id=21, rank=0, world_size=1, device=torch.device("cpu"),
                             reporter=reporter)
     model, opt = _model_and_opt()

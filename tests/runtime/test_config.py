@@ -1,7 +1,9 @@
 import json
+from typing import get_args
 
 import pytest
 
+from trainyard.spec import CheckpointSpec, CommSpec, ParallelSpec, unsupported_options, validate_job_spec
 from workers.runtime.config import ConfigError, load_run_config, parse_run_config
 
 from .conftest import make_launch_config
@@ -28,34 +30,52 @@ def test_unused_spec_keys_are_ignored_and_parallel_auto_means_plain_ddp(tmp_path
                              checkpoint={"every_steps": 5, "future_key": 1})
     cfg = parse_run_config(raw)
     assert cfg.parallel.dp is None and cfg.parallel.tp == 1
+    assert cfg.checkpoint == CheckpointSpec(every_steps=5)  # the spec's defaults fill the rest
 
 
+# The runtime validates the spec with trainyard.spec's JobSpec itself: the messages are the spec's,
+# prefixed by the field path.
 @pytest.mark.parametrize("sections, message", [
-    ({"model": {"vocab": 100}}, "needs model.vocab >= 256"),
-    ({"model": {"kind": "rnn"}}, "model.kind must be gpt or mlp"),
-    ({"model": {"hidden": 130, "heads": 4}}, "divisible by model.heads"),
-    ({"data": {"kind": "tokens"}}, "needs data.path"),
-    ({"data": {"kind": "parquet"}}, "data.kind must be"),
-    ({"train": {"lr_schedule": "step"}}, "lr_schedule must be constant or cosine"),
-    ({"train": {"grad_accum": 0}}, "train.grad_accum must be an integer >= 1"),
-    ({"train": {"global_batch": 32, "grad_accum": 3}}, r"not divisible by the data-parallel size x train.grad_accum = 2 x 3"),
-    ({"train": {"balance": "fast"}}, "train.balance must be none or auto"),
-    ({"parallel": {"tp": 3, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 3}},
-     "parallel.tp=3 must divide model.heads=4"),
-    ({"parallel": {"pp": 8, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 8}},
-     "parallel.pp=8 is more stages than model.layers=4"),
-    ({"parallel": {"schedule": "zb"}}, "parallel.schedule must be 1f1b or gpipe"),
-    ({"comm": {"compression": "zip"}}, "comm.compression must be one of none, fp16, bf16, powersgd, topk"),
-    ({"comm": {"compression": "topk", "ratio": 0}}, r"comm.ratio must be a number in \(0, 1\]"),
-    ({"comm": {"compression": "powersgd", "rank": 0}}, "comm.rank must be an integer >= 1"),
-    ({"comm": {"start_step": -1}}, "comm.start_step must be an integer >= 0"),
-    ({"comm": {"sync": "gossip"}}, "comm.sync must be allreduce, local_sgd or hierarchical"),
-    ({"comm": {"period": 0}}, "comm.period must be an integer >= 1"),
-    ({"resources": {"device": "tpu"}}, "resources.device must be cpu or cuda"),
+    ({"model": {"vocab": 100}}, "model.vocab: the demo corpus uses byte tokens: vocab must be at least 256"),
+    ({"model": {"kind": "rnn"}}, "model.kind: Input should be 'gpt' or 'mlp'"),
+    ({"model": {"hidden": 130, "heads": 4}}, r"model: hidden \(130\) must be divisible by heads \(4\)"),
+    ({"data": {"kind": "tokens"}}, "data: data.kind 'tokens' needs data.path"),
+    ({"data": {"kind": "parquet"}}, "data.kind: Input should be"),
+    ({"train": {"lr_schedule": "step"}}, "train.lr_schedule: Input should be 'constant' or 'cosine'"),
+    ({"train": {"grad_accum": 0}}, "train.grad_accum: Input should be greater than or equal to 1"),
+    ({"train": {"global_batch": 32, "grad_accum": 3}},
+     r"train.global_batch: global_batch \(32\) must be divisible by dp x grad_accum = 6"),
+    ({"train": {"balance": "fast"}}, "train.balance: Input should be 'none' or 'auto'"),
+    ({"parallel": {"schedule": "zb"}}, "parallel.schedule: Input should be '1f1b' or 'gpipe'"),
+    ({"comm": {"compression": "zip"}},
+     "comm.compression: Input should be 'none', 'fp16', 'bf16', 'powersgd' or 'topk'"),
+    ({"comm": {"compression": "topk", "ratio": 0}}, r"comm.ratio: ratio must be a fraction in \(0, 1\]"),
+    ({"comm": {"compression": "powersgd", "rank": 0}}, "comm.rank: Input should be greater than or equal to 1"),
+    ({"comm": {"start_step": -1}}, "comm.start_step: Input should be greater than or equal to 0"),
+    ({"comm": {"sync": "gossip"}}, "comm.sync: Input should be 'allreduce', 'local_sgd' or 'hierarchical'"),
+    ({"comm": {"period": 0}}, "comm.period: Input should be greater than or equal to 1"),
+    ({"resources": {"device": "tpu"}}, "resources.device: Input should be 'cpu' or 'cuda'"),
 ])
 def test_values_the_runtime_cannot_honour_are_refused_with_the_field_named(tmp_path, sections, message):
     with pytest.raises(ConfigError, match=message):
         parse_run_config(make_launch_config(tmp_path, "redis://x:1/0", **sections))
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"parallel": {"tp": 3, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 3}}, "parallel.tp"),
+    ({"parallel": {"pp": 8, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 8}}, "parallel.pp"),
+])
+def test_combinations_refused_at_submit_live_in_the_spec_rules_not_the_launch_parse(tmp_path, sections, field):
+    # The strategies refuse these again when they build (test_sharded.py, test_pipeline.py).
+    raw = make_launch_config(tmp_path, "redis://x:1/0", **sections)
+    assert parse_run_config(raw).parallel == ParallelSpec(**raw["spec"]["parallel"])
+    assert field in unsupported_options(validate_job_spec(raw["spec"]))
+
+
+def test_every_compression_the_spec_accepts_has_a_set_up_in_the_runtime():
+    from workers.runtime import comm
+
+    assert set(get_args(CommSpec.model_fields["compression"].annotation)) == set(comm._SETUP)
 
 
 def test_compression_and_accumulation_settings_reach_the_runtime(tmp_path):

@@ -2,11 +2,12 @@ import numpy as np
 import pytest
 import torch
 
-from workers.runtime.config import ConfigError, DataConfig, ModelConfig
+from trainyard.spec import DataSpec, ModelSpec
+from workers.runtime.config import ConfigError
 from workers.runtime.data import (DEMO_CORPUS, MAX_WINDOWS, TokenWindows, build_batches,
                                   load_tokens, split, train_loader, val_batches)
 
-MODEL = ModelConfig(seq_len=16, vocab=256)
+MODEL = ModelSpec(seq_len=16, vocab=256)
 
 
 def test_demo_corpus_is_shipped_plain_text_of_the_promised_size():
@@ -53,7 +54,7 @@ def test_ranks_get_disjoint_shards_and_the_same_seed_gives_the_same_order():
 
 
 def test_val_split_is_held_out_and_fixed():
-    tokens = load_tokens(DataConfig("demo"), MODEL, data_root=None, seed=0)
+    tokens = load_tokens(DataSpec(kind="demo"), MODEL, data_root=None, seed=0)
     train, val = split(tokens, "demo")
     assert len(train) + len(val) == len(tokens) and len(val) == pytest.approx(0.05 * len(tokens), abs=1)
     a, b = val_batches(val, 16, 4, 2), val_batches(val, 16, 4, 2)
@@ -63,7 +64,7 @@ def test_val_split_is_held_out_and_fixed():
 def test_batches_run_across_epochs_with_prefetch(tmp_path):
     root = tmp_path
     (root / "t.bin").write_bytes(np.arange(200, dtype=np.uint16).tobytes())
-    it, val = build_batches(DataConfig("tokens", "t.bin"), ModelConfig(seq_len=8, vocab=300), root,
+    it, val = build_batches(DataSpec(kind="tokens", path="t.bin"), ModelSpec(seq_len=8, vocab=300), root,
                             rank=1, world_size=2, batch=4, seed=0)
     seen = [next(it) for _ in range(40)]  # 190 train tokens -> 91 windows per rank: several epochs
     for x, y in seen:
@@ -72,28 +73,28 @@ def test_batches_run_across_epochs_with_prefetch(tmp_path):
 
 
 def test_synthetic_is_seeded_and_within_vocab():
-    m = ModelConfig(vocab=50)
-    a = load_tokens(DataConfig("synthetic"), m, None, seed=1)
-    b = load_tokens(DataConfig("synthetic"), m, None, seed=1)
-    c = load_tokens(DataConfig("synthetic"), m, None, seed=2)
+    m = ModelSpec(vocab=50)
+    a = load_tokens(DataSpec(kind="synthetic"), m, None, seed=1)
+    b = load_tokens(DataSpec(kind="synthetic"), m, None, seed=1)
+    c = load_tokens(DataSpec(kind="synthetic"), m, None, seed=2)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
     assert a.min() >= 0 and a.max() == 49
     assert split(a, "synthetic")[1] is None
 
 
 def test_token_file_errors_are_clear(tmp_path):
-    m = ModelConfig(seq_len=8, vocab=100)
+    m = ModelSpec(seq_len=8, vocab=100)
     with pytest.raises(FileNotFoundError, match="missing.bin.*does not exist"):
-        load_tokens(DataConfig("tokens", "missing.bin"), m, tmp_path, 0)
+        load_tokens(DataSpec(kind="tokens", path="missing.bin"), m, tmp_path, 0)
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(ConfigError, match="not a whole number of uint16"):
-        load_tokens(DataConfig("tokens", "odd.bin"), m, tmp_path, 0)
+        load_tokens(DataSpec(kind="tokens", path="odd.bin"), m, tmp_path, 0)
     (tmp_path / "big.bin").write_bytes(np.array([1, 2, 100], dtype=np.uint16).tobytes())
     with pytest.raises(ConfigError, match="contains id 100 >= model.vocab=100"):
-        load_tokens(DataConfig("tokens", "big.bin"), m, tmp_path, 0)
+        load_tokens(DataSpec(kind="tokens", path="big.bin"), m, tmp_path, 0)
     with pytest.raises(ConfigError, match="outside the data root"):
-        load_tokens(DataConfig("tokens", "../x.bin"), m, tmp_path / "sub", 0)
+        load_tokens(DataSpec(kind="tokens", path="../x.bin"), m, tmp_path / "sub", 0)
     (tmp_path / "short.bin").write_bytes(np.arange(40, dtype=np.uint16).tobytes())
     with pytest.raises(ConfigError, match="fewer than one per-rank batch"):
-        build_batches(DataConfig("tokens", "short.bin"), m, tmp_path, rank=0, world_size=2,
+        build_batches(DataSpec(kind="tokens", path="short.bin"), m, tmp_path, rank=0, world_size=2,
                       batch=16, seed=0)

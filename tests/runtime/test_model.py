@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from trainyard.mesh import param_count
-from workers.runtime.config import ModelConfig
+from trainyard.spec import ModelSpec
 from workers.runtime.model import build_model, lm_loss
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_logits_shape_and_initial_loss_near_uniform(kind):
-    cfg = ModelConfig(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
+    cfg = ModelSpec(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
     torch.manual_seed(0)
     model = build_model(cfg)
     idx = torch.randint(0, 256, (3, 16))
@@ -23,7 +23,7 @@ def test_logits_shape_and_initial_loss_near_uniform(kind):
 def test_gpt_is_causal_and_mlp_is_per_position():
     torch.manual_seed(0)
     for kind in ("gpt", "mlp"):
-        model = build_model(ModelConfig(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=64))
+        model = build_model(ModelSpec(kind=kind, layers=2, hidden=32, heads=4, seq_len=16, vocab=64))
         a = torch.randint(0, 64, (1, 16))
         b = a.clone()
         b[0, 10] = (a[0, 10] + 1) % 64  # change one later token
@@ -33,7 +33,7 @@ def test_gpt_is_causal_and_mlp_is_per_position():
 
 
 def test_same_seed_same_weights_and_too_long_sequence_rejected():
-    cfg = ModelConfig(layers=1, hidden=32, heads=2, seq_len=8, vocab=256)
+    cfg = ModelSpec(layers=1, hidden=32, heads=2, seq_len=8, vocab=256)
     torch.manual_seed(3)
     a = build_model(cfg)
     torch.manual_seed(3)
@@ -48,7 +48,7 @@ def test_attention_has_separate_q_k_v_with_the_fused_layouts_size_and_init():
     # Linears; together exactly a fused hidden -> 3 x hidden Linear: 3C^2 + 3C parameters
     c, layers = 64, 2
     torch.manual_seed(0)
-    model = build_model(ModelConfig(layers=layers, hidden=c, heads=4, seq_len=16, vocab=256))
+    model = build_model(ModelSpec(layers=layers, hidden=c, heads=4, seq_len=16, vocab=256))
     attn = model.blocks[0].attn
     qkv = [attn.q, attn.k, attn.v]
     assert sum(p.numel() for m in qkv for p in m.parameters()) == 3 * c * c + 3 * c
@@ -66,7 +66,7 @@ def test_attention_has_separate_q_k_v_with_the_fused_layouts_size_and_init():
     {"kind": "mlp", "layers": 5, "hidden": 40, "vocab": 97},
 ])
 def test_mesh_param_count_is_the_built_models_parameter_count(shape):
-    cfg = ModelConfig(**shape)
+    cfg = ModelSpec(**shape)
     built = sum(p.numel() for p in build_model(cfg).parameters())
     assert param_count(cfg.kind, layers=cfg.layers, hidden=cfg.hidden, seq_len=cfg.seq_len,
                        vocab=cfg.vocab) == built

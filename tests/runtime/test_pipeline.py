@@ -23,7 +23,7 @@ import torch
 from tests.conftest import REPO
 from trainyard.mesh import Mesh, stage_layers
 from trainyard.spec import SpecError, parse_job_spec
-from workers.runtime.config import ModelConfig
+from trainyard.spec import ModelSpec
 from workers.runtime.model import build_model
 from workers.runtime.parallel import param_bytes
 from workers.runtime.pipeline import GPTStage, dp_ranks, pp_ranks
@@ -56,7 +56,7 @@ def test_mesh_groups_follow_the_rank_order_of_the_mesh():
 
 
 def test_stages_keep_the_full_models_names_and_chain_to_its_forward():
-    cfg = ModelConfig(**{**SMALL_MODEL, "layers": 3})
+    cfg = ModelSpec(**{**SMALL_MODEL, "layers": 3})
     torch.manual_seed(0)
     full = build_model(cfg)
     idx = torch.randint(0, 256, (2, 16))
@@ -210,7 +210,7 @@ def test_trainer_runs_a_two_stage_pipeline_and_its_checkpoint_resumes_under_ddp(
     assert sorted(vals) == [0, 1] and vals[0] == vals[1] and vals[0] != "None", vals
     assert abs(float(vals[0]) - samples[(0, TRAIN_STEPS)]["loss"]) < 0.5, vals
 
-    full = param_bytes(build_model(ModelConfig(**SMALL_MODEL)))
+    full = param_bytes(build_model(ModelSpec(**SMALL_MODEL)))
     plans = {e["rank"]: e for e in events if e["kind"] == "rank_plan"}
     assert sorted(plans) == [0, 1]
     for rank, plan in plans.items():

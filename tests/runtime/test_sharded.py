@@ -22,7 +22,7 @@ from tests.conftest import REPO
 from workers.runtime import checkpoint as ck
 from trainyard.mesh import Mesh
 from trainyard.spec import SpecError, parse_job_spec
-from workers.runtime.config import ModelConfig
+from trainyard.spec import ModelSpec
 from workers.runtime.model import build_model
 from workers.runtime.sharded import tp_plan
 
@@ -60,7 +60,7 @@ def test_plans_the_sharded_strategy_cannot_run_are_refused_by_the_spec_naming_th
 
 
 def test_tp_plan_splits_every_block_and_the_vocab_when_it_divides():
-    model = build_model(ModelConfig(**SMALL_MODEL))
+    model = build_model(ModelSpec(**SMALL_MODEL))
     plan = tp_plan(model, 2, 256)
     names = dict(model.named_modules())
     assert set(plan) <= set(names)
@@ -166,7 +166,7 @@ def _run(tmp_path: Path, url: str, env: dict, name: str, job_id: int, parallel: 
 
 def _model():
     torch.manual_seed(0)
-    return build_model(ModelConfig(**SMALL_MODEL))
+    return build_model(ModelSpec(**SMALL_MODEL))
 
 
 def _weights(path: str) -> dict:

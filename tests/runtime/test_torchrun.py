@@ -9,7 +9,7 @@ import psutil
 import pytest
 import redis
 
-from workers.runtime.config import ModelConfig
+from trainyard.spec import ModelSpec
 from workers.runtime.model import build_model
 
 from .conftest import (SMALL_MODEL, make_launch_config, read_stream, start_torchrun,
@@ -93,7 +93,7 @@ def test_two_ranks_train_the_demo_corpus_and_report_every_step(tmp_path, redis_s
 
     samples, events, _ = read_stream(redis_server.url, "trainyard:job:7")
     assert len(samples) == steps * 2
-    grad_bytes = sum(p.numel() * p.element_size() for p in build_model(ModelConfig(**SMALL_MODEL)).parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in build_model(ModelSpec(**SMALL_MODEL)).parameters())
     per_rank = by_rank(samples)
     assert sorted(per_rank) == [0, 1]
     for rs in per_rank.values():

@@ -3,20 +3,21 @@ import os
 
 import pytest
 
-from workers.runtime.config import ConfigError, TrainConfig, parse_run_config
+from trainyard.spec import TrainSpec
+from workers.runtime.config import ConfigError, parse_run_config
 from workers.runtime.trainer import DistEnv, check_world, lr_at, write_rank_file
 
 from .conftest import make_launch_config
 
 
 def test_warmup_then_constant():
-    t = TrainConfig(steps=100, lr=1e-3, warmup_steps=10)
+    t = TrainSpec(steps=100, lr=1e-3, warmup_steps=10)
     assert [lr_at(s, t) for s in (1, 5, 10)] == pytest.approx([1e-4, 5e-4, 1e-3])
     assert lr_at(11, t) == lr_at(100, t) == 1e-3
 
 
 def test_cosine_decays_from_lr_to_a_tenth():
-    t = TrainConfig(steps=110, lr=1e-3, warmup_steps=10, lr_schedule="cosine")
+    t = TrainSpec(steps=110, lr=1e-3, warmup_steps=10, lr_schedule="cosine")
     assert lr_at(10, t) == pytest.approx(1e-3)
     assert lr_at(60, t) == pytest.approx(0.55e-3)  # halfway: floor + half the range
     assert lr_at(110, t) == pytest.approx(1e-4)
@@ -58,12 +59,12 @@ def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_
     import torch
 
     from workers.runtime.comm import CommCounter, CpuClock, counting_allreduce_hook
-    from workers.runtime.config import ModelConfig
+    from trainyard.spec import ModelSpec
     from workers.runtime.model import build_model
     from trainyard.mesh import Mesh
     from workers.runtime.parallel import DDPStrategy
 
-    mcfg = ModelConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
+    mcfg = ModelSpec(layers=2, hidden=32, heads=4, seq_len=16, vocab=256)
     x = torch.randint(0, 256, (8, 16))
     y = torch.randint(0, 256, (8, 16))
     runs = {}

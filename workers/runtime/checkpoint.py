@@ -71,8 +71,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainyard.keys import MANIFEST  # the one manifest name, shared with the control plane
+from trainyard.spec import CheckpointSpec
 
-from .config import CheckpointConfig, ConfigError, ResumeConfig
+from .config import ConfigError, ResumeConfig
 
 FORMAT = 1
 PARTIAL = ".partial-"
@@ -277,7 +278,7 @@ class Checkpointer:
     Construct on every rank at the same point (it creates the checkpoint process group).
     """
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, *, job_id: int, attempt_id: int,
+    def __init__(self, cfg: CheckpointSpec, directory: Path, *, job_id: int, attempt_id: int,
                  rank: int, world_size: int, device: torch.device, reporter: Any):
         self.cfg = cfg
         self.dir = Path(directory)

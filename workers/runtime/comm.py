@@ -55,8 +55,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
-
 
 class CpuClock:
     """Marks are perf_counter floats; valid as soon as they are taken."""
@@ -247,19 +245,13 @@ class GradCompression:
     tail: Any = None  # powersgd: the previous bucket's future (see `_after_previous`)
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {self.kind!r}; one of {COMPRESSIONS}")
-        if self.kind in ("fp16", "bf16"):
-            self._cast = _counting(default_hooks._compress_hook, self.counter)
-            self._dtype = torch.float16 if self.kind == "fp16" else torch.bfloat16
-        if self.kind == "powersgd":
-            # start_powerSGD_iter: torch's minimum with error feedback / warm start. When to
-            # compress is decided here (`compressing`), so its own iteration count never vetoes.
-            self.powersgd = powerSGD_hook.PowerSGDState(
-                process_group=self.group, matrix_approximation_rank=self.rank,
-                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
-                random_seed=self.seed)
-            self._powersgd = _counting(powerSGD_hook.powerSGD_hook, self.counter)
+        # The values are trainyard.spec's CommSpec.compression, validated there; this only
+        # dispatches to each kind's set-up.
+        try:
+            setup = _SETUP[self.kind]
+        except KeyError:
+            raise ValueError(f"unknown compression {self.kind!r}: no set-up for it in comm.py") from None
+        setup(self)
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -269,6 +261,30 @@ class GradCompression:
     @property
     def compressing(self) -> bool:
         return self.kind != "none" and self.step > self.start_step and self.step != self.first_step
+
+
+def _setup_cast(state: GradCompression) -> None:
+    state._cast = _counting(default_hooks._compress_hook, state.counter)
+    state._dtype = torch.float16 if state.kind == "fp16" else torch.bfloat16
+
+
+def _setup_powersgd(state: GradCompression) -> None:
+    # start_powerSGD_iter: torch's minimum with error feedback / warm start. When to
+    # compress is decided here (`compressing`), so its own iteration count never vetoes.
+    state.powersgd = powerSGD_hook.PowerSGDState(
+        process_group=state.group, matrix_approximation_rank=state.rank,
+        start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+        random_seed=state.seed)
+    state._powersgd = _counting(powerSGD_hook.powerSGD_hook, state.counter)
+
+
+def _no_setup(state: GradCompression) -> None:
+    return None
+
+
+# comm.compression -> what GradCompression sets up for it (compression_hook dispatches the same way).
+_SETUP = {"none": _no_setup, "fp16": _setup_cast, "bf16": _setup_cast, "powersgd": _setup_powersgd,
+          "topk": _no_setup}
 
 
 def compression_hook(state: GradCompression,

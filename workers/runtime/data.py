@@ -34,7 +34,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .config import BYTE_VOCAB, ConfigError, DataConfig, ModelConfig
+from trainyard.spec import DataSpec, ModelSpec
+
+from .config import ConfigError
 
 DEMO_CORPUS = Path(__file__).resolve().parent / "corpus" / "demo.txt"
 VAL_FRACTION = 0.05
@@ -83,7 +85,7 @@ def _already_batched(batch: Batch) -> Batch:
     return batch
 
 
-def load_tokens(data: DataConfig, model: ModelConfig, data_root: Path, seed: int) -> np.ndarray:
+def load_tokens(data: DataSpec, model: ModelSpec, data_root: Path, seed: int) -> np.ndarray:
     """The whole token array for this data kind (a memmap for `tokens`)."""
     if data.kind == "demo":
         return np.frombuffer(DEMO_CORPUS.read_bytes(), dtype=np.uint8)
@@ -94,7 +96,7 @@ def load_tokens(data: DataConfig, model: ModelConfig, data_root: Path, seed: int
     return _load_token_file(data, model, data_root)
 
 
-def _load_token_file(data: DataConfig, model: ModelConfig, data_root: Path) -> np.ndarray:
+def _load_token_file(data: DataSpec, model: ModelSpec, data_root: Path) -> np.ndarray:
     root = Path(data_root).resolve()
     path = (root / str(data.path)).resolve()
     if not path.is_relative_to(root):  # the control plane checks this too; a launch config is not trusted twice
@@ -203,15 +205,13 @@ class Prefetcher:
         return item
 
 
-def build_batches(data: DataConfig, model: ModelConfig, data_root: Path, *, rank: int,
+def build_batches(data: DataSpec, model: ModelSpec, data_root: Path, *, rank: int,
                   world_size: int, batch: int, seed: int, pin_memory: bool = False,
                   prefetch: bool = True, start_batch: int = 0,
                   balance: bool = False) -> tuple[Iterator[Batch], np.ndarray | None]:
     """The endless training batch iterator for this rank, from batch `start_batch` on, and the
     held-out val tokens. balance=True: a SliceBatches over global batches of batch x world_size,
     starting with this rank's equal share (the same samples as balance=False)."""
-    if data.kind == "demo" and model.vocab < BYTE_VOCAB:
-        raise ConfigError(f"data.kind=demo needs model.vocab >= {BYTE_VOCAB}, got {model.vocab}")
     train, val = split(load_tokens(data, model, data_root, seed), data.kind)
     if balance:
         windows = TokenWindows(train, model.seq_len)

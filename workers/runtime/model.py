@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from trainyard.spec import ModelSpec
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,7 +53,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelSpec):
         super().__init__()
         self.seq_len = cfg.seq_len
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
@@ -81,7 +81,7 @@ class GPT(nn.Module):
 class MLP(nn.Module):
     """Per-position next-token predictor: no attention, so it sees only the current token."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelSpec):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(nn.Linear(cfg.hidden, cfg.hidden) for _ in range(cfg.layers))
@@ -103,7 +103,7 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelSpec) -> nn.Module:
     return GPT(cfg) if cfg.kind == "gpt" else MLP(cfg)
 
 

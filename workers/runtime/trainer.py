@@ -64,12 +64,13 @@ import torch.distributed as dist
 
 from trainyard.keys import preempt_key
 from trainyard.mesh import Mesh
+from trainyard.spec import TrainSpec
 
 from .balance import Balance
 from .chaos import Chaos, SlowKnob
 from .checkpoint import Checkpointer, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
-from .config import ConfigError, RunConfig, TrainConfig
+from .config import ConfigError, RunConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import optim_bytes
@@ -100,7 +101,7 @@ class DistEnv:
             raise RuntimeError(f"{e.args[0]} is not set: run this module under torchrun") from None
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
+def lr_at(step: int, train: TrainSpec) -> float:
     """Learning rate for 1-based `step`: linear warmup, then constant or cosine to 10%."""
     if step <= train.warmup_steps:
         return train.lr * step / train.warmup_steps
@@ -234,7 +235,7 @@ class Trainer:
         self.sync = build_sync(c.sync, rank=self.env.rank, world=dist.get_world_size(),
                                counter=self.counter, compression=self.compression,
                                auto_ratio=c.ratio == "auto", start_step=c.start_step,
-                               period=c.period, periods=(c.periods["node"], c.periods["global"]),
+                               period=c.period, periods=(c.periods.node, c.periods.global_),
                                procs_per_node=cfg.resources.procs_per_node,
                                event=self.reporter.event, say=_say)
 
