@@ -17,8 +17,10 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (workers/runtime/preempt.py)
     trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
 
-Disk (one root, TRAINYARD_CHECKPOINT_ROOT, shared by the nodes and the control plane):
-    <root>/job-<id>/step-<S:08d>-a<attempt>/trainyard.json    a complete checkpoint and its manifest
+Disk (each root from one environment variable, resolved to an absolute path here):
+    <checkpoint root>/job-<id>/step-<S:08d>-a<attempt>/trainyard.json   a complete checkpoint and its
+                                          manifest (TRAINYARD_CHECKPOINT_ROOT, shared by nodes and control plane)
+    <run root>/<node>/attempt-<id>/       an agent's run directory (TRAINYARD_RUN_DIR, node-local)
 """
 from __future__ import annotations
 
@@ -109,6 +111,13 @@ def checkpoint_root(environ: Mapping[str, str] | None = None) -> Path:
     """
     env = os.environ if environ is None else environ
     return Path(env.get("TRAINYARD_CHECKPOINT_ROOT") or var_dir(env) / "checkpoints").resolve()
+
+
+def run_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Where node agents keep their attempts' run directories (<run_root>/<node>/attempt-<id>/:
+    config.json, ranks/, logs, error files): TRAINYARD_RUN_DIR, else <var>/agents; absolute."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("TRAINYARD_RUN_DIR") or var_dir(env) / "agents").resolve()
 
 
 def job_checkpoint_dir(root: Path, job_id: int) -> Path:

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, required=True)
     ap.add_argument("--labels", default="", help="e.g. rack=r1,zone=a")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--run-dir", default=os.environ.get("TRAINYARD_RUN_DIR", "var/agents"))
+    ap.add_argument("--run-dir", default=str(keys.run_root()), help="default: TRAINYARD_RUN_DIR, else <var>/agents")
     ap.add_argument("--concurrency", type=int, default=8)
     args = ap.parse_args(argv)
     if args.slots < 1:
