@@ -7,7 +7,7 @@ database migrated by `manage.py migrate`, jobs and attempts created through `job
 relay (`manage.py relay`), daphne serving `controlplane.asgi`, simulated ranks (one process per
 rank, each with the runtime's own `workers.runtime.reporter.Reporter`, sample `ts` = emit time)
 and websocket clients (one process per client, the `websockets` package, token auth, no Origin,
-acking every message, as DESIGN.md section 4 asks non-browser clients to).
+acking every message, as docs/architecture.md section 7 asks non-browser clients to).
 
 Measured, in one run so the figures compare side by side:
 - latency: receive time at the websocket client - `ts` at the rank, per sample, at each rate in

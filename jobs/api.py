@@ -1,4 +1,4 @@
-"""REST API under /api/v1/ (DESIGN.md section 4). Thin: parse, check access, call one service.
+"""REST API under /api/v1/ (docs/architecture.md, section 7). Thin: parse, check access, call one service.
 
 Errors are raised, never returned: jobs.api_errors.exception_handler turns every domain error
 (jobs/errors.py, trainyard.spec.SpecError) and DRF's own into {"errors": {"field.path": [...]}}.
@@ -54,7 +54,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return selectors.jobs_visible_to(self.request.user).prefetch_related(
             "attempts__allocations__node").order_by("-id")
 
-    @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (DESIGN.md)"}},
+    @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (docs/architecture.md, section 7)"}},
                    responses={201: JobSerializer})
     def create(self, request):
         if not isinstance(request.data, dict):

@@ -1,5 +1,5 @@
 """The one DRF exception handler: every API error is {"errors": {"field.path": ["message"]}}
-(DESIGN.md 4), with the status its kind says.
+(docs/architecture.md, section 7), with the status its kind says.
 
 Domain errors (jobs/errors.py) carry their field paths and status (400 invalid input, 403
 forbidden, 404 not found, 409 conflict); a JobSpec that fails validation (trainyard.spec.SpecError)

@@ -1,4 +1,4 @@
-"""Websocket consumers: /ws/jobs/<id>/ and /ws/cluster/ (DESIGN.md section 4). Thin: check access,
+"""Websocket consumers: /ws/jobs/<id>/ and /ws/cluster/ (docs/architecture.md, section 7). Thin: check access,
 read through selectors, forward group messages.
 
 Flow control: every message carries `seq`; clients ack what they handled ({"type": "ack",

@@ -1,4 +1,4 @@
-"""Trainyard's state. Rows change only through jobs.services (see DESIGN.md section 5)."""
+"""Trainyard's state. Rows change only through jobs.services (see docs/architecture.md, section 5)."""
 from __future__ import annotations
 
 from django.conf import settings

@@ -1,5 +1,5 @@
 """Websocket authentication: browsers use their session and must come from an allowed Origin;
-non-browser clients send `Authorization: Token <key>` and no Origin (DESIGN.md section 4).
+non-browser clients send `Authorization: Token <key>` and no Origin (docs/architecture.md, section 7).
 
 A socket with an Origin that is not ours is refused at the handshake (cross-site websocket
 hijacking would otherwise ride on the session cookie). A socket without an Origin is not a

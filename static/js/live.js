@@ -1,4 +1,4 @@
-// The live socket client for /ws/jobs/<id>/ and /ws/cluster/ (DESIGN.md section 4).
+// The live socket client for /ws/jobs/<id>/ and /ws/cluster/ (docs/architecture.md, section 7).
 //
 // - Every server message carrying a `seq` is acknowledged with {"type": "ack", "seq": n} once the
 //   page has handled it: the server keeps ~32 unacknowledged messages in flight and, when a page

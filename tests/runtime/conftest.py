@@ -13,7 +13,7 @@ import redis
 from tests.conftest import REPO
 
 # The full JobSpec the control plane would hand over for {"name": "x"}, all defaults filled
-# (DESIGN.md section 4), except resources/parallel sized for one machine.
+# (docs/architecture.md, section 7), except resources/parallel sized for one machine.
 DEFAULT_SPEC = {
     "name": "x",
     "model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 256},
