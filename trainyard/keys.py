@@ -21,6 +21,8 @@ Disk (each root from one environment variable, resolved to an absolute path here
     <checkpoint root>/job-<id>/step-<S:08d>-a<attempt>/trainyard.json   a complete checkpoint and its
                                           manifest (TRAINYARD_CHECKPOINT_ROOT, shared by nodes and control plane)
     <run root>/<node>/attempt-<id>/       an agent's run directory (TRAINYARD_RUN_DIR, node-local)
+    <artifact root>/bundles/<hex[:2]>/<hex>.tar.gz               a code bundle (TRAINYARD_ARTIFACT_ROOT, shared)
+    <artifact root>/logs/job-<id>/attempt-<a>/rank-<r>.log       every rank's output, kept after the job
 """
 from __future__ import annotations
 
@@ -118,6 +120,34 @@ def run_root(environ: Mapping[str, str] | None = None) -> Path:
     config.json, ranks/, logs, error files): TRAINYARD_RUN_DIR, else <var>/agents; absolute."""
     env = os.environ if environ is None else environ
     return Path(env.get("TRAINYARD_RUN_DIR") or var_dir(env) / "agents").resolve()
+
+
+def artifact_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Code bundles and kept logs: TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; absolute. Like the
+    checkpoint root, one path every node and the control plane see (a shared filesystem)."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("TRAINYARD_ARTIFACT_ROOT") or var_dir(env) / "artifacts").resolve()
+
+
+BUNDLE_PREFIX = "sha256:"
+"""A code bundle's id is its content hash: "sha256:<64 hex digits>"."""
+
+
+def bundle_path(root: Path, digest: str) -> Path:
+    """Where a code bundle (.tar.gz) is stored: <artifact root>/bundles/<hex[:2]>/<hex>.tar.gz.
+    `digest` is the bundle id ("sha256:<hex>") or the bare hex."""
+    hexdigest = digest.removeprefix(BUNDLE_PREFIX)
+    return Path(root) / "bundles" / hexdigest[:2] / f"{hexdigest}.tar.gz"
+
+
+def job_log_dir(root: Path, job_id: int) -> Path:
+    """A job's kept logs under the artifact root: attempt-<id>/rank-<r>.log below it."""
+    return Path(root) / "logs" / f"job-{int(job_id)}"
+
+
+def rank_log_path(root: Path, job_id: int, attempt_id: int, rank: int) -> Path:
+    """One rank's full output for one attempt, kept after the job (rotated by size per job)."""
+    return job_log_dir(root, job_id) / f"attempt-{int(attempt_id)}" / f"rank-{int(rank)}.log"
 
 
 def job_checkpoint_dir(root: Path, job_id: int) -> Path:
