@@ -117,16 +117,13 @@ def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], f
 
 
 def hang_check(*, now: float, started: float, last_progress: float | None, spec_timeout, recent_step_s: list[float],
-               floor_s: float, progress_optional: bool = False) -> HangCheck:
+               floor_s: float) -> HangCheck:
     """`started`/`last_progress`/`now` in epoch seconds. Before the first step the timeout is at
-    least STARTUP_GRACE_S. `progress_optional`: user code, which may never report a step (a script
-    that does not use the SDK); until it reports one, silence is not a hang."""
+    least STARTUP_GRACE_S."""
     timeout, source = hang_timeout(spec_timeout, recent_step_s, floor_s)
     if last_progress is None:
         timeout = max(timeout, STARTUP_GRACE_S)
     idle = now - (last_progress if last_progress is not None else started)
-    if last_progress is None and progress_optional:
-        return HangCheck(False, timeout, source, idle)
     return HangCheck(idle > timeout, timeout, source, idle)
 
 
