@@ -87,8 +87,11 @@ def event_kinds(cluster: Cluster, job_id: int) -> list[str]:
     return [e["kind"] for e in cluster.get(f"/api/v1/jobs/{job_id}/events/?page_size=500")["results"]]
 
 
-def log_lines(cluster: Cluster, job_id: int, rank: int) -> list[str]:
-    return [line["line"] for line in cluster.get(f"/api/v1/jobs/{job_id}/logs/?rank={rank}&limit=5000")]
+def log_lines(cluster: Cluster, job_id: int, rank: int, attempt: int) -> list[str]:
+    """One rank's kept output in one attempt (the relay keeps it on disk after the job)."""
+    page = cluster.get(f"/api/v1/jobs/{job_id}/logs/?rank={rank}&attempt={attempt}&limit=5000")
+    assert page["next_offset"] is None, page  # all of it in one page
+    return page["lines"]
 
 
 def assert_each_step_once(cluster: Cluster, job_id: int, steps: int, world: int) -> list[dict]:
@@ -133,13 +136,16 @@ def test_sdk_script_killed_mid_run_resumes_from_its_checkpoint_with_every_step_o
     rows = assert_each_step_once(cluster, job["id"], steps, 2)
     assert all(r["loss"] is not None and r["samples_per_s"] > 0 for r in rows)
     assert all(r["data_s"] is not None and r["compute_s"] is not None for r in rows)  # run.phase(...)
+    assert all(r["metrics"] == {"lr": pytest.approx(3e-3)} for r in rows)  # the script's own metric
+    assert done["has_telemetry"] is True
     assert {r["attempt"] for r in rows if r["step"] > second["resumed_from_step"]} == {second["id"]}
     kinds = event_kinds(cluster, job["id"])
     assert "restart" in kinds and kinds.count("attempt_started") == 2 and kinds[-1] == "succeeded"
-    # the script's own output, both attempts: the second one started after the checkpoint
-    lines = log_lines(cluster, job["id"], 0)
-    assert any(f"steps {second['resumed_from_step'] + 1}..{steps}" in line for line in lines), lines[-20:]
-    assert any("sdk_ddp: rank 0 finished" in line for line in lines)
+    # the script's own output, kept per attempt: the second one started after the checkpoint
+    assert f"sdk_ddp: rank 0/2 on cpu, steps 1..{steps}" in log_lines(cluster, job["id"], 0, first["id"])
+    lines = log_lines(cluster, job["id"], 0, second["id"])
+    assert f"sdk_ddp: rank 0/2 on cpu, steps {second['resumed_from_step'] + 1}..{steps}" in lines, lines[:5]
+    assert "sdk_ddp: rank 0 finished" in lines and f"sdk_ddp: rank 0/2 on cpu, steps 1..{steps}" not in lines
 
 
 def test_a_script_without_the_sdk_runs_with_its_logs_and_no_telemetry(cluster, bundles):
@@ -151,10 +157,11 @@ def test_a_script_without_the_sdk_runs_with_its_logs_and_no_telemetry(cluster, b
     (attempt,) = done["attempts"]
     assert attempt["outcome"] == "succeeded" and sorted(r["rank"] for r in attempt["ranks"]) == [0, 1]
     for rank in (0, 1):
-        lines = log_lines(cluster, job["id"], rank)
+        lines = log_lines(cluster, job["id"], rank, attempt["id"])
         assert f"plain: rank {rank}/2 on cpu, 12 steps" in lines and f"plain: rank {rank} done" in lines, lines
         assert sum(line.startswith("plain: step ") and f"rank {rank} loss" in line for line in lines) == 12
     assert cluster.metrics(job["id"]) == []  # nothing was reported: no empty rows either
+    assert done["has_telemetry"] is False  # what the job page turns into "telemetry unavailable"
 
 
 def test_a_python_missing_on_the_nodes_fails_fast_as_user_error(cluster, bundles):
