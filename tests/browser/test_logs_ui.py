@@ -96,14 +96,14 @@ def test_finished_job_pages_its_kept_logs(page, base, cluster):
     done = cluster.wait_status(job["id"], TERMINAL, 300)
     assert done["status"] == "SUCCEEDED", done
     api = cluster.get(f"/api/v1/jobs/{job['id']}/logs/?rank=1&limit=5000")
-    assert api["attempt"] == done["attempts"][-1]["id"] and api["total"] >= 30
+    assert api["attempt"] == done["attempts"][-1]["id"] and api["total"] >= 13  # steps 1, 3, ..., 30 and more
     assert any(line.startswith("rank 1 step 30/30") for line in api["lines"]), api["lines"][-5:]
 
     _page_ready(page, base, job["id"])
     wait_js(page, "() => window.trainyard.kept.loads >= 1", 30, "the kept logs")
     first = _kept_state(page)
     assert not first["hidden"] and first["liveHidden"] and first["tabs"] == ["0", "1"]
-    assert first["lines"][-1].startswith("rank 0 finished steps 30"), first["lines"][-3:]
+    assert any(x.startswith("rank 0 finished steps 30") for x in first["lines"][-3:]), first["lines"][-3:]
 
     # Page through rank 1 five lines at a time: first, next, last, and back.
     page.evaluate("() => { window.trainyard.kept.limit = 5; }")
