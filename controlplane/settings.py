@@ -166,6 +166,9 @@ TRAINYARD_BUNDLE_MAX_BYTES = _bundle_limits.max_bytes
 TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
 # A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
 TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
+# Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
+# most this many bytes (the oldest lines are cut first, and the logs API says how many).
+TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.

@@ -145,6 +145,18 @@ def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = N
     return qs.order_by("step", "rank", "attempt_id")[:limit]
 
 
+def job_has_telemetry(job_id: int) -> bool:
+    """Whether the job has any metric sample at all (decided from data: a script without the SDK sends none)."""
+    return MetricSample.objects.filter(job_id=job_id).exists()
+
+
+def has_telemetry_expr():
+    """The same question as a subquery, for annotating a list of jobs in one query."""
+    from django.db.models import Exists, OuterRef
+
+    return Exists(MetricSample.objects.filter(job_id=OuterRef("pk")))
+
+
 def queue_positions() -> dict[int, int]:
     from .policy.scheduling import queue_order
 

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 USER_ERROR_TYPES = ("ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "NameError",
                     "FileNotFoundError", "AssertionError", "ZeroDivisionError", "ImportError",
                     "ModuleNotFoundError", "NotImplementedError", "SyntaxError",
-                    "ConfigError")  # the runtime's own: a spec the data or model cannot satisfy
+                    "ConfigError",  # the runtime's own: a spec the data or model cannot satisfy
+                    # the node agent's (workers.entrypoint), before launching user code: a `python`
+                    # that is missing or cannot run torchrun, a bundle missing or corrupt on the node
+                    "EntrypointError", "BundleError")
 COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out", "Timeout",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 
