@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,46 @@ def test_the_launch_config_names_a_bad_key_and_the_variable_names_the_file(tmp_p
     monkeypatch.setenv(RUN_CONFIG_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="cannot read the launch config .*missing.json"):
         load_launch_config()
+
+
+class Counter:
+    """A Stateful object (state_dict / load_state_dict), as a data loader's position would be."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": torch.tensor(self.n)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = int(sd["n"])
+
+
+def test_a_state_of_two_models_their_optimizers_and_a_stateful_object_round_trips(standalone):
+    run = standalone
+    gen, disc = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    g_opt, d_opt = torch.optim.Adam(gen.parameters()), torch.optim.SGD(disc.parameters(), lr=0.1, momentum=0.9)
+    disc(gen(torch.ones(2, 3))).sum().backward()
+    g_opt.step()
+    d_opt.step()
+    state = {"gen": gen, "disc": disc, "g_opt": g_opt, "d_opt": d_opt, "counter": Counter(41)}
+    run.checkpoint(8, state)
+    want = {k: v.clone() for k, v in {**gen.state_dict(), **{"d." + n: t for n, t in disc.state_dict().items()}}.items()}
+    momentum = d_opt.state[disc.weight]["momentum_buffer"].clone()
+    run.finish()
+
+    again = trainyard.init()
+    gen2, disc2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    state2 = {"gen": gen2, "disc": disc2, "g_opt": torch.optim.Adam(gen2.parameters()),
+              "d_opt": torch.optim.SGD(disc2.parameters(), lr=0.1, momentum=0.9), "counter": Counter()}
+    assert again.restore(state2) == 8
+    got = {**gen2.state_dict(), **{"d." + n: t for n, t in disc2.state_dict().items()}}
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(state2["d_opt"].state[disc2.weight]["momentum_buffer"], momentum)
+    assert state2["counter"].n == 41
+    with pytest.raises(ValueError, match="optimizer 'opt' needs exactly one module in the same mapping"):
+        again.checkpoint(9, {"a": torch.nn.Linear(1, 1), "b": torch.nn.Linear(1, 1),
+                             "opt": torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)})
+    assert not again.should_checkpoint(8) and again.should_checkpoint(50)  # nothing was started for 9
+    again.finish()
+    assert sorted(p.name for p in (Path.cwd() / "checkpoints").iterdir()) == ["step-00000008-a0"]

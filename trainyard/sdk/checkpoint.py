@@ -311,12 +311,12 @@ class Checkpointer:
         `wait_for_staging()` before anything changes them (the next optimizer step).
         """
         t0 = time.perf_counter()
+        live, state = state, saveable(state)  # a state it cannot save fails here, before any side effect
         self.wait()
         self.saved_step = step
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
         rng = rng_state(self.device)
-        live, state = state, saveable(state)
         if self.cfg.async_:
             state = _capture(state, _live_storages(live))
             if self.device.type == "cuda":  # the stager's stream must see the clones (and opt.step)
