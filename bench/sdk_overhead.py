@@ -42,7 +42,7 @@ def launch_config(work: Path, i: int, redis_url: str, steps: int) -> Path:
     cfg = {"job_id": 1, "attempt_id": i + 1, "node": "bench", "run_dir": str(run_dir),
            "redis_url": redis_url, "stream": f"trainyard:job:1:{i}", "data_root": str(work),
            "checkpoint_dir": str(work / f"ckpt-{i}"), "resume": None,
-           "spec": {"name": "sdk-overhead", "entrypoint": {"script": "sdk_overhead.py"},
+           "spec": {"name": "sdk-overhead", "entrypoint": {"script": str(Path(__file__).resolve())},
                     "train": {"steps": steps + 1},
                     "resources": {"nodes": 1, "procs_per_node": WORLD, "device": "cpu"},
                     "checkpoint": {"every_steps": 1_000_000}, "config": {"lr": 0.01}}}
