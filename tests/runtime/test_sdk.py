@@ -32,12 +32,16 @@ def standalone(tmp_path, monkeypatch):
     assert not dist.is_initialized()
 
 
-def test_importing_trainyard_and_its_spec_loads_no_torch():
-    code = ("import sys, trainyard, trainyard.spec, trainyard.keys, trainyard.launch, trainyard.sdk, "
-            "trainyard.sdk.config, trainyard.sdk.layout, trainyard.sdk.reporter\n"
+def test_importing_every_trainyard_module_but_the_sdks_run_and_checkpoint_loads_no_torch():
+    code = ("import importlib, json, pkgutil, sys, trainyard\n"
+            "names = [m.name for m in pkgutil.walk_packages(trainyard.__path__, 'trainyard.')\n"
+            "         if m.name not in ('trainyard.sdk.run', 'trainyard.sdk.checkpoint')]\n"
+            "for name in names: importlib.import_module(name)\n"
+            "print(json.dumps(names))\n"
             "sys.exit(1 if {'torch', 'numpy'} & set(sys.modules) else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert {"trainyard.spec", "trainyard.sdk", "trainyard.sdk.config", "trainyard.sdk.reporter"} <= set(json.loads(r.stdout))
 
 
 def test_standalone_init_is_rank_0_of_1_with_local_checkpoints(standalone, tmp_path):
@@ -186,3 +190,25 @@ def test_a_state_of_two_models_their_optimizers_and_a_stateful_object_round_trip
     assert not again.should_checkpoint(8) and again.should_checkpoint(50)  # nothing was started for 9
     again.finish()
     assert sorted(p.name for p in (Path.cwd() / "checkpoints").iterdir()) == ["step-00000008-a0"]
+
+
+def test_an_entrypoint_jobs_launch_config_gives_the_run_its_config_and_is_not_the_built_in_trainers(
+        tmp_path, monkeypatch):
+    from trainyard.sdk.run import init_process_group
+    from workers.runtime.config import parse_run_config
+
+    raw = make_launch_config(tmp_path, "redis://x:1/0", model=None, data=None,
+                             entrypoint={"script": "/opt/code/train.py"}, config={"lr": 0.1, "layers": 6},
+                             train={"steps": 40})
+    launch = parse_launch_config(raw)
+    assert launch.job_spec().user_code and launch.job_spec().model is None
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert init_process_group(DistEnv.standalone(), torch.device("cpu"))
+    try:
+        run = Run(env=DistEnv.standalone(), device=torch.device("cpu"), launch=launch, spec=launch.job_spec())
+        assert (run.config, run.steps, run.job_id, run.attempt_id) == ({"lr": 0.1, "layers": 6}, 40, 7, 9)
+        run.finish()
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ConfigError, match="the built-in trainer needs the spec's model and data"):
+        parse_run_config(raw)

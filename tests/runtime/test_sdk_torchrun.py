@@ -26,8 +26,8 @@ STEPS, EVERY = 12, 5
 
 def _config(tmp_path: Path, url: str, job_id: int, attempt_id: int, *, steps: int = STEPS,
             resume: dict | None = None, **config) -> dict:
-    cfg = make_launch_config(tmp_path, url, train={"steps": steps}, checkpoint={"every_steps": EVERY},
-                             config=config)
+    cfg = make_launch_config(tmp_path, url, model=None, data=None, entrypoint={"script": str(SCRIPT)},
+                             train={"steps": steps}, checkpoint={"every_steps": EVERY}, config=config)
     cfg.update(job_id=job_id, attempt_id=attempt_id, stream=f"trainyard:job:{job_id}",
                checkpoint_dir=str(tmp_path.parent / f"ckpt-{job_id}"), resume=resume)
     return cfg
