@@ -290,7 +290,8 @@ def past_runs() -> list:
     for a in (Attempt.objects.filter(outcome="succeeded", started_at__isnull=False, ended_at__isnull=False)
               .select_related("job__team", "job__owner").order_by("-ended_at")[:PAST_RUNS]):
         job = a.job
-        steps = job.total_steps - (a.resumed_from_step or 0)
+        # An entrypoint job's steps are the ones it reported (none without the SDK), not train.steps.
+        steps = (a.last_step if job.spec.get("entrypoint") else job.total_steps) - (a.resumed_from_step or 0)
         out.append(PastRun(shape_from_spec(job.spec, job.owner.username, job.team.name if job.team_id else None),
-                           (a.ended_at - a.started_at).total_seconds(), steps, a.ended_at.timestamp()))
+                           (a.ended_at - a.started_at).total_seconds(), max(0, steps), a.ended_at.timestamp()))
     return out

@@ -67,6 +67,9 @@ class JobSerializer(serializers.ModelSerializer):
         a = self._current(obj)
         if a is None or a.status != Attempt.Status.RUNNING:
             return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": None}
+        if not diagnosis.hang_armed(obj.spec.get("hang_timeout_s", "auto"), user_code=bool(obj.spec.get("entrypoint")),
+                                    last_progress=a.last_progress_at and a.last_progress_at.timestamp()):
+            return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": "auto: from the first step"}
         recent = selectors.attempt_recent_samples(a.pk, a.last_step)
         timeout, source = diagnosis.hang_timeout(obj.spec.get("hang_timeout_s", "auto"),
                                                  [s["step_s"] for s in recent if s["step_s"] is not None],

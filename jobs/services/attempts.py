@@ -51,7 +51,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
         _node_maybe_quarantine(failure["node"], job, attempt)
     if outcome == "succeeded":
         job_set_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
-        job_event(job, "succeeded", f"finished {job.total_steps} steps", attempt=attempt)
+        job_event(job, "succeeded", _success_text(job, attempt), attempt=attempt)
     elif outcome == "cancelled":
         job_set_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
         job_event(job, "cancelled", "all processes stopped", attempt=attempt)
@@ -162,6 +162,14 @@ def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None
     return True
 
 
+def _success_text(job: Job, attempt: Attempt) -> str:
+    if not job.spec.get("entrypoint"):
+        return f"finished {job.total_steps} steps"
+    # user code: train.steps is only what it said it would run; say what it reported
+    return (f"the entrypoint exited 0 after step {attempt.last_step}" if attempt.last_step
+            else "the entrypoint exited 0 (it reported no steps)")
+
+
 def attempts_check() -> dict:
     """Stop hung attempts and flag stragglers, from the telemetry the relay committed. Hangs are
     judged only while the relay is alive: a stopped relay also stops progress in the database."""
@@ -193,7 +201,7 @@ def _attempt_hang_check(attempt: Attempt, recent: list[dict], now) -> bool:
         last_progress=attempt.last_progress_at.timestamp() if attempt.last_progress_at else None,
         spec_timeout=attempt.job.spec.get("hang_timeout_s", "auto"),
         recent_step_s=[s["step_s"] for s in recent if s["step_s"] is not None],
-        floor_s=settings.TRAINYARD_HANG_FLOOR_S)
+        floor_s=settings.TRAINYARD_HANG_FLOOR_S, user_code=bool(attempt.job.spec.get("entrypoint")))
     if not check.hung:
         return False
     with transaction.atomic():
