@@ -315,11 +315,12 @@ def test_a_script_without_record_is_diagnosed_from_the_traceback_on_its_stderr(t
     rank_dir = tmp_path / "logs" / "attempt-1_abc" / "attempt_0"
     (rank_dir / "0").mkdir(parents=True)
     (rank_dir / "1").mkdir(parents=True)
-    (rank_dir / "1" / "stderr.log").write_text(
+    # torch's excepthook prefixes every line with "[rank3]: " once a process group exists
+    (rank_dir / "1" / "stderr.log").write_text("\n".join("[rank3]: " + line for line in (
         "warming up\nTraceback (most recent call last):\n  File \"/c/train.py\", line 3, in <module>\n"
         "    raise KeyError('x')\nKeyError: 'x'\n\nDuring handling of the above exception, another "
         "exception occurred:\n\nTraceback (most recent call last):\n  File \"/c/train.py\", line 5, in "
-        "<module>\n    raise ValueError('bad lr')\nValueError: bad lr\n[W1201 gloo] shutting down\n")
+        "<module>\n    raise ValueError('bad lr')\nValueError: bad lr").splitlines()) + "\n[W1201 gloo] shutting down\n")
     summary = SUMMARY.replace("exitcode  : -9 (pid: 5896)  (SIGKILL)", "exitcode  : 1 (pid: 5896)")
     (tmp_path / "torchrun.stderr.log").write_text(summary)
     tailer = launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=2)

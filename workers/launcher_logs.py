@@ -182,6 +182,8 @@ def death_time(window: tuple[float, float] | None, sig: str | None) -> float | N
 
 
 TRACEBACK_HEAD = "Traceback (most recent call last):"
+# Once a process group exists torch's excepthook prefixes every line of the traceback with this.
+_RANK_PREFIX_RE = re.compile(r"^\[rank\d+\]: ?")
 
 
 def traceback_from_stderr(path: str, max_lines: int = 400) -> tuple[str, str] | None:
@@ -189,7 +191,7 @@ def traceback_from_stderr(path: str, max_lines: int = 400) -> tuple[str, str] | 
 
     The exception line is the first unindented line after the header ("ValueError: bad lr"), so
     lines printed after the traceback (shutdown warnings) neither replace nor join it."""
-    lines = tail_lines(path, max_lines)
+    lines = [_RANK_PREFIX_RE.sub("", line, count=1) for line in tail_lines(path, max_lines)]
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEAD)]
     if not starts:
         return None
