@@ -152,6 +152,10 @@ CELERY_BROKER_URL = REDIS_URL
 # job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).
 TRAINYARD_DATA_ROOT = keys.data_root()
 TRAINYARD_CHECKPOINT_ROOT = keys.checkpoint_root()
+TRAINYARD_ARTIFACT_ROOT = keys.artifact_root()
+# Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
+# most this many bytes (the oldest lines are cut first, and the logs API says how many).
+TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.

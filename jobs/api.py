@@ -5,6 +5,8 @@ Errors are raised, never returned: jobs.api_errors.exception_handler turns every
 """
 from __future__ import annotations
 
+from django.conf import settings
+from django.http import FileResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
@@ -13,13 +15,16 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from . import selectors, services
+from trainyard import keys
+
+from . import keptlogs, selectors, services
 from .errors import Forbidden, InvalidInput, NotFound
 from .models import Node
 from .payloads import event_dict
 from .serializers import CheckpointSerializer, JobSerializer, MetricSerializer, NodeSerializer
 
 MAX_METRICS_LIMIT = 10_000
+MAX_LOG_LIMIT = 5000
 
 
 class CheckpointPagination(PageNumberPagination):  # also the events timeline
@@ -130,13 +135,56 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         checkpoint = services.checkpoint_pin(checkpoint, user=request.user, pinned=pinned)
         return Response(CheckpointSerializer(checkpoint).data)
 
-    @extend_schema(parameters=[OpenApiParameter("rank", int), OpenApiParameter("limit", int)])
+    @extend_schema(parameters=[
+        OpenApiParameter("attempt", int, description="attempt id (default: the latest attempt with kept logs)"),
+        OpenApiParameter("rank", int, description="default 0"),
+        OpenApiParameter("offset", int, description="first line, counted from the rank's first line (default 0)"),
+        OpenApiParameter("limit", int, description=f"lines per page (default 1000, at most {MAX_LOG_LIMIT})"),
+        OpenApiParameter("download", int, description="1: the whole kept file as text/plain")],
+        responses={200: {"type": "object"}})
     @action(detail=True, methods=["get"], pagination_class=None)
     def logs(self, request, pk=None):
+        """One rank's output in one attempt, kept after the job (under the artifact root), by pages
+        of lines: {"attempt", "rank", "offset", "limit", "total", "next_offset", "lines": [...],
+        "dropped_lines", "dropped_bytes", "note", "attempts": [{"id", "number", "ranks"}]}."""
         job = self.get_object()
-        rank = _int_param(request, "rank")
-        limit = _int_param(request, "limit", minimum=1, maximum=5000, default=500)
-        return Response(selectors.job_log_lines(job.pk, rank=rank, limit=limit))
+        attempts = list(job.attempts.order_by("number").values_list("pk", "number"))
+        index = keptlogs.kept_index(settings.TRAINYARD_ARTIFACT_ROOT, job.pk)
+        attempt = _int_param(request, "attempt")
+        if attempt is None:
+            with_logs = [pk for pk, _ in attempts if pk in index]
+            attempt = with_logs[-1] if with_logs else (attempts[-1][0] if attempts else None)
+        elif attempt not in {pk for pk, _ in attempts}:
+            raise InvalidInput({"attempt": [f"job {job.pk} has no attempt {attempt}"]})
+        rank = _int_param(request, "rank", maximum=max(0, job.slots - 1), default=0)
+        offset = _int_param(request, "offset", default=0)
+        limit = _int_param(request, "limit", minimum=1, maximum=MAX_LOG_LIMIT, default=1000)
+        download = request.query_params.get("download", "0")
+        if download not in ("0", "1", "true", "false", ""):
+            raise ValidationError({"download": [f"must be 1 or 0, got {download!r}"]})
+        path = None if attempt is None else keys.rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt, rank)
+        if download in ("1", "true"):
+            return _log_download(job, attempt, rank, path)
+        page = keptlogs.read_page(path, offset=offset, limit=limit)
+        cap = settings.TRAINYARD_LOG_MAX_BYTES_PER_JOB
+        note = (f"the oldest {page['dropped_lines']} lines of this rank were cut: a job's kept logs are capped at "
+                f"{cap} bytes (TRAINYARD_LOG_MAX_BYTES_PER_JOB)") if page["dropped_lines"] else ""
+        return Response({"job": job.pk, "attempt": attempt, "rank": rank, **page, "max_bytes_per_job": cap,
+                         "note": note, "attempts": [{"id": pk, "number": n, "ranks": index.get(pk, [])}
+                                                    for pk, n in attempts]})
+
+
+def _log_download(job, attempt: int | None, rank: int, path):
+    try:
+        if path is None:  # the job never had an attempt
+            raise FileNotFoundError
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise NotFound({"logs": [f"job {job.pk} has no kept log for attempt {attempt}, rank {rank}"]}) from None
+    response = FileResponse(f, as_attachment=True, filename=f"job-{job.pk}-attempt-{attempt}-rank-{rank}.log",
+                            content_type="text/plain; charset=utf-8")
+    response["X-Trainyard-Dropped-Lines"] = str(keptlogs.read_dropped(path)["lines"])
+    return response
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

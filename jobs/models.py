@@ -235,6 +235,7 @@ class MetricSample(models.Model):
     mem_bytes = models.BigIntegerField(null=True)
     compression_ratio = models.FloatField(null=True, help_text="dense bytes / bytes sent this step")
     share = models.FloatField(null=True, help_text="this rank's fraction of the global batch (balancing)")
+    extra = models.JSONField(null=True, blank=True, help_text="the user's own metrics this step: {name: float}")
 
     FIELDS = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
               "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share")
@@ -245,6 +246,26 @@ class MetricSample(models.Model):
         ]
         indexes = [models.Index(fields=["job", "step"], name="metric_job_step_idx"),
                    models.Index(fields=["job", "rank", "step"], name="metric_job_rank_step_idx")]
+
+
+class CodeBundle(models.Model):
+    """A code bundle stored at keys.bundle_path(artifact root, digest); rows change through
+    jobs.services.bundles (which also writes and deletes the file)."""
+
+    digest = models.CharField(max_length=71, unique=True, help_text='"sha256:<hex>" of the .tar.gz')
+    bytes = models.BigIntegerField(help_text="packed size")
+    files = models.PositiveIntegerField(help_text="regular files in it")
+    file_list = models.JSONField(default=list, help_text="the files' paths (what entrypoint.script may name)")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="code_bundles", help_text="who uploaded it first")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True, help_text="last uploaded again or submitted")
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return self.digest
 
 
 class SchedulerLock(models.Model):

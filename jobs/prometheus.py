@@ -133,6 +133,10 @@ RELAY_COUNTERS = (
     ("batches_total", "trainyard_relay_batches_total", "Transactions (rounds) the relay committed."),
     ("publish_errors_total", "trainyard_relay_publish_errors_total",
      "Websocket fan-out messages the relay failed to hand to the channel layer."),
+    ("log_lines_kept_total", "trainyard_relay_log_lines_kept_total",
+     "Log lines the relay appended to the kept files under the artifact root (since it started)."),
+    ("log_lines_not_kept_total", "trainyard_relay_log_lines_not_kept_total",
+     "Log lines the relay could not keep on disk: the writer was behind or the disk refused (since it started)."),
 )
 RELAY_GAUGES = (
     ("last_batch_unixtime", "trainyard_relay_last_batch_timestamp_seconds", "Unix time of the last committed batch."),

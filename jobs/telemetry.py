@@ -9,7 +9,9 @@ killed between read and ack re-reads the entry from its pending list on restart;
 One round: one XREADGROUP over all streams (up to `batch` entries each, blocking only when idle),
 one transaction for everything read, then the committed samples go to the Channels groups
 `job.<id>` (through a long-lived publisher thread, in order, at most PUBLISH_MAX_SAMPLES per
-message) and one pipelined round trip XACKs, XDELs, appends logs and, every STATS_EVERY_S,
+message), the log lines go to the kept files on disk (jobs.keptlogs: a writer thread, so a slow
+disk never holds a round up for long) and one pipelined round trip XACKs, XDELs, appends logs to
+the live Redis list and, every STATS_EVERY_S,
 bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
 under load a round takes longer than that and so reads more: batches grow with the rate
 instead of the relay falling behind at a fixed batch size.
@@ -29,6 +31,7 @@ from django.conf import settings
 from trainyard import keys
 
 from . import services
+from .keptlogs import LogKeeper, Lines
 from .models import Job
 
 log = logging.getLogger("trainyard.relay")
@@ -117,7 +120,7 @@ class ChannelsPublisher:
 
 class Relay:
     def __init__(self, redis_url: str | None = None, consumer: str = "relay-1", batch: int = 500,
-                 block_ms: int = 200, publish=None, min_round_s: float = MIN_ROUND_S):
+                 block_ms: int = 200, publish=None, min_round_s: float = MIN_ROUND_S, keeper: LogKeeper | None = None):
         self.r = redis.Redis.from_url(redis_url or settings.REDIS_URL, socket_timeout=10)
         self.consumer, self.batch, self.block_ms = consumer, batch, block_ms
         self.min_round_s = min_round_s
@@ -129,6 +132,7 @@ class Relay:
         self.running = True
         self.ingested = 0
         self._publish = publish  # callable(group, message); default: a ChannelsPublisher, made on first use
+        self._keeper = keeper  # default: a LogKeeper on settings.TRAINYARD_ARTIFACT_ROOT, made on first use
         self._stats_delta = {"samples_total": 0, "entries_total": 0, "batches_total": 0}
         self._last_batch: dict = {}
         self._stats_written = 0.0
@@ -138,6 +142,28 @@ class Relay:
         if self._publish is None:
             self._publish = ChannelsPublisher()
         return self._publish
+
+    @property
+    def keeper(self) -> LogKeeper:
+        if self._keeper is None:
+            self._keeper = LogKeeper(settings.TRAINYARD_ARTIFACT_ROOT, settings.TRAINYARD_LOG_MAX_BYTES_PER_JOB)
+        return self._keeper
+
+    def keep_logs(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:
+        """Hand this round's log lines to the disk writer, labelled (job, attempt, rank); lines of a
+        job that no longer exists (deleted) or without an attempt and rank are not kept."""
+        wanted = {job_id for job_id, _, live, _ in per_job if live}
+        if not wanted:
+            return
+        known = set(Job.objects.filter(pk__in=wanted).values_list("pk", flat=True))
+        lines: Lines = {}
+        for job_id, _, live, _ in per_job:
+            for data in live if job_id in known else ():
+                attempt, rank = data.get("attempt"), data.get("rank")
+                text = [x for x in data.get("lines") or () if type(x) is str]
+                if type(attempt) is int and type(rank) is int and rank >= 0 and text:
+                    lines.setdefault((job_id, attempt, rank), []).extend(text)
+        self.keeper.submit(lines)
 
     def discover(self) -> None:
         for key in self.r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000):
@@ -231,6 +257,7 @@ class Relay:
             for data in live_logs:
                 publish(group, {"type": "job.log", "rank": data.get("rank"), "attempt": data.get("attempt"),
                                 "stream": data.get("stream", "stdout"), "lines": data.get("lines") or []})
+        self.keep_logs(per_job)
         pipe = self.r.pipeline(transaction=False)
         for (stream, entries), (job_id, _, _, logs) in zip(read, per_job):
             if logs:
@@ -264,8 +291,11 @@ class Relay:
             if delta:
                 pipe.hincrby(keys.RELAY_STATS_KEY, key, delta)
         self._stats_delta = dict.fromkeys(self._stats_delta, 0)
-        pipe.hset(keys.RELAY_STATS_KEY, mapping={**self._last_batch,
-                                      "publish_errors_total": getattr(self._publish, "errors", 0)})
+        kept = self._keeper.stats if self._keeper is not None else {}
+        pipe.hset(keys.RELAY_STATS_KEY, mapping={
+            **self._last_batch, "publish_errors_total": getattr(self._publish, "errors", 0),
+            "log_lines_kept_total": kept.get("lines_written", 0),
+            "log_lines_not_kept_total": kept.get("lines_dropped_queue", 0) + kept.get("lines_write_errors", 0)})
         self._stats_written = time.monotonic()
 
     def gc(self) -> None:
@@ -279,6 +309,8 @@ class Relay:
                 self.streams.pop(stream, None)
 
     def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()  # the lines of the last rounds reach the disk
         if self._last_batch:
             try:
                 pipe = self.r.pipeline(transaction=False)

@@ -11,14 +11,15 @@ paths ("model.hidden") to messages, which the API returns as HTTP 400 verbatim.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
 from .mesh import param_count
+from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
+from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
 # Upper bounds that catch typos (hidden: 1280000) before they become an OOM on a node.
 MAX_PARAMS = 20_000_000_000
@@ -27,39 +28,18 @@ BYTE_VOCAB = 256  # the demo corpus is byte-level text: every token id is in [0,
 UINT16_IDS = 65536  # a data.kind tokens file holds uint16 ids
 
 
-class SpecError(Exception):
-    """A spec that cannot be accepted: `.errors` maps dotted field paths to messages (HTTP 400)."""
-
-    def __init__(self, errors: dict[str, list[str]]):
-        super().__init__("; ".join(f"{k}: {' '.join(v)}" for k, v in errors.items()))
-        self.errors = errors
-
-
 # ---- cross-field rules (the table comes first: the sections' defaults are validated as the
 # classes are defined) -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Rule:
-    """One rule relating several fields: when `broken(x)`, `message(x)` is reported at `field`.
-
-    `on` says what `x` is and who evaluates the rule:
-    - "model" / "data": that section, by its own validator (so the error sits at the section's
-      path next to pydantic's per-field errors); the first broken one is reported.
-    - "spec": the whole JobSpec, by its model validator; every JobSpec satisfies these (the
-      runtime relies on them). The first broken one is reported alone: the later ones read the
-      values it found inconsistent (dp, the batch split).
-    - "submit": combinations that parse but this release cannot run, checked by
-      `parse_job_spec` after the model, all reported together, so a job never fails on them at
-      run time.
-    """
-
-    on: Literal["model", "data", "spec", "submit"]
-    field: str
-    broken: Callable[[Any], bool]
-    message: Callable[[Any], str]
-
-
 def _per_replica_batch(s: JobSpec) -> int:
     return s.train.global_batch // max(1, s.dp)
+
+
+def _builtin(s: JobSpec) -> bool:
+    # A built-in job (the "spec" rules below the first ones guarantee model and data are set).
+    return s.model is not None and s.data is not None
+
+
+_BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job (your own code)"
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
@@ -73,26 +53,58 @@ RULES: tuple[Rule, ...] = (
          lambda d: "data.kind 'tokens' needs data.path (a uint16 .bin file under the data root)"),
     Rule("data", "data", lambda d: d.kind != "tokens" and d.path,
          lambda d: f"data.path is only used with kind 'tokens', not '{d.kind}'"),
+    # A job runs either a built-in model (model, data) or its own code (entrypoint), never both.
+    Rule("spec", "model", lambda s: s.user_code and s.model is not None,
+         lambda s: "model and entrypoint exclude each other: a job runs either a built-in model or "
+                   "your own code (entrypoint); remove model"),
+    Rule("spec", "data", lambda s: s.user_code and s.data is not None,
+         lambda s: "data belongs to the built-in models; an entrypoint job loads its own data: remove data"),
+    Rule("spec", "entrypoint", lambda s: s.user_code and (s.entrypoint.script is None) == (s.entrypoint.module is None),
+         lambda s: "entrypoint needs exactly one of script (a Python file) or module (run as python -m)"),
+    Rule("spec", "entrypoint.script",
+         lambda s: s.user_code and s.code is not None and (s.entrypoint.script or "").startswith("/"),
+         lambda s: "with code.bundle, script is a path inside the bundle (like train.py), not an absolute path"),
+    Rule("spec", "entrypoint.script",
+         lambda s: s.user_code and s.code is None and s.entrypoint.script is not None
+         and not s.entrypoint.script.startswith("/"),
+         lambda s: "without code.bundle, script must be an absolute path on the nodes (or upload the code "
+                   "and set code.bundle, or use module, looked up on the node's PYTHONPATH)"),
     Rule("spec", "parallel.dp", lambda s: s.dp * s.plan.tp * s.plan.pp != s.resources.world_size,
          lambda s: f"dp x tp x pp = {s.dp} x {s.plan.tp} x {s.plan.pp} must equal the number of "
                    f"processes, resources.nodes x procs_per_node = {s.resources.world_size}"),
-    Rule("spec", "train.global_batch", lambda s: s.train.global_batch % (s.dp * s.train.grad_accum),
+    Rule("spec", "train.global_batch", lambda s: _builtin(s) and s.train.global_batch % (s.dp * s.train.grad_accum),
          lambda s: f"global_batch ({s.train.global_batch}) must be divisible "
                    f"by dp x grad_accum = {s.dp * s.train.grad_accum}"),
-    Rule("spec", "model.vocab", lambda s: s.data.kind == "demo" and s.model.vocab < BYTE_VOCAB,
+    Rule("spec", "model.vocab", lambda s: _builtin(s) and s.data.kind == "demo" and s.model.vocab < BYTE_VOCAB,
          lambda s: f"the demo corpus uses byte tokens: vocab must be at least {BYTE_VOCAB}"),
     Rule("spec", "train.warmup_steps", lambda s: s.train.warmup_steps > s.train.steps,
          lambda s: "warmup_steps must not exceed steps"),
-    Rule("submit", "parallel.tp", lambda s: s.model.kind == "gpt" and s.model.heads % s.plan.tp,
+    # User code: what the control plane sets up for it, and what only the built-in trainer does.
+    Rule("submit", "code", lambda s: s.code is not None and not s.user_code,
+         lambda s: "code.bundle holds the code an entrypoint runs: add entrypoint (script or module)"),
+    *(Rule("submit", f, lambda s, f=f: not s.user_code and getattr(s, f) not in (None, {}),
+           lambda s, f=f: f"{f} applies to an entrypoint job (your own code); the built-in trainer "
+                          f"does not use it") for f in ("config", "env", "python")),
+    Rule("submit", "parallel", lambda s: s.user_code and not s.plain_ddp,
+         lambda s: "an entrypoint job runs as plain data parallelism over its processes (tp 1, pp 1, fsdp "
+                   "false); a script that builds its own tp/pp/FSDP mesh does so inside that world"),
+    Rule("submit", "comm.compression", lambda s: s.user_code and s.comm.compression != "none",
+         lambda s: f"gradient compression {_BUILTIN_ONLY}; your script may register its own DDP comm hook: "
+                   f"use none"),
+    Rule("submit", "comm.sync", lambda s: s.user_code and s.comm.sync != "allreduce",
+         lambda s: f"model averaging (comm.sync {s.comm.sync}) {_BUILTIN_ONLY}: use allreduce"),
+    Rule("submit", "train.balance", lambda s: s.user_code and s.train.balance != "none",
+         lambda s: f"batch balancing {_BUILTIN_ONLY}: use none"),
+    Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,
          lambda s: f"tp ({s.plan.tp}) must divide model.heads ({s.model.heads}): each tensor-parallel "
                    f"rank computes whole attention heads"),
-    Rule("submit", "parallel.tp", lambda s: s.model.kind == "mlp" and s.plan.tp > 1,
+    Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "mlp" and s.plan.tp > 1,
          lambda s: "tensor parallelism splits attention heads and MLP columns of the GPT; "
                    "model.kind mlp has no heads: use tp 1"),
-    Rule("submit", "parallel.pp", lambda s: s.plan.pp > s.model.layers,
+    Rule("submit", "parallel.pp", lambda s: _builtin(s) and s.plan.pp > s.model.layers,
          lambda s: f"pp ({s.plan.pp}) must not exceed model.layers ({s.model.layers}): every pipeline "
                    f"stage needs at least one layer"),
-    Rule("submit", "parallel.pp", lambda s: s.plan.pp > 1 and s.model.kind != "gpt",
+    Rule("submit", "parallel.pp", lambda s: _builtin(s) and s.plan.pp > 1 and s.model.kind != "gpt",
          lambda s: "pipeline stages split the GPT's blocks: model.kind must be gpt"),
     Rule("submit", "parallel.pp", lambda s: s.plan.pp > 1 and s.plan.tp > 1,
          lambda s: "pipeline and tensor parallelism together (tp x pp) are not supported; "
@@ -114,10 +126,10 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "parallel.fsdp", lambda s: s.plan.fsdp and s.plan.tp > 1,
          lambda s: "FSDP together with tensor parallelism is not supported; use dp x tp "
                    "with fsdp false, or fsdp with tp 1"),
-    Rule("submit", "comm.compression", lambda s: not s.plain_ddp and s.comm.compression != "none",
+    Rule("submit", "comm.compression", lambda s: _builtin(s) and not s.plain_ddp and s.comm.compression != "none",
          lambda s: "gradient compression is a DDP comm hook: it needs plain data "
                    "parallelism (tp 1, pp 1, fsdp false)"),
-    Rule("submit", "comm.sync", lambda s: not s.plain_ddp and s.comm.sync != "allreduce",
+    Rule("submit", "comm.sync", lambda s: _builtin(s) and not s.plain_ddp and s.comm.sync != "allreduce",
          lambda s: f"{s.comm.sync} averages whole model replicas: it needs plain data parallelism "
                    f"(tp 1, pp 1, fsdp false)"),
     Rule("submit", "comm.sync", lambda s: s.comm.sync != "allreduce" and s.dp < 2,
@@ -137,13 +149,13 @@ RULES: tuple[Rule, ...] = (
                    f"of the node period ({s.comm.periods.node}) and larger than it"),
     Rule("submit", "comm.ratio", lambda s: s.comm.ratio == "auto" and s.comm.compression != "topk",
          lambda s: "ratio auto chooses the top-k ratio: it needs compression topk"),
-    Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and not s.plain_ddp,
+    Rule("submit", "train.balance", lambda s: _builtin(s) and s.train.balance == "auto" and not s.plain_ddp,
          lambda s: "balancing splits the batch between data-parallel replicas: it "
                    "needs plain data parallelism (tp 1, pp 1, fsdp false)"),
     Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and s.comm.sync != "allreduce",
          lambda s: "balancing weights the every-step gradient all-reduce: it needs "
                    "comm.sync allreduce"),
-    Rule("submit", "model.vocab", lambda s: s.data.kind == "tokens" and s.model.vocab > UINT16_IDS,
+    Rule("submit", "model.vocab", lambda s: _builtin(s) and s.data.kind == "tokens" and s.model.vocab > UINT16_IDS,
          lambda s: f"data.kind tokens stores uint16 ids: vocab must be at most {UINT16_IDS}, "
                    f"got {s.model.vocab}"),
 )
@@ -307,12 +319,26 @@ def _parallel_tag(v: Any) -> str:
 
 
 class JobSpec(_Strict):
-    """A whole job as submitted: name, model, data, training, resources, parallelism, communication,
+    """A whole job as submitted: name, what runs (a built-in model and data, or an entrypoint with its
+    code, config, env and interpreter), training, resources, parallelism, communication,
     checkpointing and scheduling. `to_json()` is the stored form, every default filled in."""
 
     name: str = Field(min_length=1, max_length=200, description="shown in the dashboard; no control characters")
-    model: ModelSpec = Field(ModelSpec(), description="the network")
-    data: DataSpec = Field(DataSpec(), description="the training tokens")
+    model: ModelSpec | None = Field(None, description="the built-in network; defaulted for a built-in job, "
+                                                      "null for an entrypoint job")
+    data: DataSpec | None = Field(None, description="the built-in trainer's tokens; defaulted for a built-in "
+                                                    "job, null for an entrypoint job")
+    code: CodeSpec | None = Field(None, description="the entrypoint's code bundle; null: the entrypoint is "
+                                                    "looked up on the nodes")
+    entrypoint: EntrypointSpec | None = Field(None, description="your own training code (instead of model "
+                                                                "and data): a script or module with its args")
+    config: Config = Field(default_factory=dict, description="free-form JSON object handed to the entrypoint "
+                                                             "as run.config (at most 64 KiB as JSON)")
+    env: EnvVars = Field(default_factory=dict, description="environment variables for every rank of an "
+                                                           "entrypoint job (names [A-Z_][A-Z0-9_]*; "
+                                                           "Trainyard's and torchrun's own refused)")
+    python: PythonPath = Field(None, description="absolute path of the interpreter on the nodes; null: "
+                                                 "the agent's own")
     train: TrainSpec = Field(TrainSpec(), description="the optimisation loop")
     resources: ResourcesSpec = Field(ResourcesSpec(), description="nodes, processes and device")
     parallel: Annotated[
@@ -334,10 +360,23 @@ class JobSpec(_Strict):
             raise ValueError("name must not contain control characters")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin_defaults(cls, data: Any) -> Any:
+        # Without an entrypoint the job runs the built-in trainer: model and data default to the demo.
+        if isinstance(data, dict) and data.get("entrypoint") is None:
+            data = {**data, **{k: {} for k in ("model", "data") if data.get(k) is None}}
+        return data
+
     @model_validator(mode="after")
     def _consistency(self) -> "JobSpec":
         _raise_first_broken(self, "spec")
         return self
+
+    @property
+    def user_code(self) -> bool:
+        """An entrypoint job: the launcher runs the user's script or module instead of the built-in trainer."""
+        return self.entrypoint is not None
 
     @property
     def plan(self) -> ParallelSpec:
@@ -405,7 +444,7 @@ def parse_job_spec(data: Any, *, data_root: Path | None = None) -> JobSpec:
     data.path names a usable token file there."""
     spec = validate_job_spec(data)
     errors = unsupported_options(spec)
-    if spec.data.kind == "tokens" and data_root is not None:
+    if spec.data is not None and spec.data.kind == "tokens" and data_root is not None:
         problem = data_path_problem(spec.data.path or "", data_root)
         if problem:
             errors.setdefault("data.path", []).append(problem)

@@ -7,9 +7,16 @@ import redis
 from jobs import services
 from jobs.models import MetricSample
 from jobs.telemetry import Relay
-from trainyard.keys import RELAY_GROUP, job_log_key, job_stream
+from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_log_dir, job_log_key, job_stream, rank_log_path
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def artifact_root(tmp_path, settings):
+    """Kept logs go under the test's own directory, never the repository's var/."""
+    settings.TRAINYARD_ARTIFACT_ROOT = tmp_path / "artifacts"
+    return settings.TRAINYARD_ARTIFACT_ROOT
 
 
 def sample(attempt, rank, step):
@@ -60,3 +67,52 @@ def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, no
     drain(second)
     assert sorted(MetricSample.objects.filter(job=job).values_list("step", flat=True)) == list(range(1, 21))
     assert r.xpending(stream, RELAY_GROUP)["pending"] == 0
+
+
+def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_server, settings):
+    job = services.job_submit(user=user, spec={"name": "x"})
+    services.schedule_tick()
+    attempt = job.attempts.get()
+    gone = services.job_submit(user=user, spec={"name": "deleted later"})
+    r = redis.Redis.from_url(redis_server.url)
+    stream = job_stream(job.pk)
+    for i in range(30):  # the agent's entries (workers/agent.py on_log): one per rank and stream per poll
+        for rank in (0, 1):
+            r.xadd(stream, {"type": "log", "data": json.dumps(
+                {"attempt": attempt.pk, "rank": rank, "stream": "stdout" if i % 3 else "stderr", "node": "node-a",
+                 "lines": [f"rank {rank} poll {i} line {j}" for j in range(7)]})})
+    r.xadd(stream, {"type": "log", "data": json.dumps({"rank": 0, "lines": ["no attempt: not kept"]})})
+    r.xadd(job_stream(gone.pk), {"type": "log", "data": json.dumps({"attempt": 1, "rank": 0, "lines": ["x"]})})
+    gone_id = gone.pk
+    gone.delete()
+    relay = Relay(redis_server.url, block_ms=20)
+    drain(relay)
+    relay.close()  # flushes the disk writer
+    for rank in (0, 1):
+        kept = rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt.pk, rank).read_text().splitlines()
+        assert kept == [f"rank {rank} poll {i} line {j}" for i in range(30) for j in range(7)]
+    assert not job_log_dir(settings.TRAINYARD_ARTIFACT_ROOT, gone_id).exists()
+    assert relay.keeper.stats["lines_written"] == 420
+    # the live list is as before: the newest lines with their rank, attempt and stream
+    live = [json.loads(x) for x in r.lrange(job_log_key(job.pk), 0, -1)]
+    assert len(live) == 421 and live[0]["stream"] == "stderr" and live[0]["attempt"] == attempt.pk
+    stats = r.hgetall(RELAY_STATS_KEY)
+    assert int(stats[b"log_lines_kept_total"]) == 420 and int(stats[b"log_lines_not_kept_total"]) == 0
+
+
+def test_relay_survives_an_unwritable_artifact_root(user, nodes, redis_server, tmp_path, settings):
+    settings.TRAINYARD_ARTIFACT_ROOT = tmp_path / "not-a-dir"
+    settings.TRAINYARD_ARTIFACT_ROOT.write_text("a file where the artifact root should be")
+    job = services.job_submit(user=user, spec={"name": "x"})
+    services.schedule_tick()
+    attempt = job.attempts.get()
+    r = redis.Redis.from_url(redis_server.url)
+    stream = job_stream(job.pk)
+    r.xadd(stream, {"type": "log", "data": json.dumps({"attempt": attempt.pk, "rank": 0, "lines": ["a", "b"]})})
+    r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, 1)])})
+    relay = Relay(redis_server.url, block_ms=20)
+    drain(relay, 10)
+    relay.close()
+    assert MetricSample.objects.filter(job=job).count() == 1 and r.xlen(stream) == 0
+    assert relay.keeper.stats["lines_write_errors"] == 2
+    assert [json.loads(x)["line"] for x in r.lrange(job_log_key(job.pk), 0, -1)] == ["a", "b"]
