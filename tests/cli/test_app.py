@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -45,11 +46,24 @@ class Fake(BaseHTTPRequestHandler):
         if self.path == "/api/v1/nodes/":
             return self._send(200, {"count": 0, "next": None, "previous": None, "results": []})
         if self.path.startswith("/api/v1/jobs/7/logs/"):
-            return self._send(200, [{"rank": 0, "attempt": 3, "line": "hello"},
-                                    {"rank": 1, "attempt": 3, "line": "world"}])
+            return self._logs(dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query)))
         if self.path == "/api/v1/jobs/7/":
             return self._send(200, JOB)
         return self._send(404, b"<html>Not Found</html>", "text/html")
+
+    def _logs(self, q: dict):
+        """The kept-logs API's shape: one attempt and rank per page, paged by line offset."""
+        files = {(3, 0): ["hello", "again"], (3, 1): ["world"], (4, 0): ["restarted"]}
+        attempt, rank = int(q.get("attempt", 4)), int(q.get("rank", 0))
+        offset, limit = int(q.get("offset", 0)), int(q.get("limit", 1000))
+        lines = files.get((attempt, rank), [])
+        page = lines[offset:offset + limit]
+        end = offset + len(page)
+        return self._send(200, {"job": 7, "attempt": attempt, "rank": rank, "offset": offset, "limit": limit,
+                                "total": len(lines), "next_offset": end if end < len(lines) else None,
+                                "lines": page, "dropped_lines": 0, "note": "",
+                                "attempts": [{"id": 3, "number": 1, "ranks": [0, 1]},
+                                             {"id": 4, "number": 2, "ranks": [0]}]})
 
     def do_POST(self):  # noqa: N802
         body = self._body()
@@ -110,7 +124,7 @@ def test_help_everywhere(command):
     assert result.exit_code == 0 and "Usage: " in result.output
 
 
-def test_login_with_password_then_commands(server, tmp_path):
+def test_login_with_password_then_commands(server, tmp_path, monkeypatch):
     result = run("login", server, input="alice\npw-alice\n")
     assert result.exit_code == 0, result.output
     assert f"logged in to {server} as alice" in result.output  # (CliRunner itself echoes the typed input)
@@ -118,10 +132,12 @@ def test_login_with_password_then_commands(server, tmp_path):
     result = run("ls")
     assert result.exit_code == 0 and "demo" in result.stdout and "QUEUED" in result.stdout
     assert json.loads(run("show", "7", "--json").stdout)["id"] == 7
-    assert run("logs", "7").stdout == "[rank 0] hello\n[rank 1] world\n"
-    assert run("logs", "7", "--rank", "1").stdout == "world\n"
-    assert run("logs", "7", "--attempt", "4").stdout == ""
-    assert ("GET", "/api/v1/jobs/7/logs/?rank=1&limit=5000", "Token good", b"") in Fake.seen
+    assert run("logs", "7").stdout == "[rank 0] restarted\n"  # the newest attempt by default
+    assert run("logs", "7", "--attempt", "3").stdout == "[rank 0] hello\n[rank 0] again\n[rank 1] world\n"
+    assert run("logs", "7", "--attempt", "3", "--rank", "1").stdout == "world\n"
+    assert ("GET", "/api/v1/jobs/7/logs/?attempt=3&rank=1&offset=0&limit=5000", "Token good", b"") in Fake.seen
+    monkeypatch.setattr("trainyard.cli.logs.PAGE", 1)  # one line a page: next_offset is followed
+    assert run("logs", "7", "--attempt", "3").stdout == "[rank 0] hello\n[rank 0] again\n[rank 1] world\n"
 
 
 def test_login_errors_are_one_line(server):

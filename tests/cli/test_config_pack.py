@@ -12,7 +12,8 @@ import pytest
 
 from trainyard.cli import config
 from trainyard.cli.errors import NOT_LOGGED_IN, CliError
-from trainyard.cli.pack import Limits, pack
+from trainyard.bundle import BundleLimits as Limits
+from trainyard.cli.pack import pack
 
 
 @pytest.fixture(autouse=True)

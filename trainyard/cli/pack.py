@@ -7,7 +7,7 @@ patterns override a shallower one's, .trainyardignore's override .gitignore's in
 directory, and a file inside an excluded directory cannot be re-included (as in git).
 
 Refused with a message naming the file: a file larger than the packed cap (TRAINYARD_BUNDLE_MAX_BYTES,
-100 MB), more than TRAINYARD_BUNDLE_MAX_FILES (10,000) files, more than 500 MB unpacked, a symlink
+100 MiB), more than TRAINYARD_BUNDLE_MAX_FILES (10,000) files, more than 500 MiB unpacked, a symlink
 pointing outside DIR, a FIFO/socket/device. The server checks the same limits again.
 
 The archive is reproducible: sorted members, mtime 0, no owner names, modes 0644/0755 and a gzip
@@ -23,31 +23,20 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainyard.bundle import BundleLimits, MiB
+
 from .errors import CliError
 
-MB = 1_000_000
 IGNORE_FILES = (".gitignore", ".trainyardignore")
 ALWAYS_EXCLUDED = {".git"}
 
 
-def _env_int(name: str, default: int) -> int:
+def limits_from_env() -> BundleLimits:
+    """The server's caps, read from the same variables (trainyard.bundle); the server checks again."""
     try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        raise CliError(f"{name} must be an integer, got {os.environ[name]!r}") from None
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_bytes: int = 100 * MB  # packed
-    max_unpacked: int = 500 * MB
-    max_files: int = 10_000
-
-    @classmethod
-    def from_env(cls) -> "Limits":
-        return cls(_env_int("TRAINYARD_BUNDLE_MAX_BYTES", cls.max_bytes),
-                   _env_int("TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES", cls.max_unpacked),
-                   _env_int("TRAINYARD_BUNDLE_MAX_FILES", cls.max_files))
+        return BundleLimits.from_env()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 @dataclass
@@ -58,7 +47,7 @@ class Packed:
 
 
 def _size(n: int) -> str:
-    return f"{n / MB:.1f} MB" if n >= 100_000 else f"{n} bytes"
+    return f"{n / MiB:.1f} MiB" if n >= 100 * 1024 else f"{n} bytes"
 
 
 class IgnoreRules:
@@ -90,7 +79,7 @@ class IgnoreRules:
         return verdict
 
 
-def collect(root: Path, limits: Limits) -> list[tuple[str, Path]]:
+def collect(root: Path, limits: BundleLimits) -> list[tuple[str, Path]]:
     """(archive name, path) of every member, sorted; CliError for what cannot be bundled."""
     root = root.resolve()
     rules = IgnoreRules()
@@ -119,7 +108,7 @@ def collect(root: Path, limits: Limits) -> list[tuple[str, Path]]:
     return sorted(members)
 
 
-def _check_member(root: Path, rel: str, path: Path, limits: Limits) -> os.stat_result:
+def _check_member(root: Path, rel: str, path: Path, limits: BundleLimits) -> os.stat_result:
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
         target = (path.parent / os.readlink(path)).resolve()
@@ -143,8 +132,8 @@ def _tarinfo(tar: tarfile.TarFile, rel: str, path: Path, st: os.stat_result) -> 
     return info
 
 
-def pack(directory: str | Path, limits: Limits | None = None) -> Packed:
-    limits = limits or Limits.from_env()
+def pack(directory: str | Path, limits: BundleLimits | None = None) -> Packed:
+    limits = limits or limits_from_env()
     root = Path(directory)
     if not root.is_dir():
         raise CliError(f"--code {directory}: not a directory")
