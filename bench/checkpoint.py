@@ -18,7 +18,7 @@ Sections (`--sections a,b`, default: all):
     sync         dcp.save, then os.fsync of every written file and the directory (the writer
                  already fsyncs its files; the extra pass makes "on disk" explicit): what a
                  synchronous save blocks training for;
-    runtime      the runtime's path: workers/runtime/checkpoint.Checkpointer.save (async: its
+    runtime      the runtime's path: trainyard/sdk/checkpoint.Checkpointer.save (async: its
                  save thread copies the state, then writes it), then simulated steps as the
                  trainer runs them (forward + backward, Checkpointer.wait_for_staging(), AdamW
                  step) until the save is published. `async_blocking_s`: what the training
@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workers.runtime.checkpoint import Checkpointer  # noqa: E402  (the runtime's saves)
+from trainyard.sdk.checkpoint import Checkpointer  # noqa: E402  (the runtime's saves)
 from trainyard.spec import CheckpointSpec  # noqa: E402
 
 TENSOR_MB = 16  # a 2048 x 2048 fp32 matrix: about one transformer layer's weight at hidden 2048

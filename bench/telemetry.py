@@ -5,7 +5,7 @@ Everything is real and runs on 127.0.0.1: a redis-server (AOF everysec, as `make
 database migrated by `manage.py migrate`, jobs and attempts created through `jobs.services`
 (job_submit, schedule_tick, attempt_ranks: the relay drops samples of unknown attempts), the
 relay (`manage.py relay`), daphne serving `controlplane.asgi`, simulated ranks (one process per
-rank, each with the runtime's own `workers.runtime.reporter.Reporter`, sample `ts` = emit time)
+rank, each with the runtime's own `trainyard.sdk.reporter.Reporter`, sample `ts` = emit time)
 and websocket clients (one process per client, the `websockets` package, token auth, no Origin,
 acking every message, as docs/architecture.md section 7 asks non-browser clients to).
 
@@ -78,7 +78,7 @@ def sample(rank: int, step: int, attempt: int, ts: float) -> dict:
 # ------------------------------------------------------------------ role: emitter (one rank)
 def run_emitter(args) -> None:
     """One simulated rank. Commands on stdin (one JSON per line), one JSON reply per command."""
-    from workers.runtime.reporter import Reporter
+    from trainyard.sdk.reporter import Reporter
 
     rep = Reporter(args.redis, args.stream, rank=args.rank, attempt=args.attempt)
     print(json.dumps({"ready": True}), flush=True)

@@ -9,12 +9,16 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+
+from jobs.api_code import UploadSizeGuard  # noqa: E402
 from jobs.routing import websocket_urlpatterns  # noqa: E402
 from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
 
 application = ProtocolTypeRouter({
     # daphne serves no files itself: static/ (CSS, ES modules, vendored uPlot) comes through Django's
     # finders, so a checkout works without collectstatic. Behind a CDN/nginx this is simply unused.
-    "http": ASGIStaticFilesHandler(django_asgi_app),
+    # Code bundle uploads over the size limit are refused before Django spools their body.
+    "http": UploadSizeGuard(ASGIStaticFilesHandler(django_asgi_app), settings.TRAINYARD_BUNDLE_MAX_BYTES),
     "websocket": WebsocketAuthStack(URLRouter(websocket_urlpatterns)),
 })

@@ -11,8 +11,8 @@ import django  # noqa: E402
 django.setup()
 
 from jobs.celery_app import app  # noqa: E402
-from trainyard.launch import (ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, NODES_CHECK_TASK,  # noqa: E402
-                              SCHEDULE_TICK_TASK)
+from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK,  # noqa: E402
+                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK)
 
 # Ticks also run on submit and on attempt end; the beat catches everything else (nodes freed by
 # a heartbeat, lost nodes) within 2 s.
@@ -23,6 +23,8 @@ app.conf.beat_schedule = {
     "attempts-check": {"task": ATTEMPTS_CHECK_TASK, "schedule": 2.0, "options": {"expires": 4}},
     # Queued jobs' predicted start times: the policy run forward (jobs/policy/scheduling/predict.py, predict_starts).
     "eta-refresh": {"task": ETA_REFRESH_TASK, "schedule": 5.0, "options": {"expires": 10}},
+    # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/services/bundles.py).
+    "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
 }
 
 __all__ = ["app"]

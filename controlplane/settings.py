@@ -6,6 +6,7 @@ import secrets
 from pathlib import Path
 
 from trainyard import keys
+from trainyard.bundle import BundleLimits
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = keys.var_dir()  # TRAINYARD_VAR_DIR, else var/ in the repository
@@ -152,7 +153,16 @@ CELERY_BROKER_URL = REDIS_URL
 # job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).
 TRAINYARD_DATA_ROOT = keys.data_root()
 TRAINYARD_CHECKPOINT_ROOT = keys.checkpoint_root()
+# Code bundles and kept logs (TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; shared with the nodes).
 TRAINYARD_ARTIFACT_ROOT = keys.artifact_root()
+# A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES); the
+# node agents read the same variables through trainyard.bundle.BundleLimits.from_env().
+_bundle_limits = BundleLimits.from_env()
+TRAINYARD_BUNDLE_MAX_FILES = _bundle_limits.max_files
+TRAINYARD_BUNDLE_MAX_BYTES = _bundle_limits.max_bytes
+TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
+# A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
+TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
 # Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))

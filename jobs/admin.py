@@ -1,6 +1,7 @@
 from django.contrib import admin
 
-from .models import Allocation, Attempt, Checkpoint, Job, JobEvent, MetricSample, Node, Quota, QuotaChange
+from .models import (Allocation, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, Quota,
+                     QuotaChange)
 
 
 @admin.register(Node)
@@ -91,3 +92,39 @@ class MetricSampleAdmin(admin.ModelAdmin):
     list_display = ("id", "job", "attempt", "rank", "step", "loss", "samples_per_s", "step_s")
     list_filter = ("rank",)
     search_fields = ("job__name",)
+
+
+@admin.register(CodeBundle)
+class CodeBundleAdmin(admin.ModelAdmin):
+    """Every staff member sees the stored code bundles and may delete one (its file goes too);
+    bundles are created only by uploads (POST /api/v1/code/) and never edited."""
+
+    list_display = ("digest", "owner", "bytes", "files", "created_at", "last_used_at")
+    search_fields = ("digest", "owner__username")
+    readonly_fields = ("digest", "owner", "bytes", "files", "file_list", "created_at", "last_used_at")
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+
+    def has_module_permission(self, request):
+        return request.user.is_active and request.user.is_staff
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def delete_model(self, request, obj):
+        from . import services
+
+        services.bundle_delete(obj)
+
+    def delete_queryset(self, request, queryset):
+        from . import services
+
+        for bundle in queryset:
+            services.bundle_delete(bundle)

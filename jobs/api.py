@@ -57,7 +57,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
 
     def get_queryset(self):
         return selectors.jobs_visible_to(self.request.user).prefetch_related(
-            "attempts__allocations__node").order_by("-id")
+            "attempts__allocations__node").annotate(has_telemetry=selectors.has_telemetry_expr()).order_by("-id")
 
     @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (docs/architecture.md, section 7)"}},
                    responses={201: JobSerializer})

@@ -46,7 +46,7 @@ def publish_cluster_changed(what: str) -> None:
 
 
 def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
-    """Ask an attempt's ranks to checkpoint and exit (workers/runtime/preempt.py). Best effort: if
+    """Ask an attempt's ranks to checkpoint and exit (trainyard/sdk/preempt.py). Best effort: if
     Redis is away the grace period ends in a stop anyway."""
     import json
 

@@ -58,6 +58,12 @@ class NotFound(DomainError):
     status_code = 404
 
 
+class PayloadTooLarge(DomainError):
+    """413: an upload over a size limit (a code bundle's packed, unpacked or file-count limit)."""
+
+    status_code = 413
+
+
 class Conflict(DomainError):
     """409: the request is valid but the object's current state refuses it."""
 

@@ -10,7 +10,7 @@ from . import selectors
 from .models import Checkpoint, Job, MetricSample, Node
 from .serializers import CheckpointSerializer, JobSerializer, NodeSerializer
 
-METRIC_VALUES = MetricSample.FIELDS + ("attempt_id",)
+METRIC_VALUES = MetricSample.FIELDS + ("attempt_id", "extra")
 
 
 def downsample(rows: list[dict], max_points: int) -> tuple[list[dict], bool]:
@@ -28,6 +28,7 @@ def _metric_dicts(qs) -> list[dict]:
     rows = list(qs.values(*METRIC_VALUES))
     for r in rows:
         r["attempt"] = r.pop("attempt_id")
+        r["metrics"] = r.pop("extra")  # the user's own metrics, as the relay's live samples carry them
     return rows
 
 

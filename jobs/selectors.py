@@ -145,6 +145,18 @@ def job_metrics(job: Job, *, since_step: int | None = None, rank: int | None = N
     return qs.order_by("step", "rank", "attempt_id")[:limit]
 
 
+def job_has_telemetry(job_id: int) -> bool:
+    """Whether the job has any metric sample at all (decided from data: a script without the SDK sends none)."""
+    return MetricSample.objects.filter(job_id=job_id).exists()
+
+
+def has_telemetry_expr():
+    """The same question as a subquery, for annotating a list of jobs in one query."""
+    from django.db.models import Exists, OuterRef
+
+    return Exists(MetricSample.objects.filter(job_id=OuterRef("pk")))
+
+
 def queue_positions() -> dict[int, int]:
     from .policy.scheduling import queue_order
 
@@ -278,7 +290,8 @@ def past_runs() -> list:
     for a in (Attempt.objects.filter(outcome="succeeded", started_at__isnull=False, ended_at__isnull=False)
               .select_related("job__team", "job__owner").order_by("-ended_at")[:PAST_RUNS]):
         job = a.job
-        steps = job.total_steps - (a.resumed_from_step or 0)
+        # An entrypoint job's steps are the ones it reported (none without the SDK), not train.steps.
+        steps = (a.last_step if job.spec.get("entrypoint") else job.total_steps) - (a.resumed_from_step or 0)
         out.append(PastRun(shape_from_spec(job.spec, job.owner.username, job.team.name if job.team_id else None),
-                           (a.ended_at - a.started_at).total_seconds(), steps, a.ended_at.timestamp()))
+                           (a.ended_at - a.started_at).total_seconds(), max(0, steps), a.ended_at.timestamp()))
     return out

@@ -39,12 +39,20 @@ class JobSerializer(serializers.ModelSerializer):
     attempts = AttemptSerializer(many=True, read_only=True)
     stragglers = serializers.SerializerMethodField()
     health = serializers.SerializerMethodField()
+    has_telemetry = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
         fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
-                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "stragglers", "health", "attempts"]
+                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "stragglers", "health",
+                  "has_telemetry", "attempts"]
+
+    def get_has_telemetry(self, obj) -> bool:
+        """Whether any attempt of the job ever sent a metric sample (a script that does not use the
+        Trainyard SDK sends none): the job page shows charts, or says telemetry is unavailable."""
+        known = getattr(obj, "has_telemetry", None)  # annotated by the API's queryset
+        return bool(known) if known is not None else selectors.job_has_telemetry(obj.pk)
 
     def _current(self, obj) -> Attempt | None:
         attempts = sorted(obj.attempts.all(), key=lambda a: a.number)  # prefetched: no query
@@ -59,6 +67,9 @@ class JobSerializer(serializers.ModelSerializer):
         a = self._current(obj)
         if a is None or a.status != Attempt.Status.RUNNING:
             return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": None}
+        if not diagnosis.hang_armed(obj.spec.get("hang_timeout_s", "auto"), user_code=bool(obj.spec.get("entrypoint")),
+                                    last_progress=a.last_progress_at and a.last_progress_at.timestamp()):
+            return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": "auto: from the first step"}
         recent = selectors.attempt_recent_samples(a.pk, a.last_step)
         timeout, source = diagnosis.hang_timeout(obj.spec.get("hang_timeout_s", "auto"),
                                                  [s["step_s"] for s in recent if s["step_s"] is not None],
@@ -79,13 +90,15 @@ class JobSerializer(serializers.ModelSerializer):
 
 
 class MetricSerializer(serializers.ModelSerializer):
-    """One metric sample (one rank, one step)."""
+    """One metric sample (one rank, one step); `metrics` holds the user's own metrics ({name: float},
+    null when the sample has none)."""
 
     attempt = serializers.IntegerField(source="attempt_id")
+    metrics = serializers.JSONField(source="extra", read_only=True)
 
     class Meta:
         model = MetricSample
-        fields = list(MetricSample.FIELDS) + ["attempt"]
+        fields = list(MetricSample.FIELDS) + ["attempt", "metrics"]
 
 
 class CheckpointSerializer(serializers.ModelSerializer):

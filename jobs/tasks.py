@@ -3,8 +3,8 @@ control`): thin, each calls one jobs.services function. Node agents send the rep
 name (trainyard.launch); services validate them with the trainyard.launch models."""
 from __future__ import annotations
 
-from trainyard.launch import (ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, HEARTBEAT_TASK, NODE_EXIT_TASK,
-                              NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
+from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK, HEARTBEAT_TASK,
+                              NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
 
 from . import dispatch, services
 from .celery_app import app
@@ -32,6 +32,11 @@ def eta_refresh() -> int:
 @app.task(name=ATTEMPTS_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
     return services.attempts_check()
+
+
+@app.task(name=BUNDLES_GC_TASK, shared=False, time_limit=600, soft_time_limit=540)
+def bundles_gc() -> list[str]:
+    return services.bundles_gc().deleted
 
 
 @app.task(name=HEARTBEAT_TASK, shared=False, time_limit=30, expires=10)

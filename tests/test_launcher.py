@@ -167,6 +167,53 @@ def test_env_per_process(tmp_path, monkeypatch):
     assert "GLOO_SOCKET_IFNAME" not in cpu_lan  # only loopback addresses pin gloo to lo
 
 
+def test_user_code_argv_runs_the_script_or_module_under_the_jobs_python(tmp_path):
+    from torch.distributed.run import get_args_parser
+
+    code = str(tmp_path / "code")
+    base = request(tmp_path, "n", port=29400, user_code=True, code_dir=code, python="/opt/env/bin/python",
+                   args=("--lr", "3e-4", "-m", "x"))
+    script = dataclasses.replace(base, script=f"{code}/src/train.py")
+    argv = launcher.build_argv(script, "/r/config.json", "/r/logs")
+    assert argv[:3] == ["/opt/env/bin/python", "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(argv[3:])
+    assert not args.module and args.training_script == f"{code}/src/train.py"
+    assert args.training_script_args == ["--lr", "3e-4", "-m", "x"]  # the script's, not torchrun's
+    assert (args.max_restarts, args.rdzv_id, args.log_dir) == (0, "attempt-1", "/r/logs")
+    module = dataclasses.replace(base, module="mypkg.train")
+    args = get_args_parser().parse_args(launcher.build_argv(module, "/r/config.json", "/r/logs")[3:])
+    assert args.module and args.training_script == "mypkg.train"
+    assert args.training_script_args == ["--lr", "3e-4", "-m", "x"]
+    assert script.cwd == code and dataclasses.replace(base, code_dir="").cwd == os.path.abspath(base.run_dir)
+    builtin = request(tmp_path, "n", port=29400)
+    assert builtin.cwd is None and launcher.build_argv(builtin, "/c", "/l")[0] == sys.executable
+
+
+def test_user_code_env_puts_the_bundle_and_the_sdk_on_the_path_and_the_run_config_everywhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/site/extra", launch_spec.REPO_ROOT]))
+    code = str(tmp_path / "code")
+    req = request(tmp_path, "n", user_code=True, code_dir=code, script=f"{code}/train.py",
+                  env={"HF_HOME": "/data/hf", "GLOO_SOCKET_IFNAME": "eth9"})
+    env = launcher.build_env(req)
+    assert env["PYTHONPATH"].split(os.pathsep) == [code, launch_spec.REPO_ROOT, "/site/extra"]
+    assert env["HF_HOME"] == "/data/hf" and env["GLOO_SOCKET_IFNAME"] == "eth9"  # the job's own, kept
+    assert env["TRAINYARD_RUN_CONFIG"] == os.path.join(os.path.abspath(req.run_dir), "config.json")
+    builtin = launcher.build_env(request(tmp_path, "n"))  # the built-in runtime reads it the same way
+    assert builtin["TRAINYARD_RUN_CONFIG"] == env["TRAINYARD_RUN_CONFIG"]
+    assert builtin["PYTHONPATH"].split(os.pathsep) == [launch_spec.REPO_ROOT, "/site/extra"]
+
+
+@pytest.mark.parametrize("change", [
+    {"script": "train.py"}, {"python": "python3"}, {"code_dir": "code"}, {"script": "/elsewhere/train.py"},
+    {"script": "/c/../x.py"}, {"user_code": False}, {"args": (1,)},
+])
+def test_rejects_user_code_requests_that_escape_or_would_be_read_as_options(tmp_path, change):
+    req = request(tmp_path, "n", port=29400, user_code=True, code_dir="/c", script="/c/train.py")
+    Supervisor(req, on_ranks=print, on_log=print, on_exit=print)  # the unchanged request is fine
+    with pytest.raises(ValueError):
+        Supervisor(dataclasses.replace(req, **change), on_ranks=print, on_log=print, on_exit=print)
+
+
 @pytest.mark.parametrize("change", [
     {"module": "-c"}, {"module": "x; rm"}, {"local_addr": "--nnodes"}, {"rdzv_host": "a b"},
     {"nproc": 2}, {"node_rank": 2}, {"device": "tpu"}, {"rdzv_port": 0},
@@ -260,6 +307,33 @@ def test_failures_without_error_files_come_from_torchruns_summary(tmp_path):
     assert [(f["rank"], f["local_rank"], f["exitcode"], f["signal"], f["timestamp"])
             for f in failures] == [(3, 1, -9, "SIGKILL", 100.0), (2, 0, -15, "SIGTERM", 100.15)]
     assert failures[0]["message"] == "Signal 9 (SIGKILL) received by PID 5896"
+
+
+def test_a_script_without_record_is_diagnosed_from_the_traceback_on_its_stderr(tmp_path):
+    from jobs.policy.diagnosis import diagnose
+
+    rank_dir = tmp_path / "logs" / "attempt-1_abc" / "attempt_0"
+    (rank_dir / "0").mkdir(parents=True)
+    (rank_dir / "1").mkdir(parents=True)
+    (rank_dir / "1" / "stderr.log").write_text(
+        "warming up\nTraceback (most recent call last):\n  File \"/c/train.py\", line 3, in <module>\n"
+        "    raise KeyError('x')\nKeyError: 'x'\n\nDuring handling of the above exception, another "
+        "exception occurred:\n\nTraceback (most recent call last):\n  File \"/c/train.py\", line 5, in "
+        "<module>\n    raise ValueError('bad lr')\nValueError: bad lr\n[W1201 gloo] shutting down\n")
+    summary = SUMMARY.replace("exitcode  : -9 (pid: 5896)  (SIGKILL)", "exitcode  : 1 (pid: 5896)")
+    (tmp_path / "torchrun.stderr.log").write_text(summary)
+    tailer = launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=2)
+    failures = launcher_logs.collect_failures(tailer, str(tmp_path / "torchrun.stderr.log"), lambda lr: 2 + lr,
+                                              {1: (100.0, 100.1), 0: (100.1, 100.2)}, 0.0)
+    failed = next(f for f in failures if f["rank"] == 3)
+    assert failed["message"] == "ValueError: bad lr" and failed["exitcode"] == 1
+    assert failed["traceback"].startswith("Traceback") and failed["traceback"].endswith("ValueError: bad lr")
+    d = diagnose([{"node": "node-a", "failures": failures}])
+    assert (d.failure_class, d.retry, d.rank, d.message) == ("user_error", False, 3, "ValueError: bad lr")
+    (rank_dir / "1" / "stderr.log").write_text("no traceback here\n")
+    failures = launcher_logs.collect_failures(tailer, str(tmp_path / "torchrun.stderr.log"), lambda lr: 2 + lr,
+                                              {}, 0.0)
+    assert next(f for f in failures if f["rank"] == 3)["message"].startswith("exit code 1 without an error file")
 
 
 # ---- real torchrun ------------------------------------------------------------------------
@@ -454,3 +528,46 @@ def test_rank_killed_by_signal_is_reported_with_the_signal(tmp_path):
     assert "SIGKILL" in first["message"] and first["traceback"] is None
     assert abs(first["timestamp"] - time.time()) < 60
     assert any("about to fail (sigkill)" in line for line in result["log_tail"]["1"])
+
+
+USER_CODE = os.path.join(launch_spec.REPO_ROOT, "tests", "launcher_fixtures", "user_code")
+
+
+def user_request(tmp_path, **kw) -> LaunchRequest:
+    return request(tmp_path, "node-a", nproc=2, user_code=True, code_dir=USER_CODE,
+                   script=os.path.join(USER_CODE, "train.py"), env={"USER_EXTRA": "e-1"}, **kw)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_a_script_that_never_imports_the_sdk_is_labelled_and_supervised(tmp_path):
+    rec = Recorder()
+    sup = Supervisor(user_request(tmp_path, args=("--steps", "4")), **rec.callbacks())
+    assert sup.start()
+    rec.wait(exited)
+    (result,) = rec.exits()
+    assert (result["exit_code"], result["failures"]) == (0, [])
+    ranks = rec.ranks()  # found from the processes torchrun started: the script wrote no ranks file
+    assert sorted((r["rank"], r["local_rank"]) for r in ranks) == [(0, 0), (1, 1)]
+    config = os.path.join(sup.run_dir, "config.json")
+    for r in ranks:
+        hello = [line for _, _, line in rec.lines(r["rank"]) if line.startswith("user rank")]
+        assert hello == [f"user rank {r['rank']} pid={r['pid']} cwd={USER_CODE} config={config} "
+                         "helper from the code dir extra=e-1", f"user rank {r['rank']} done sum=2"]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_a_script_without_the_sdk_failing_is_diagnosed_from_its_traceback(tmp_path):
+    from jobs.policy.diagnosis import diagnose
+
+    rec = Recorder()
+    assert Supervisor(user_request(tmp_path, args=("--fail-rank", "1", "--steps", "200")), **rec.callbacks()).start()
+    rec.wait(exited)
+    (result,) = rec.exits()
+    assert result["exit_code"] not in (0, None)
+    first = result["failures"][0]
+    assert (first["rank"], first["message"]) == (1, "ValueError: user code refused step 1"), result["failures"]
+    assert 'train.py", line' in first["traceback"]
+    d = diagnose([dict(result, node="node-a")])
+    assert (d.failure_class, d.retry, d.rank) == ("user_error", False, 1)

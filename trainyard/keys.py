@@ -14,7 +14,7 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
     trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
-    trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (workers/runtime/preempt.py)
+    trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (trainyard/sdk/preempt.py)
     trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
 
 Disk (each root from one environment variable, resolved to an absolute path here):

@@ -37,6 +37,8 @@ NODES_CHECK_TASK = "jobs.tasks.nodes_check"
 ATTEMPTS_CHECK_TASK = "jobs.tasks.attempts_check"
 """Control queue: hang and straggler detection over committed telemetry (beat every 2 s)."""
 ETA_REFRESH_TASK = "jobs.tasks.eta_refresh"
+# (control beat) delete code bundles no job references, unused for TRAINYARD_BUNDLE_GC_AGE_S
+BUNDLES_GC_TASK = "jobs.tasks.bundles_gc"
 """Control queue: queued jobs' predicted start times (beat every 5 s)."""
 HEARTBEAT_TASK = "jobs.tasks.node_heartbeat"
 """Control queue: a node agent's heartbeat (args: [Heartbeat])."""

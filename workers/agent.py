@@ -25,6 +25,7 @@ from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartb
 
 from .celery_app import REDIS_URL, app
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
+from .entrypoint import UserCodeError, prepare
 
 log = logging.getLogger("trainyard.agent")
 HEARTBEAT_S = 2.0
@@ -118,11 +119,13 @@ class Agent:
         try:
             port = self._rdzv_port(attempt_id, msg.node_rank)
         except (TimeoutError, redis.RedisError) as exc:
-            cbs["on_exit"](NodeExit(
-                attempt_id=attempt_id, exit_code=None, signal=None, stopped=False,
-                failures=[RankFailure(rank=None, local_rank=None, exitcode=None, timestamp=time.time(),
-                                      message=f"RendezvousError: {exc}", traceback="")],
-                log_tail={}, duration_s=0.0).wire())
+            self._report_failed_start(cbs, attempt_id, f"RendezvousError: {exc}")
+            return False
+        try:  # user code: the job's python, its bundle verified and unpacked into run_dir/code
+            user_code = prepare(msg.spec, run_dir, node=self.name)
+        except UserCodeError as exc:
+            log.warning("attempt %s cannot start on %s: %s", attempt_id, self.name, exc)
+            self._report_failed_start(cbs, attempt_id, str(exc))
             return False
         config = {
             "job_id": job_id, "attempt_id": attempt_id, "node": self.name, "run_dir": str(run_dir),
@@ -137,7 +140,7 @@ class Agent:
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
             nnodes=msg.nnodes, nproc=msg.nproc, slots=tuple(msg.slots),
             device=msg.device, rdzv_host=msg.rdzv_host, rdzv_port=port, local_addr=self.address,
-            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot)
+            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, **user_code)
         with self._lock(attempt_id):
             sup = Supervisor(req, **cbs)
             if not sup.start():
@@ -148,6 +151,15 @@ class Agent:
         log.info("launched attempt %s (job %s) on %s, rdzv %s:%s", attempt_id, job_id, self.name,
                  msg.rdzv_host, port)
         return True
+
+    @staticmethod
+    def _report_failed_start(cbs: dict, attempt_id: int, message: str) -> None:
+        """Nothing started here: one failure, reported like a rank's (the control plane diagnoses it)."""
+        cbs["on_exit"](NodeExit(
+            attempt_id=attempt_id, exit_code=None, signal=None, stopped=False,
+            failures=[RankFailure(rank=None, local_rank=None, exitcode=None, timestamp=time.time(),
+                                  message=message, traceback="")],
+            log_tail={}, duration_s=0.0).wire())
 
     def stop(self, attempt_id: int, reason: str) -> None:
         with self._lock(attempt_id):

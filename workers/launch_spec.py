@@ -1,6 +1,14 @@
 """What torchrun is asked to run: the launch request, its validation, argv and environment.
 
 Pure construction (no processes): `workers.launcher` spawns and supervises what this builds.
+
+Two kinds of launch share one argv shape, `<python> -m torch.distributed.run <torchrun args> ...`:
+- the built-in trainer: `... -m workers.runtime --config <run_dir>/config.json` (the default);
+- user code (a JobSpec `entrypoint`, `user_code=True`): `... <code_dir>/<script> <args>` or
+  `... -m <module> <args>`, run in `code_dir` (the extracted bundle) with `code_dir` and the
+  directory holding the `trainyard` package first on PYTHONPATH, under the job's `python`.
+Every rank of either kind gets TRAINYARD_RUN_CONFIG=<run_dir>/config.json: what the SDK
+(`trainyard.init()`) reads.
 """
 from __future__ import annotations
 
@@ -38,9 +46,30 @@ class LaunchRequest:
     local_addr: str  # this node's advertised address
     config: dict  # written to <run_dir>/config.json, passed as --config <path>
     run_dir: str
-    module: str = "workers.runtime"
+    module: str = "workers.runtime"  # user code: the entrypoint's module (when no script)
     cores_per_slot: int = 1  # OMP_NUM_THREADS
-    env: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)  # on top of the agent's environment (user code: the spec's env)
+    user_code: bool = False  # a JobSpec entrypoint rather than the built-in runtime
+    script: str = ""  # user code: absolute path of the entrypoint script (under code_dir with a bundle)
+    args: tuple[str, ...] = ()  # user code: the entrypoint's arguments, passed as they are
+    python: str = ""  # absolute path of the interpreter for torchrun and the ranks; "" = the agent's own
+    code_dir: str = ""  # the extracted bundle (read-only): cwd and first on PYTHONPATH; "" = none
+
+    @property
+    def interpreter(self) -> str:
+        return self.python or sys.executable
+
+    @property
+    def config_path(self) -> str:
+        """The launch config the agent writes and every rank reads (TRAINYARD_RUN_CONFIG)."""
+        return os.path.join(os.path.abspath(self.run_dir), "config.json")
+
+    @property
+    def cwd(self) -> str | None:
+        """User code runs in its bundle (or, without one, its run directory); the runtime wherever the agent runs."""
+        if not self.user_code:
+            return None
+        return self.code_dir or os.path.abspath(self.run_dir)
 
 
 def validate(req: LaunchRequest) -> None:
@@ -61,15 +90,41 @@ def validate(req: LaunchRequest) -> None:
             problems.append(f"{name} {getattr(req, name)!r} is not a host name or address")
     if req.cores_per_slot < 1:
         problems.append("cores_per_slot must be >= 1")
+    problems += _user_code_problems(req)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _user_code_problems(req: LaunchRequest) -> list[str]:
+    problems = []
+    for name in ("python", "code_dir", "script"):
+        value = getattr(req, name)
+        if value and not os.path.isabs(value):  # an absolute path never starts with "-"
+            problems.append(f"{name} {value!r} is not an absolute path")
+    if not req.user_code:
+        if req.script or req.args or req.code_dir:
+            problems.append("script, args and code_dir are for user code (user_code=True)")
+        return problems
+    if req.script and req.code_dir:
+        inside = os.path.commonpath([os.path.normpath(req.script), os.path.normpath(req.code_dir)])
+        if inside != os.path.normpath(req.code_dir):
+            problems.append(f"script {req.script!r} is outside the code directory {req.code_dir!r}")
+    if not all(isinstance(a, str) for a in req.args):
+        problems.append("args must be strings")
+    return problems
 
 
 def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
     # No --node-rank: torch 2.13 ignores it for c10d (and warns); c10d orders nodes by
     # (local_addr, pid), which is why the runtime reports its own global rank.
+    if not req.user_code:
+        entry = ["-m", req.module, "--config", config_path]
+    elif req.script:  # torchrun runs it with `<python> -u <script>`; what follows is the script's
+        entry = [req.script, *req.args]
+    else:
+        entry = ["-m", req.module, *req.args]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        req.interpreter, "-m", "torch.distributed.run",
         "--nnodes", str(req.nnodes),
         "--nproc-per-node", str(req.nproc),
         "--rdzv-backend", "c10d",
@@ -84,8 +139,7 @@ def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
         "--log-dir", log_dir,
         "--redirects", "3",
         "--monitor-interval", str(MONITOR_INTERVAL_S),
-        "-m", req.module,
-        "--config", config_path,
+        *entry,
     ]
 
 
@@ -102,11 +156,17 @@ def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
     # root cause into someone else's error file and take defaults from PET_* variables.
     for key in [k for k in env if k.startswith(("TORCHELASTIC_", "PET_"))]:
         del env[key]
-    paths = env.get("PYTHONPATH", "").split(os.pathsep)
-    if REPO_ROOT not in paths:  # the agent may run from any cwd; runtime lives in this repo
-        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in paths if p])
+    # The bundle first (the script's own imports), then the directory holding `trainyard` (the
+    # SDK, in any interpreter; and the runtime: the agent may run from any cwd), then the rest.
+    front = ([req.code_dir] if req.code_dir else []) + [REPO_ROOT]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in front]
+    env["PYTHONPATH"] = os.pathsep.join(front + paths)
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = str(req.cores_per_slot)
+    # The job's own variables (JobSpec `env`; the spec refuses TRAINYARD_*, torchrun's and
+    # PYTHONPATH/LD_* names): over the agent's environment, under what Trainyard sets below.
+    env.update({str(k): str(v) for k, v in req.env.items()})
+    env["TRAINYARD_RUN_CONFIG"] = req.config_path
     env["TRAINYARD_NODE"] = req.node
     env["TRAINYARD_RUN_DIR"] = os.path.abspath(req.run_dir)
     env["TRAINYARD_JOB_ID"] = str(req.job_id)
@@ -122,7 +182,6 @@ def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
         # gloo binds to whatever the hostname resolves to; where that is a LAN address (or
         # a stale /etc/hosts entry) loopback "nodes" would leave loopback or fail to bind.
         env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
-    env.update({str(k): str(v) for k, v in req.env.items()})
     return env
 
 

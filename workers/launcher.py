@@ -13,13 +13,16 @@ run_dir layout (one per attempt per node):
     config.json         the runtime's --config
     torchrun.{stdout,stderr}.log   agent-level output of procwrap and torchrun
     logs/<rdzv-id>_<random>/attempt_0/<local_rank>/{stdout.log,stderr.log,error.json}
-    ranks/<local_rank>.json        written by the runtime: {"rank","local_rank","pid","node"}
+    ranks/<local_rank>.json        {"rank","local_rank","pid","node"}: written by the runtime, or by
+                                   the supervisor from the rank's environment (user code)
+    code/               the extracted bundle of a user-code job (read-only; written by the agent)
     exit.json           written by procwrap: {"exit_code","signal","ended_at"}
     stop_requested      stop() was called (survives an agent restart)
     reported            on_exit returned without raising; adopt() skips this run_dir
 
-Ranks get OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), TRAINYARD_{NODE,RUN_DIR,JOB_ID,
-ATTEMPT_ID,LOCAL_ADDR} and req.env on top of the agent's environment.
+Ranks get OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), req.env (a user job's `env`) and
+TRAINYARD_{RUN_CONFIG,NODE,RUN_DIR,JOB_ID,ATTEMPT_ID,LOCAL_ADDR} on top of the agent's
+environment (workers.launch_spec.build_env).
 
 on_exit result (JSON-safe; the agent sends it as a trainyard.launch.NodeExit, and on_ranks'
 list as trainyard.launch.RankInfo): attempt_id, job_id, node, exit_code (torchrun's; -signum
@@ -125,7 +128,7 @@ class Supervisor:
             with open(self._path("torchrun.stdout.log"), "ab") as out, \
                     open(self._path("torchrun.stderr.log"), "ab") as err:
                 popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=err, start_new_session=True)
+                                         stderr=err, start_new_session=True, cwd=self.req.cwd)
         except OSError as exc:  # reported through on_exit like any other failed launch
             log.error("attempt %s: cannot start procwrap: %s", self.req.attempt_id, exc)
             write_json_atomic(self._path("exit.json"), {"exit_code": None, "signal": None,
@@ -258,7 +261,7 @@ class Supervisor:
             if lr in self._ranks:
                 continue
             path = os.path.join(self.run_dir, "ranks", f"{lr}.json")
-            info = read_json(path)
+            info = read_json(path) or self._rank_from_tree(lr, path)
             try:
                 self._ranks[lr] = {"rank": int(info["rank"]), "local_rank": lr,
                                    "pid": int(info["pid"]),
@@ -279,6 +282,28 @@ class Supervisor:
         if not self._ranks_sent and len(self._ranks) == self.req.nproc:
             self._ranks_sent = True
             self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
+
+    def _rank_from_tree(self, lr: int, path: str) -> dict | None:
+        """A rank that wrote no ranks/<lr>.json (user code that never imports the SDK): found
+        among torchrun's children by the environment torchrun gave it (RANK is its global rank,
+        the one the runtime would have written). Recorded in the same file, so that an adopting
+        agent and the death bookkeeping see it the same way."""
+        run_id = f"attempt-{self.req.attempt_id}"
+        for proc in self._wrap.descendants() if self._wrap else ():
+            try:
+                env = proc.environ()
+                if env.get("TORCHELASTIC_RUN_ID") != run_id or env.get("LOCAL_RANK") != str(lr):
+                    continue
+                parent = proc.parent()
+                if parent is not None and "LOCAL_RANK" in parent.environ():
+                    continue  # a process the rank started (a data loader worker): not the rank
+                info = {"rank": int(env["RANK"]), "local_rank": lr, "pid": proc.pid,
+                        "node": self.req.node, "source": "torchrun"}
+            except (psutil.Error, KeyError, ValueError):
+                continue
+            write_json_atomic(path, info)
+            return info
+        return None
 
     def _note_deaths(self, poller, ready: set[int]) -> None:
         """Bracket each rank's death between the last check it passed and the first it failed.

@@ -6,7 +6,9 @@ error.json is TORCHELASTIC_ERROR_FILE, written by a rank's `@record` on an excep
     {"message": {"message": "ValueError: bad shape",
                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1764471234"}}}
 A rank that dies by a signal or os._exit writes none; torchrun then only knows its exit code,
-which it prints in the ChildFailedError summary on its own stderr.
+which it prints in the ChildFailedError summary on its own stderr. Neither does a user script
+that never imports the SDK (no `@record`): its uncaught exception is read back from the
+traceback Python printed on the rank's stderr.log.
 """
 from __future__ import annotations
 
@@ -179,6 +181,26 @@ def death_time(window: tuple[float, float] | None, sig: str | None) -> float | N
     return seen_gone if sig == "SIGTERM" else last_alive
 
 
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+
+
+def traceback_from_stderr(path: str, max_lines: int = 400) -> tuple[str, str] | None:
+    """(exception line, traceback) of the last Python traceback in a rank's stderr, if any.
+
+    The exception line is the first unindented line after the header ("ValueError: bad lr"), so
+    lines printed after the traceback (shutdown warnings) neither replace nor join it."""
+    lines = tail_lines(path, max_lines)
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEAD)]
+    if not starts:
+        return None
+    tb = lines[starts[-1]:]
+    message = next((line for line in tb[1:] if line and not line[0].isspace()), "")
+    if not message:
+        return None
+    end = tb.index(message, 1) + 1
+    return message, "\n".join(tb[:end])
+
+
 def collect_failures(tailer: LogTailer, torchrun_stderr: str, rank_of: Callable[[int], int],
                      died: dict[int, tuple[float, float]], fallback_ts: float) -> list[dict]:
     """This node's failed ranks, earliest first: error files, then torchrun's summary.
@@ -200,9 +222,12 @@ def collect_failures(tailer: LogTailer, torchrun_stderr: str, rank_of: Callable[
         if err is not None:
             f.update(err)
         else:
+            # No @record (a user script that never imports the SDK): the traceback Python printed
+            # on the rank's stderr names the exception as well as an error file would.
+            tb = None if sig or d is None else traceback_from_stderr(os.path.join(d, "stderr.log"))
             f["message"] = (f"Signal {-code} ({sig}) received by PID {s['pid']}" if sig else
-                            f"exit code {code} without an error file (no @record exception)")
-            f["traceback"] = None
+                            tb[0] if tb else f"exit code {code} without an error file (no @record exception)")
+            f["traceback"] = tb[1] if tb else None
             f["timestamp"] = death_time(died.get(lr), sig) or s["time"] or fallback_ts
         failures.append(f)
     return sorted(failures, key=lambda f: f["timestamp"])

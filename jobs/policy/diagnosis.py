@@ -15,7 +15,10 @@ from dataclasses import dataclass
 USER_ERROR_TYPES = ("ValueError", "TypeError", "KeyError", "IndexError", "AttributeError", "NameError",
                     "FileNotFoundError", "AssertionError", "ZeroDivisionError", "ImportError",
                     "ModuleNotFoundError", "NotImplementedError", "SyntaxError",
-                    "ConfigError")  # the runtime's own: a spec the data or model cannot satisfy
+                    "ConfigError",  # the runtime's own: a spec the data or model cannot satisfy
+                    # the node agent's (workers.entrypoint), before launching user code: a `python`
+                    # that is missing or cannot run torchrun, a bundle missing or corrupt on the node
+                    "EntrypointError", "BundleError")
 COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out", "Timeout",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 
@@ -113,11 +116,23 @@ def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], f
     return max(floor_s, HANG_FACTOR * median), "auto"
 
 
+def hang_armed(spec_timeout, *, user_code: bool, last_progress: float | None) -> bool:
+    """Whether the hang detector judges this attempt now. An entrypoint job (user code) with
+    hang_timeout_s auto is judged only from its first reported step: a script without the SDK
+    never reports one and would otherwise be killed STARTUP_GRACE_S into every attempt, and an
+    auto timeout needs step times anyway. A number is the user's explicit choice and applies from
+    the start, as for the built-in trainer (for a script without the SDK it bounds each attempt)."""
+    return not (user_code and last_progress is None and hang_timeout(spec_timeout, [], 0.0)[1] == "auto")
+
+
 def hang_check(*, now: float, started: float, last_progress: float | None, spec_timeout, recent_step_s: list[float],
-               floor_s: float) -> HangCheck:
+               floor_s: float, user_code: bool = False) -> HangCheck:
     """`started`/`last_progress`/`now` in epoch seconds. Before the first step the timeout is at
-    least STARTUP_GRACE_S."""
+    least STARTUP_GRACE_S; an attempt `hang_armed` says not to judge is never hung (timeout inf)."""
     timeout, source = hang_timeout(spec_timeout, recent_step_s, floor_s)
+    idle = now - (last_progress if last_progress is not None else started)
+    if not hang_armed(spec_timeout, user_code=user_code, last_progress=last_progress):
+        return HangCheck(False, float("inf"), source, idle)
     if last_progress is None:
         timeout = max(timeout, STARTUP_GRACE_S)
     idle = now - (last_progress if last_progress is not None else started)

@@ -5,6 +5,10 @@ dimension means) is trainyard/mesh.py's, the same the runtime uses, so the page 
 each rank will be before the runtime reports what it really holds (the `rank_plan` event). A
 plan search (cost model over candidate meshes) is not built: `parallel: auto` means plain data
 parallelism over every process.
+
+An entrypoint job (the user's own code) is planned as plain data parallelism over its processes:
+torchrun starts world-size ranks and the script decides what each does (DDP: one replica each;
+a script may build its own tp/pp mesh inside that world, which the spec cannot see).
 """
 from __future__ import annotations
 
@@ -22,11 +26,17 @@ def strategy_name(dp: int, tp: int, pp: int, fsdp: bool) -> str:
     return " × ".join(parts)
 
 
+USER_CODE_DP_MEANING = ("processes torchrun starts for the script; with DDP each is a data-parallel "
+                        "replica training on its own share of the data")
+
+
 def describe(spec: dict) -> dict:
     """The plan stored on the job and shown on its page: mesh shape, what each dimension means,
     the expected role of every rank, and the communication settings."""
     res, par, comm = spec["resources"], spec["parallel"], spec["comm"]
     world = int(res["nodes"]) * int(res["procs_per_node"])
+    if spec.get("entrypoint"):
+        return describe_user_code(spec, world)
     auto = par == "auto"
     tp = 1 if auto else int(par["tp"])
     pp = 1 if auto else int(par["pp"])
@@ -56,3 +66,17 @@ def describe(spec: dict) -> dict:
         plan["microbatches"] = int(par["microbatches"])
         plan["schedule"] = par["schedule"]
     return plan
+
+
+def describe_user_code(spec: dict, world: int) -> dict:
+    """An entrypoint job's plan: plain dp over `world` processes (the spec's rules allow no
+    other), each rank a data-parallel replica. No stage split or head ranges: the model is the
+    script's."""
+    grid = Mesh(pp=1, dp=world, tp=1, fsdp=False)
+    dims = [{"name": "dp", "size": world, "meaning": USER_CODE_DP_MEANING}] if world > 1 else []
+    roles = [{"rank": r, "coords": grid.coords(r), "role": f"data-parallel replica {r}/{world}"}
+             for r in range(world)]
+    return {"dp": world, "tp": 1, "pp": 1, "fsdp": False, "world_size": world, "mesh": grid.shape,
+            "order": list(MESH_ORDER), "dims": dims, "strategy": strategy_name(world, 1, 1, False),
+            "roles": roles, "sync": spec["comm"]["sync"], "compression": spec["comm"]["compression"],
+            "balance": spec["train"]["balance"], "user_code": True}

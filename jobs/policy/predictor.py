@@ -10,6 +10,15 @@ restart should not move the next prediction much. Without history it is
 `STARTUP_S + steps x estimate_step_s(shape)`, a FLOP count over throughputs measured on this
 repo's models (see the constants).
 
+An entrypoint job (the user's own code) has no model shape to count FLOPs of: its key is the
+code (bundle digest and entrypoint: the script or module, without the args) and the resources.
+Past runs of the same code give the prediction, each as its per-step time x the job's
+`train.steps` when it reported steps through the SDK, else as its whole duration (a script
+without the SDK reports none). Searched like the built-in jobs' (user, team, anyone: the
+same digest is the same code), then the user's runs of the same entrypoint from an earlier
+bundle (code edited between uploads). Without any: no prediction (`predict_user_code` returns
+`Prediction(None, "none", 0)`; the scheduler then assumes its default length).
+
 For the simulator (`TraceHistory`): traces carry no model shapes, only the user's declared
 `estimate_s` and the slots; users pad their estimates consistently (2-10x in public traces),
 so the prediction is estimate_s x the median (duration / estimate) of the user's last `k`
@@ -60,6 +69,8 @@ class JobShape:
     nodes: int = 1
     procs_per_node: int = 1
     device: str = "cpu"
+    entrypoint: str | None = None  # user code: the script path or "-m module"; None for a built-in model
+    bundle: str | None = None      # user code: the bundle digest (None: code on the nodes' PYTHONPATH)
 
     @property
     def world_size(self) -> int:
@@ -68,6 +79,8 @@ class JobShape:
     @property
     def key(self) -> tuple:
         """What sets the time of one step (user, team and steps left out)."""
+        if self.entrypoint is not None:
+            return ("entrypoint", self.entrypoint, self.bundle, self.nodes, self.procs_per_node, self.device)
         return (self.kind, self.layers, self.hidden, self.heads, self.seq_len, self.vocab, self.global_batch,
                 self.grad_accum, self.nodes, self.procs_per_node, self.device)
 
@@ -82,16 +95,19 @@ class PastRun:
 
 @dataclass(frozen=True)
 class Prediction:
-    seconds: float
-    source: str   # "history:user" | "history:team" | "history:any" | "model"
+    seconds: float | None  # None: no prediction (an entrypoint job that never ran)
+    source: str   # "history:user" | "history:team" | "history:any" | "history:entrypoint" | "model" | "none"
     samples: int  # past runs the prediction rests on (0 for the model)
 
 
 def shape_from_spec(spec: Mapping, user: str = "", team: str | None = None) -> JobShape:
     """A JobShape from a stored (validated, defaults filled) JobSpec dict."""
     m, t, r = spec.get("model") or {}, spec.get("train") or {}, spec.get("resources") or {}
+    entry, code = spec.get("entrypoint"), spec.get("code") or {}
     d = JobShape()
-    return JobShape(user=user, team=team, kind=m.get("kind", d.kind), layers=int(m.get("layers", d.layers)),
+    return JobShape(user=user, team=team,
+                    entrypoint=None if not entry else entry.get("script") or f"-m {entry.get('module')}",
+                    bundle=code.get("bundle"), kind=m.get("kind", d.kind), layers=int(m.get("layers", d.layers)),
                     hidden=int(m.get("hidden", d.hidden)), heads=int(m.get("heads", d.heads)),
                     seq_len=int(m.get("seq_len", d.seq_len)), vocab=int(m.get("vocab", d.vocab)),
                     global_batch=int(t.get("global_batch", d.global_batch)),
@@ -122,7 +138,10 @@ def estimate_step_s(shape: JobShape) -> float:
 
 
 def predict(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K) -> Prediction:
-    """Predicted run time of `shape` from past runs of similar specs (see the module docstring)."""
+    """Predicted run time of `shape` from past runs of similar specs (see the module docstring).
+    An entrypoint job that never ran: `Prediction(None, "none", 0)`, nothing to estimate from."""
+    if shape.entrypoint is not None:
+        return predict_user_code(shape, history, k=k) or Prediction(None, "none", 0)
     same = [r for r in history if r.shape.key == shape.key and r.steps_run > 0 and r.duration_s > 0]
     same.sort(key=lambda r: r.finished_at)
     for source, runs in (("history:user", [r for r in same if r.shape.user == shape.user]),
@@ -133,6 +152,30 @@ def predict(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K) 
             per_step = statistics.median(max(r.duration_s - STARTUP_S, 0.0) / r.steps_run for r in last)
             return Prediction(STARTUP_S + per_step * shape.steps, source, len(last))
     return Prediction(STARTUP_S + shape.steps * estimate_step_s(shape), "model", 0)
+
+
+def _user_code_run_s(run: PastRun, steps: int) -> float:
+    # Reported steps: per-step time x this job's steps; none (no SDK): the run's whole duration.
+    if run.steps_run > 0:
+        return STARTUP_S + max(run.duration_s - STARTUP_S, 0.0) / run.steps_run * steps
+    return run.duration_s
+
+
+def predict_user_code(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K) -> Prediction | None:
+    """An entrypoint job's run time from past runs of the same code (the module docstring), or
+    None when it never ran."""
+    where = (shape.nodes, shape.procs_per_node, shape.device)
+    runs = sorted((r for r in history if r.shape.entrypoint == shape.entrypoint and r.duration_s > 0
+                   and (r.shape.nodes, r.shape.procs_per_node, r.shape.device) == where), key=lambda r: r.finished_at)
+    same = [r for r in runs if r.shape.bundle == shape.bundle]
+    for source, found in (("history:user", [r for r in same if r.shape.user == shape.user]),
+                          ("history:team", [r for r in same if shape.team is not None and r.shape.team == shape.team]),
+                          ("history:any", same),
+                          ("history:entrypoint", [r for r in runs if r.shape.user == shape.user])):
+        if found:
+            last = found[-k:]
+            return Prediction(statistics.median(_user_code_run_s(r, shape.steps) for r in last), source, len(last))
+    return None
 
 
 class TraceHistory:

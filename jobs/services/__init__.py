@@ -13,12 +13,14 @@ each importing only the ones below it:
     attempts     stop, preempt, finish and its outcome, hang/straggler checks
     checkpoints  register, reconcile, retention, resume point, pin
     events       job events, the status compare-and-set, their publication
+    bundles      code bundles: store, the submit check (bundle_files), garbage collection
 
 This module is the package's public API: `services.job_submit(user=..., spec=...)`.
 """
 from __future__ import annotations
 
 from .attempts import attempt_preempt, attempts_check
+from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
 from .ingest import telemetry_ingest
 from .jobs import job_cancel, job_rollback, job_submit
@@ -27,7 +29,8 @@ from .quotas import quota_audit, quotas_update
 from .scheduling import eta_refresh, schedule_tick
 
 __all__ = [
-    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "checkpoint_pin",
+    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
+    "bundle_store", "bundles_gc", "checkpoint_pin",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_cancel", "job_rollback", "job_stream",
     "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
     "quotas_update", "schedule_tick", "telemetry_ingest",

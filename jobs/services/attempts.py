@@ -193,7 +193,7 @@ def _attempt_hang_check(attempt: Attempt, recent: list[dict], now) -> bool:
         last_progress=attempt.last_progress_at.timestamp() if attempt.last_progress_at else None,
         spec_timeout=attempt.job.spec.get("hang_timeout_s", "auto"),
         recent_step_s=[s["step_s"] for s in recent if s["step_s"] is not None],
-        floor_s=settings.TRAINYARD_HANG_FLOOR_S)
+        floor_s=settings.TRAINYARD_HANG_FLOOR_S, user_code=bool(attempt.job.spec.get("entrypoint")))
     if not check.hung:
         return False
     with transaction.atomic():

@@ -1,12 +1,20 @@
 """Telemetry intake: the relay's batches of metric samples and runtime events, stored in one
 transaction (the relay reads them from each job's Redis stream, trainyard.keys.job_stream).
 
+A sample's user metrics (`sample["metrics"] = {name: float}`, what the SDK's `run.log(step, **metrics)`
+sends for names outside the standard fields) go to `MetricSample.extra`: names
+[A-Za-z_][A-Za-z0-9_./-]{0,63}, finite numbers, at most MAX_USER_METRICS per sample; anything else is
+dropped (counted in one warning per batch) and the sample itself is kept. The sample dict is cleaned in
+place, so the copy the relay then fans out to the browsers carries exactly what was stored.
+
 Runtime events: `checkpoint` (registered), `resumed` (a timeline entry), `rank_plan` (what each
 rank holds under the plan) and `telemetry_dropped` (samples lost while Redis was away).
 """
 from __future__ import annotations
 
 import logging
+import math
+import re
 
 from django.db import transaction
 from django.utils import timezone
@@ -23,6 +31,30 @@ METRIC_FIELDS = MetricSample.FIELDS
 _METRIC_TYPES = frozenset((int, float, type(None)))
 
 _INT64 = 2**63
+
+USER_METRIC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,63}")
+MAX_USER_METRICS = 32
+
+
+def user_metrics(raw) -> tuple[dict[str, float] | None, int]:
+    """(the valid user metrics of one sample or None, how many values were dropped): names matching
+    USER_METRIC_NAME, finite int/float values (as floats), the first MAX_USER_METRICS of them."""
+    if raw is None:
+        return None, 0
+    if type(raw) is not dict:
+        return None, 1
+    out: dict[str, float] = {}
+    for name, value in raw.items():
+        if len(out) < MAX_USER_METRICS and type(name) is str and USER_METRIC_NAME.fullmatch(name) \
+                and type(value) in (int, float):
+            try:
+                value = float(value)
+            except OverflowError:  # an int beyond float range
+                value = math.inf
+            if math.isfinite(value):
+                out[name] = value
+                continue
+    return out or None, len(raw) - len(out)
 
 
 def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
@@ -59,7 +91,7 @@ def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
     ops, qn = connection.ops, connection.ops.quote_name
     meta, att, job = MetricSample._meta, Attempt._meta, Job._meta
     columns = [meta.get_field("job").column, meta.get_field("attempt").column,
-               *(meta.get_field(f).column for f in METRIC_FIELDS)]
+               *(meta.get_field(f).column for f in METRIC_FIELDS), meta.get_field("extra").column]
     insert = " ".join(filter(None, [
         ops.insert_statement(on_conflict=OnConflict.IGNORE), qn(meta.db_table),
         "(" + ", ".join(qn(c) for c in columns) + ")",
@@ -87,7 +119,8 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
         if wanted:
             cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
             attempts = dict(cursor.fetchall())
-        rows, top, attempt_top, malformed = [], {}, {}, 0
+        rows, top, attempt_top, malformed, dropped_metrics = [], {}, {}, 0, 0
+        extra_field = MetricSample._meta.get_field("extra")
         for s in samples:
             attempt_id = s.get("attempt")
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
@@ -97,13 +130,22 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             if row is None:
                 malformed += 1
                 continue
-            rows.append(row)
+            extra = None
+            if "metrics" in s:
+                extra, dropped = user_metrics(s["metrics"])
+                dropped_metrics += dropped
+                s["metrics"] = extra  # what the relay fans out is what is stored
+                extra = extra_field.get_db_prep_save(extra, connection) if extra else None
+            rows.append(row + (extra,))
             if row[3] > top.get(job_id, 0):
                 top[job_id] = row[3]
             if row[3] > attempt_top.get(attempt_id, -1):
                 attempt_top[attempt_id] = row[3]
         if malformed:
             log.warning("dropped %d malformed metric samples", malformed)
+        if dropped_metrics:
+            log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
+                        "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
         if rows:
             cursor.executemany(insert, rows)
         for job_id, step in top.items():

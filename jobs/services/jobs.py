@@ -45,7 +45,7 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
     prediction = predictor.predict(shape, selectors.past_runs())
-    plan["predicted_s"] = round(prediction.seconds, 1)
+    plan["predicted_s"] = None if prediction.seconds is None else round(prediction.seconds, 1)
     plan["prediction_source"] = prediction.source
     with transaction.atomic():
         job = Job.objects.create(

@@ -96,6 +96,16 @@ function fillFields(obj) {
   }
 }
 
+// An entrypoint job (the user's own code) has no built-in model or data: their fields would only
+// add the keys the server refuses next to an entrypoint, so they are off while the spec has one.
+function builtinGroups(obj) {
+  const userCode = !!(obj && typeof obj === 'object' && obj.entrypoint);
+  for (const fs of $$('#spec-fields fieldset[data-group="model"], #spec-fields fieldset[data-group="data"]')) {
+    fs.disabled = userCode;
+    fs.title = userCode ? 'an entrypoint job runs its own code: no built-in model or data' : '';
+  }
+}
+
 function textChanged() {
   const r = parse(text.value);
   if (r.error || !r.obj || typeof r.obj !== 'object' || Array.isArray(r.obj)) {
@@ -104,6 +114,7 @@ function textChanged() {
   }
   setFormat(r.format);
   fillFields(r.obj);
+  builtinGroups(r.obj);
   setStatus('');
 }
 
@@ -149,6 +160,9 @@ for (const fs of $$('#spec-fields fieldset')) fs.disabled = false;
 $('#format-toggle').hidden = false;
 $('#reset-demo').hidden = false;
 const first = parse(text.value);
-if (!first.error) setFormat(first.format);
+if (!first.error) {
+  setFormat(first.format);
+  builtinGroups(first.obj);
+}
 else setStatus(first.error, true);
 window.trainyard = { parse, serialize };

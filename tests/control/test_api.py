@@ -120,7 +120,9 @@ def test_metrics_shape_and_filters(user, nodes, client_for):
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/").json()
     assert isinstance(rows, list) and len(rows) == 20
     assert set(rows[0]) == {"rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
-                            "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share", "attempt"}
+                            "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share", "attempt",
+                            "metrics"}
+    assert rows[0]["metrics"] is None
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/?since_step=8&rank=1&limit=5").json()
     assert [(x["step"], x["rank"]) for x in rows] == [(9, 1), (10, 1)]
     for bad in ("since_step=abc", "limit=0", "limit=999999", "rank=-1"):

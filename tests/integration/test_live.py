@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.control.test_prometheus import parse, value
-from workers.runtime.reporter import Reporter
+from trainyard.sdk.reporter import Reporter
 
 from .cluster import Cluster
 

@@ -21,7 +21,7 @@ from tests.conftest import REPO, free_port
 from trainyard.spec import SpecError, parse_job_spec
 from workers.runtime.balance import Balance, Balancer, apportion, offsets
 from workers.runtime.chaos import Chaos, SlowKnob
-from workers.runtime.checkpoint import final_name
+from trainyard.sdk.checkpoint import final_name
 from trainyard.spec import DataSpec, ModelSpec
 from workers.runtime.config import ConfigError
 from workers.runtime.data import (SliceBatches, TokenWindows, build_batches, forever,

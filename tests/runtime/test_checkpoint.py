@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from workers.runtime import chaos as chaos_mod
-from workers.runtime import checkpoint as ck
+from trainyard.sdk import checkpoint as ck
 from workers.runtime.chaos import Chaos, ChaosPlan
 from trainyard.spec import CheckpointSpec, DataSpec, ModelSpec
 from workers.runtime.config import ConfigError, parse_run_config

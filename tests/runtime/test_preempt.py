@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from trainyard.keys import preempt_key
-from workers.runtime.preempt import PREEMPTED_EXIT_CODE
+from trainyard.sdk.preempt import PREEMPTED_EXIT_CODE
 
 from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
 from .test_torchrun import Output, wait_for

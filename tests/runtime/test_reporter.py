@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from workers.runtime.reporter import BATCH_MAX, Reporter, buffer_size_from_env
+from trainyard.sdk.reporter import BATCH_MAX, Reporter, buffer_size_from_env
 
 from .conftest import read_stream
 
@@ -86,7 +86,7 @@ def test_preemption_request_is_seen_within_a_poll_period(redis_server):
     import redis
 
     from trainyard.keys import preempt_key
-    from workers.runtime.preempt import POLL_S
+    from trainyard.sdk.preempt import POLL_S
 
     rep = Reporter(redis_server.url, "s", rank=0, attempt=5, preempt_key=preempt_key(5))
     time.sleep(2 * POLL_S)

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.conftest import REPO
-from workers.runtime import checkpoint as ck
+from trainyard.sdk import checkpoint as ck
 from trainyard.mesh import Mesh
 from trainyard.spec import SpecError, parse_job_spec
 from trainyard.spec import ModelSpec

@@ -1,36 +1,24 @@
-"""The runtime's launch config: `<run_dir>/config.json`, written by the agent for one attempt.
-
-It holds the launch-only fields (job and attempt ids, node, run directory, Redis URL and stream,
-data and checkpoint roots, the checkpoint to resume from), declared here, and `spec`: the
-JobSpec the control plane accepted and stored, every default filled in. The runtime validates
-`spec` with the same model (`trainyard.spec.validate_job_spec`: types, bounds and the rules
-every JobSpec satisfies; keys it does not know are ignored, as a newer control plane may send
-them) and reads its sections; it never re-declares a JobSpec field, default or rule. The combinations refused at submit (trainyard.spec RULES, "submit") are not checked
+"""The built-in trainer's view of the launch config `<run_dir>/config.json` (written by the agent
+for one attempt; read and validated by `trainyard.sdk.config`, which declares the launch-only
+fields: job and attempt ids, node, run directory, Redis URL and stream, data and checkpoint
+roots, the checkpoint to resume from). `spec` is the JobSpec the control plane accepted and
+stored, every default filled in, validated with the same model (`trainyard.spec.validate_job_spec`:
+types, bounds and the rules every JobSpec satisfies; keys it does not know are ignored, as a newer
+control plane may send them); the trainer reads its sections and never re-declares a JobSpec
+field, default or rule. The combinations refused at submit (trainyard.spec RULES, "submit") are not checked
 again here. `parallel: "auto"` reaches the runtime unresolved (jobs/services.py stores it as
 given) and reads as the default plan: data parallel over every process (dp None).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainyard.spec import (CheckpointSpec, CommSpec, DataSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                            SpecError, TrainSpec, validate_job_spec)
+from trainyard.sdk.config import ConfigError, LaunchConfig, ResumeConfig, load_launch_config, parse_launch_config
+from trainyard.spec import CheckpointSpec, CommSpec, DataSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainSpec
 
-
-class ConfigError(ValueError):
-    """The launch config asks for something the runtime cannot run; the message says what."""
-
-
-@dataclass(frozen=True)
-class ResumeConfig:
-    """Top-level launch key `resume`: the complete checkpoint this attempt starts from."""
-
-    path: Path
-    step: int
-    checkpoint_id: int | None = None
+__all__ = ["ConfigError", "ResumeConfig", "RunConfig", "load_run_config", "parse_run_config"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +41,7 @@ class RunConfig:
     comm: CommSpec
     checkpoint: CheckpointSpec = CheckpointSpec()
     resume: ResumeConfig | None = None
+    launch: LaunchConfig | None = None  # what the SDK's Run is built from (trainer.py)
 
     def per_rank_batch(self, world_size: int) -> int:
         """Samples one rank consumes per optimizer step (all its micro-batches together)."""
@@ -72,47 +61,26 @@ class RunConfig:
         return per_rank // k
 
 
-def _resume(raw: Any) -> ResumeConfig | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or "path" not in raw or "step" not in raw:
-        raise ConfigError(f"resume must be null or an object with path and step, got {raw!r}")
-    try:
-        resume = ResumeConfig(path=Path(raw["path"]), step=int(raw["step"]),
-                              checkpoint_id=raw.get("checkpoint_id"))
-    except (TypeError, ValueError):
-        raise ConfigError(f"resume.path must be a string and resume.step an integer, got {raw!r}") from None
-    if not resume.path.is_absolute():
-        raise ConfigError(f"resume.path must be absolute, got {str(resume.path)!r}")
-    if resume.step < 0:
-        raise ConfigError(f"resume.step must be >= 0, got {resume.step}")
-    return resume
-
-
 def parse_run_config(raw: dict[str, Any]) -> RunConfig:
     """Parse the launch config dict; raises ConfigError naming the offending field."""
-    try:
-        spec = validate_job_spec(raw["spec"], unknown_keys="ignore")
-        return RunConfig(
-            job_id=int(raw["job_id"]),
-            attempt_id=int(raw["attempt_id"]),
-            node=str(raw["node"]),
-            run_dir=Path(raw["run_dir"]),
-            redis_url=str(raw["redis_url"]),
-            stream=str(raw["stream"]),
-            data_root=Path(raw["data_root"]),
-            checkpoint_dir=Path(raw["checkpoint_dir"]),
-            model=spec.model, data=spec.data, train=spec.train, resources=spec.resources,
-            parallel=spec.plan, comm=spec.comm, checkpoint=spec.checkpoint,
-            resume=_resume(raw.get("resume")),
-        )
-    except KeyError as e:
-        raise ConfigError(f"launch config is missing key {e.args[0]!r}") from None
-    except SpecError as e:
-        raise ConfigError(f"launch config spec: {e}") from None
+    return run_config(parse_launch_config(raw))
+
+
+def run_config(launch: LaunchConfig) -> RunConfig:
+    """The built-in trainer's view of a parsed launch config: its fields and the JobSpec's sections."""
+    spec = launch.job_spec()
+    if spec.model is None or spec.data is None:
+        raise ConfigError("the built-in trainer needs the spec's model and data (this job has an entrypoint)")
+    return RunConfig(
+        job_id=launch.job_id, attempt_id=launch.attempt_id, node=launch.node, run_dir=launch.run_dir,
+        redis_url=launch.redis_url, stream=launch.stream, data_root=launch.data_root,
+        checkpoint_dir=launch.checkpoint_dir,
+        model=spec.model, data=spec.data, train=spec.train, resources=spec.resources,
+        parallel=spec.plan, comm=spec.comm, checkpoint=spec.checkpoint,
+        resume=launch.resume, launch=launch,
+    )
 
 
 def load_run_config(path: str | Path) -> RunConfig:
     """The launch config at `path` (JSON), parsed by `parse_run_config`."""
-    with open(path, encoding="utf-8") as f:
-        return parse_run_config(json.load(f))
+    return run_config(load_launch_config(path))

@@ -48,13 +48,10 @@ data_s and compute_s cover all micro-steps.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,41 +61,25 @@ import torch.distributed as dist
 
 from trainyard.keys import preempt_key
 from trainyard.mesh import Mesh
+from trainyard.sdk.checkpoint import trainer_state
+from trainyard.sdk.layout import resume_manifest
+from trainyard.sdk.reporter import Reporter
+from trainyard.sdk.run import DistEnv, Preempted, Run, init_process_group, write_rank_file  # noqa: F401
+from trainyard.sdk.run import say as _say
 from trainyard.spec import TrainSpec
 
 from .balance import Balance
 from .chaos import Chaos, SlowKnob
-from .checkpoint import Checkpointer, resume_manifest
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
 from .parallel import optim_bytes
-from .preempt import PREEMPTED_EXIT_CODE
-from .reporter import Reporter
 from .strategy import build_strategy
 from .sync import build_sync
 
 COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
 VAL_BATCHES = 4
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """What torchrun tells this process about its place in the job."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-
-    @classmethod
-    def from_environ(cls) -> "DistEnv":
-        try:
-            return cls(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
-                       int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-        except KeyError as e:
-            raise RuntimeError(f"{e.args[0]} is not set: run this module under torchrun") from None
 
 
 def lr_at(step: int, train: TrainSpec) -> float:
@@ -110,18 +91,6 @@ def lr_at(step: int, train: TrainSpec) -> float:
     decay_steps = max(1, train.steps - train.warmup_steps)
     progress = min(1.0, (step - train.warmup_steps) / decay_steps)
     return train.lr * (COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def write_rank_file(run_dir: Path, env: DistEnv, node: str) -> Path:
-    """<run_dir>/ranks/<local_rank>.json, atomically: the launcher labels logs and pids by it."""
-    ranks = Path(run_dir) / "ranks"
-    ranks.mkdir(parents=True, exist_ok=True)
-    final = ranks / f"{env.local_rank}.json"
-    tmp = ranks / f".{env.local_rank}.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"rank": env.rank, "local_rank": env.local_rank,
-                               "pid": os.getpid(), "node": node}))
-    os.replace(tmp, final)
-    return final
 
 
 def check_world(cfg: RunConfig, env: DistEnv) -> Mesh:
@@ -167,10 +136,7 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
                                      world_size=mesh.dp, batch=batch, seed=cfg.train.seed,
                                      pin_memory=cuda, start_batch=start_batch,
                                      balance=cfg.train.balance == "auto")
-        if cuda:  # device_id binds the NCCL communicator to this rank's GPU up front
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+        init_process_group(env, device)  # NCCL on CUDA, gloo on CPU (the SDK's, as for user code)
         try:
             return Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
         finally:
@@ -195,9 +161,9 @@ class Trainer:
         self.node, self.attempt_id = cfg.node, cfg.attempt_id
         torch.manual_seed(train.seed)  # identical initial weights on every rank
         model = build_model(mcfg).to(device)
-        self.ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint_dir, job_id=cfg.job_id,
-                                 attempt_id=cfg.attempt_id, rank=env.rank,
-                                 world_size=env.world_size, device=device, reporter=reporter)
+        # Reporting, checkpoints and stopping go through the SDK's Run, as in a user's script.
+        self.run = Run(env=env, device=device, launch=cfg.launch, spec=cfg.launch.job_spec(),
+                       reporter=reporter)
         self._build_comm(cfg)
         p = cfg.parallel
         self.strategy = build_strategy(mesh, env.rank, model, device, vocab=mcfg.vocab,
@@ -209,13 +175,7 @@ class Trainer:
         # local SGD: sync.wrap puts a PostLocalSGDOptimizer around AdamW (sync.py)
         self.opt = self.sync.wrap(torch.optim.AdamW(self.model.parameters(), lr=train.lr,
                                                     betas=(0.9, 0.95), weight_decay=0.01))
-        self.first = 1
-        if cfg.resume is not None:
-            self.first = self._resume(cfg.resume.path, train.seed, start_batch) + 1
-        # Preemption consensus (preempt.py) on a group of its own: a one-int all_reduce a step
-        # (~0.1-0.3 ms on gloo/CPU) so every rank stops after the same step, never inside the
-        # gradient all-reduces or a background checkpoint's collectives.
-        self.control = dist.new_group(backend="gloo")
+        self.first = self._resume(cfg.resume.path, start_batch) + 1 if cfg.resume is not None else 1
         self.chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
         self.slow = SlowKnob(self.chaos, env.rank)  # test aid: compute takes `factor` x as long
         self.balance = None  # train.balance none: equal shares
@@ -261,13 +221,14 @@ class Trainer:
         t2 = time.perf_counter()
         # An async save copies the weights and optimizer state in the background; that copy
         # must be complete before the optimizer changes them (checkpoint blocking, not optim_s).
-        staging_wait_s = self.ckpt.wait_for_staging()
+        staging_wait_s = self.run.wait_for_staging()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
         t3 = time.perf_counter()
-        self.ckpt.poll()
-        self.ckpt.save_if_due(step, self.model, self.opt, last_step=self.steps)
+        # every_steps, the last step, or the ranks agreed to stop here (preemption)
+        if self.run.should_checkpoint(step):
+            self.run.checkpoint(step, trainer_state(self.model, self.opt, step))
         comm = self.counter.take()
         self.run_comm.add(comm, self.compression.compressing)
         comm_s, exposed_s = comm.measure(self.clock, ref, backward_end)
@@ -276,17 +237,18 @@ class Trainer:
         avg_s, sync_fields = self.sync.end_step(step, comm, comm_s, compute_s)
         step_s = time.perf_counter() - t0
         self.slow.measured(compute_s, n)
-        return {
-            "rank": self.env.rank, "step": step, "ts": time.time(), "loss": loss_v,
-            "samples_per_s": n / step_s, "tokens_per_s": n * self.seq_len / step_s,
-            "step_s": step_s, "data_s": t1 - t0, "compute_s": compute_s,
-            "comm_s": comm_s + avg_s, "optim_s": t3 - t2 - staging_wait_s - avg_s,
-            "bytes_sent": comm.bytes_sent,
-            "mem_bytes": (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                          else self.proc.memory_info().rss),
-            "attempt": self.attempt_id, **sync_fields,  # sync.py: compression_ratio, ...
-            **({"share": self.balance.share} if self.balance is not None else {}),
-        }
+        # sync.py's fields: compression_ratio (a standard field), local SGD's averaged/checksum
+        extra = {k: v for k, v in sync_fields.items() if k != "compression_ratio"}
+        standard = {k: v for k, v in sync_fields.items() if k == "compression_ratio"}
+        if self.balance is not None:
+            standard["share"] = self.balance.share
+        return self.run.log(
+            step, loss=loss_v, samples=n, tokens_per_s=n * self.seq_len / step_s,
+            step_s=step_s, data_s=t1 - t0, compute_s=compute_s, comm_s=comm_s + avg_s,
+            optim_s=t3 - t2 - staging_wait_s - avg_s, bytes_sent=comm.bytes_sent,
+            mem_bytes=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                       else self.proc.memory_info().rss),
+            extra=extra, **standard)
 
     def train(self) -> dict:
         """Steps first..steps, then the held-out loss; returns this rank's summary."""
@@ -294,8 +256,7 @@ class Trainer:
         loss_v = float("nan")
         log_every = max(1, self.steps // 10)
         for step in range(self.first, self.steps + 1):
-            sample = self.train_step(step)
-            self.reporter.metric(sample)
+            sample = self.train_step(step)  # reported by run.log
             loss_v = sample["loss"]
             if self.balance is not None and step < self.steps:  # collective; may re-split
                 self.balance.after_step(step, sample["compute_s"])  # from step+1 (none after the last)
@@ -307,10 +268,11 @@ class Trainer:
                      f"samples/s {sample['samples_per_s']:.1f}")
             if self.chaos is not None:
                 self.chaos.after_step(step)
-            if step < self.steps and _preempt_agreed(self.reporter.preempt_requested.is_set(),
-                                                     self.control):
-                self._preempt_exit(step)
-        self.ckpt.close()  # the last save is published (and reported) before this rank finishes
+            if self.run.should_stop():  # saved by train_step already (should_checkpoint)
+                break
+        # the last save is published (and reported) before this rank finishes; after an agreed
+        # stop this raises Preempted (exit 83) once the stop step's checkpoint is published
+        self.run.finish()
         return self._finish(loss_v, start)
 
     def _report_plan(self) -> None:
@@ -335,57 +297,16 @@ class Trainer:
              f"{comm_summary['compression_ratio_compressed_steps']})")
         return {"steps": self.steps, "final_loss": loss_v, "val_loss": val_loss, "wall_s": wall_s}
 
-    def _preempt_exit(self, step: int) -> None:
-        """Save this step (unless it was just saved), wait until the checkpoint is published and
-        reported, and leave: the job resumes from exactly here."""
-        t0 = time.perf_counter()
-        self.ckpt.save_if_due(step, self.model, self.opt, last_step=self.steps, force=True)
-        self.ckpt.close()
-        rank = self.env.rank
-        if rank == 0:
-            self.reporter.event("preempted_exit", step=step,
-                                save_s=round(time.perf_counter() - t0, 3))
-        _say(f"rank {rank} preempted after step {step}: checkpoint saved in "
-             f"{time.perf_counter() - t0:.2f} s, exiting with {PREEMPTED_EXIT_CODE}")
-        raise Preempted(step)
-
-    def _resume(self, path: Path, seed: int, start_batch: int) -> int:
-        """Load the resume checkpoint into model and optimizer; returns its step."""
-        rank = self.env.rank
-        r = self.ckpt.load(path, self.model, self.opt, seed=seed)
-        if r.batches_consumed != start_batch:  # the data iterator was positioned from the manifest
-            raise RuntimeError(f"{path}: the trainer state consumed {r.batches_consumed} batches "
+    def _resume(self, path: Path, start_batch: int) -> int:
+        """Load the resume checkpoint into model and optimizer (run.restore); returns its step."""
+        state = trainer_state(self.model, self.opt, -1)
+        state["trainer"]["batches_consumed"] = -1
+        step = self.run.restore(state)
+        consumed = state["trainer"]["batches_consumed"]
+        if consumed != start_batch:  # the data iterator was positioned from the manifest
+            raise RuntimeError(f"{path}: the trainer state consumed {consumed} batches "
                                f"but its manifest says step {start_batch}")
-        if not r.rng_restored:
-            _say(f"rank {rank}: {path} holds no RNG state for rank {rank} (saved with another "
-                 f"world size); seeded its RNGs deterministically from (seed, step, rank) instead")
-        if rank == 0:
-            self.reporter.event("resumed", step=r.step, path=str(path), load_s=r.load_s)
-        _say(f"rank {rank} resumed from step {r.step} ({path}) in {r.load_s:.2f} s")
-        return r.step
-
-
-class Preempted(SystemExit):
-    """Raised on every rank once they agreed to stop: exits PREEMPTED_EXIT_CODE after the
-    `finally` blocks (process group, reporter flush) ran. A SystemExit, so @record does not
-    write it up as an error."""
-
-    def __init__(self, step: int):
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.step = step
-
-
-def _preempt_agreed(mine: bool, group) -> bool:
-    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
-
-
-def _say(line: str) -> None:
-    # One write per line: print() writes the text and the newline separately, which under
-    # PYTHONUNBUFFERED interleaves ranks that share a pipe ("...930.1rank 1 step 4...").
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+        return step
 
 
 @torch.no_grad()

@@ -52,10 +52,8 @@ flight never interleaves with DDP's gradient all-reduces on the default group.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
-import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,23 +61,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from trainyard.keys import MANIFEST  # the one manifest name, shared with the control plane
+from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
-from .config import ConfigError, ResumeConfig
-
-FORMAT = 1
-PARTIAL = ".partial-"
-MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "created_unixtime",
-                 "size_bytes", "blocking_s", "save_s")
-
+from .layout import (FORMAT, MANIFEST_KEYS, PARTIAL, dir_size, final_name, fsync_dir, is_due,  # noqa: F401
+                     latest_checkpoint, partial_name, publish, read_manifest, remove_stale_partials,
+                     resume_manifest)
 
 # The optimizer's state *and hyperparameters* flattened to one key per parameter FQN
 # ("state.blocks.1.q.weight.exp_avg", "param_groups.blocks.1.q.weight.lr"). Unflattened, the
@@ -88,89 +83,75 @@ MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "create
 # no group for its parameters (KeyError 'betas' at the first step of dp x pp resumed from pp).
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-
-def final_name(step: int, attempt_id: int) -> str:
-    return f"step-{step:08d}-a{attempt_id}"
-
-
-def partial_name(step: int, attempt_id: int) -> str:
-    return PARTIAL + final_name(step, attempt_id)
+try:  # numpy is optional for the SDK: its RNG state is saved when it is installed
+    import numpy as np
+except ImportError:  # pragma: no cover - the built-in trainer depends on numpy
+    np = None
 
 
-def is_due(step: int, every_steps: int, last_step: int) -> bool:
-    return step % every_steps == 0 or step == last_step
+# ---- what a checkpoint holds ----------------------------------------------------------------
+# The caller's state is a mapping of names to modules, optimizers, Stateful objects (state_dict /
+# load_state_dict) and plain values (tensors, numbers, dicts). DCP saves the flat form: a module
+# as get_model_state_dict, an optimizer as get_optimizer_state_dict over the module whose
+# parameters it updates (so both reshard when the world size or the plan changes), a Stateful
+# object as its state_dict(), a plain value as it is.
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _owner(state: dict, name: str, optim: torch.optim.Optimizer) -> torch.nn.Module:
+    """The module in `state` whose parameters `optim` updates."""
+    modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
+    if len(modules) == 1:
+        return modules[0]
+    wanted = {id(p) for g in optim.param_groups for p in g["params"]}
+    owners = [m for m in modules if wanted <= {id(p) for p in m.parameters()}]
+    if len(owners) != 1:
+        raise ValueError(f"checkpoint state: optimizer {name!r} needs exactly one module in the same "
+                         f"mapping holding all its parameters, found {len(owners)}")
+    return owners[0]
 
 
-def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+def saveable(state: dict) -> dict:
+    """The flat state DCP saves (and loads into, in place) for the caller's mapping."""
+    out = {}
+    for name, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            out[name] = get_model_state_dict(obj, options=STATE_DICT_OPTIONS)
+        elif isinstance(obj, torch.optim.Optimizer):
+            out[name] = get_optimizer_state_dict(_owner(state, name, obj), obj, options=STATE_DICT_OPTIONS)
+        elif _is_stateful(obj):
+            out[name] = obj.state_dict()
+        else:
+            out[name] = obj
+    return out
 
 
-def publish(partial: Path, manifest: dict) -> Path:
-    """Make a complete .partial-* directory a checkpoint: manifest (fsync), rename, fsync parent.
-
-    A crash before the rename leaves a .partial-* directory (never a checkpoint); after it, a
-    step-* directory with its manifest. There is no state in between.
-    """
-    partial = Path(partial)
-    if not partial.name.startswith(PARTIAL):
-        raise ValueError(f"{partial} is not a {PARTIAL}* directory")
-    with open(partial / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    final = partial.with_name(partial.name[len(PARTIAL):])
-    os.rename(partial, final)
-    fsync_dir(final.parent)
-    return final
+def load_into(state: dict, loaded: dict) -> None:
+    """Put what DCP loaded (`saveable(state)`, filled in) back into the caller's objects; plain
+    values replace the mapping's entries."""
+    for name, obj in list(state.items()):
+        if isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, loaded[name], options=STATE_DICT_OPTIONS)
+        elif isinstance(obj, torch.optim.Optimizer):
+            set_optimizer_state_dict(_owner(state, name, obj), obj, loaded[name], options=STATE_DICT_OPTIONS)
+        elif _is_stateful(obj):
+            obj.load_state_dict(loaded[name])
+        else:
+            state[name] = loaded[name]
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest of the complete checkpoint at `path`; ConfigError naming the path otherwise."""
-    path = Path(path)
-    if path.name.startswith(PARTIAL):
-        raise ConfigError(f"resume.path {path} is an unfinished save ({PARTIAL}*), not a checkpoint")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        what = "has no" if path.is_dir() else "does not exist, so no"
-        raise ConfigError(f"resume.path {path} {what} {MANIFEST}: not a complete checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"resume.path {path}: unreadable {MANIFEST}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ConfigError(f"resume.path {path}: {MANIFEST} is not format {FORMAT}: {manifest!r}")
-    return manifest
-
-
-def resume_manifest(resume: ResumeConfig) -> dict:
-    """Check the resume point before the rendezvous, so a bad path fails fast and clearly."""
-    manifest = read_manifest(resume.path)
-    if manifest.get("step") != resume.step:
-        raise ConfigError(f"resume.step={resume.step} but {resume.path / MANIFEST} says step "
-                          f"{manifest.get('step')}")
-    return manifest
-
-
-def remove_stale_partials(checkpoint_dir: Path, attempt_id: int) -> list[Path]:
-    """Delete .partial-* directories other attempts left behind (their saves can never finish)."""
-    own = f"-a{attempt_id}"
-    stale = [p for p in Path(checkpoint_dir).glob(PARTIAL + "*")
-             if p.is_dir() and not p.name.endswith(own)]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return stale
+def trainer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    """The built-in trainer's state: a step consumes one loader batch (grad_accum cuts its
+    micro-batches from it), so batches consumed == steps; the lr is lr_at(step)."""
+    return {"model": model, "optim": opt, "trainer": {"step": step, "batches_consumed": step}}
 
 
 def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -178,7 +159,8 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -188,7 +170,8 @@ def seed_rng(seed: int, step: int, rank: int, device: torch.device) -> None:
     """Deterministic RNG states when a checkpoint holds none for this rank (world size changed)."""
     derived = (seed * 1_000_003 + step * 1_009 + rank) % 2**32
     random.seed(derived)
-    np.random.seed(derived)
+    if np is not None:
+        np.random.seed(derived)
     torch.manual_seed(derived)  # seeds CUDA generators too
 
 
@@ -204,10 +187,11 @@ def make_stager(device: torch.device) -> DefaultStager:
                                         use_async_staging=cuda, use_non_blocking_copy=cuda))
 
 
-def _live_storages(model: torch.nn.Module, opt: torch.optim.Optimizer) -> set[int]:
+def _live_storages(state: dict) -> set[int]:
     """data_ptrs of the storages only an optimizer step writes: parameters, optimizer state."""
-    tensors = list(model.parameters())
-    tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    tensors = [p for m in state.values() if isinstance(m, torch.nn.Module) for p in m.parameters()]
+    tensors += [v for o in state.values() if isinstance(o, torch.optim.Optimizer)
+                for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return {_storage_ptr(t) for t in tensors if t.numel()}
 
 
@@ -303,14 +287,19 @@ class Checkpointer:
 
     def save_if_due(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, *,
                     last_step: int, force: bool = False) -> float:
-        """Save `step` if it is due or `force`d (preemption) and not saved already; returns the
-        seconds this call blocked (0 when it did not save)."""
+        """Save the built-in trainer's state at `step` if it is due or `force`d (preemption) and
+        not saved already; returns the seconds this call blocked (0 when it did not save)."""
         if self.saved_step == step or not (force or self.due(step, last_step)):
             return 0.0
         return self.save(step, model, opt)
 
     def save(self, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
-        """Start (async) or do (sync) the save of `step`; returns the seconds this call blocked.
+        """`save_state` of the built-in trainer's state (`trainer_state`)."""
+        return self.save_state(step, trainer_state(model, opt, step))
+
+    def save_state(self, step: int, state: dict) -> float:
+        """Start (async) or do (sync) the save of `state` (names to modules, optimizers, Stateful
+        objects and plain values) as checkpoint `step`; returns the seconds this call blocked.
 
         Async: the state's tensors are copied on the save thread after this returns; call
         `wait_for_staging()` before anything changes them (the next optimizer step).
@@ -321,13 +310,9 @@ class Checkpointer:
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
         rng = rng_state(self.device)
-        model_sd, optim_sd = get_state_dict(model, opt, options=STATE_DICT_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd,
-                 # a step consumes one loader batch (grad_accum cuts its micro-batches from it),
-                 # so batches consumed == steps; the lr is lr_at(step)
-                 "trainer": {"step": step, "batches_consumed": step}}
+        live, state = state, saveable(state)
         if self.cfg.async_:
-            state = _capture(state, _live_storages(model, opt))
+            state = _capture(state, _live_storages(live))
             if self.device.type == "cuda":  # the stager's stream must see the clones (and opt.step)
                 torch.cuda.current_stream(self.device).synchronize()
             record.staged = threading.Event()
@@ -438,21 +423,28 @@ class Checkpointer:
     # ---- resuming ------------------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
              *, seed: int) -> Resumed:
-        """Load model, optimizer, trainer dict and this rank's RNG states from checkpoint `path`."""
+        """Load the built-in trainer's state (model, optimizer, trainer dict) and this rank's RNG
+        states from checkpoint `path`."""
+        state = trainer_state(model, opt, -1)
+        state["trainer"]["batches_consumed"] = -1
+        loaded = self.load_state(path, state, seed=seed)
+        trainer = state["trainer"]
+        return Resumed(int(trainer["step"]), int(trainer["batches_consumed"]), loaded.load_s,
+                       loaded.rng_restored)
+
+    def load_state(self, path: Path, state: dict, *, seed: int) -> Resumed:
+        """Load checkpoint `path` into `state`'s objects in place (plain values: into the
+        mapping) and restore this rank's RNG states (or seed them from (seed, step, rank) when
+        the checkpoint holds none for this rank). The step is the manifest's."""
         t0 = time.perf_counter()
         self.wait()  # loading overwrites the state a save in flight may still be copying
-        # the shapes DCP loads into, in place
-        model_sd, optim_sd = get_state_dict(model, opt, options=STATE_DICT_OPTIONS)
-        state = {"model": model_sd, "optim": optim_sd,
-                 "trainer": {"step": -1, "batches_consumed": -1}}
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=STATE_DICT_OPTIONS)
-        step = int(state["trainer"]["step"])
+        step = int(read_manifest(path)["step"])
+        loaded = saveable(state)  # the shapes DCP loads into, in place
+        dcp.load(loaded, checkpoint_id=path, process_group=self.group)
+        load_into(state, loaded)
         rng_file = Path(path) / f"rank-{self.rank}.pt"
         if rng_file.is_file():  # our own file: weights_only=False for numpy's RNG tuple
             set_rng_state(torch.load(rng_file, weights_only=False), self.device)
         else:
             seed_rng(seed, step, self.rank, self.device)
-        return Resumed(step, int(state["trainer"]["batches_consumed"]), time.perf_counter() - t0,
-                       rng_file.is_file())
+        return Resumed(step, step, time.perf_counter() - t0, rng_file.is_file())

@@ -1,0 +1,14 @@
+"""Cooperative preemption: the contract between the control plane and the ranks (torch-free).
+
+The control plane sets `trainyard.keys.preempt_key(attempt)` in Redis to a
+trainyard.launch.PreemptRequest (jobs.dispatch.request_preempt: preemption, and any other stop
+it asks of a running attempt). Every rank's reporter thread polls it (at most every POLL_S, off
+the training thread); the ranks agree on it with a one-element all_reduce on a gloo group of
+their own each step (run.py `StopVote`, so all stop after the same step), save a checkpoint of
+that step, wait for it to be complete and exit with PREEMPTED_EXIT_CODE. If they do not within
+the grace period, the control plane stops them.
+"""
+from __future__ import annotations
+
+PREEMPTED_EXIT_CODE = 83  # distinct from errors (1), signals (128+n) and torchrun's own codes
+POLL_S = 0.5  # a preemption request is seen within half a second plus one step

@@ -1,0 +1,107 @@
+"""What a node checks and unpacks before it launches user code (a JobSpec `entrypoint`).
+
+The agent calls `prepare(spec, run_dir, node=...)` after the rendezvous port is settled and before
+the launcher starts torchrun. It returns the LaunchRequest fields of a user-code launch (none for
+the built-in trainer) or raises `UserCodeError`, whose message is the failure the node reports:
+it starts with `EntrypointError:` or `BundleError:`, which jobs.policy.diagnosis classes as
+`user_error` (no retry: the same job on another node would fail the same way).
+
+- `python`: must be an absolute path to an executable file on this node that can run torchrun
+  (`import torch.distributed.run`); checked here so that a typo fails the attempt in seconds with
+  that message instead of as an unexplained torchrun exit.
+- `code.bundle`: the content-addressed file under the artifact root (`keys.bundle_path`), shared
+  by the control plane and every node like the checkpoint root; `trainyard.bundle.extract_bundle`
+  re-verifies its sha256 and every member and unpacks it read-only into `<run_dir>/code/`.
+- `entrypoint.script`: a file in the bundle; without a bundle, an absolute path on the node.
+  A module is looked up by Python itself: the bundle first on PYTHONPATH, then the node's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainyard import keys
+from trainyard.bundle import BundleError, BundleLimits, extract_bundle, remove_tree
+
+PROBE_TIMEOUT_S = 60.0  # importing torch in a cold interpreter on a loaded 2-core node
+CODE_DIR = "code"
+
+
+class UserCodeError(Exception):
+    """This node cannot start the job's code; the message is the attempt's failure message."""
+
+
+def prepare(spec: dict[str, Any], run_dir: Path, *, node: str) -> dict[str, Any]:
+    """LaunchRequest fields for the job's entrypoint; {} for a built-in (model/data) job."""
+    entry = spec.get("entrypoint")
+    if not entry:
+        return {}
+    python = spec.get("python") or ""
+    if python:
+        check_python(python, node=node)
+    digest = (spec.get("code") or {}).get("bundle")
+    code_dir = str(unpack(digest, Path(run_dir), node=node)) if digest else ""
+    fields: dict[str, Any] = {
+        "user_code": True, "python": python, "code_dir": code_dir,
+        "args": tuple(str(a) for a in entry.get("args") or ()),
+        "env": {str(k): str(v) for k, v in (spec.get("env") or {}).items()},
+    }
+    if entry.get("script"):
+        fields["script"] = find_script(entry["script"], code_dir, node=node)
+    else:
+        fields["module"] = entry["module"]
+    return fields
+
+
+def check_python(python: str, *, node: str) -> None:
+    if not os.path.isabs(python):
+        raise UserCodeError(f"EntrypointError: python {python!r} is not an absolute path")
+    if not os.path.isfile(python):
+        raise UserCodeError(f"EntrypointError: python {python!r} does not exist on node {node}")
+    if not os.access(python, os.X_OK):
+        raise UserCodeError(f"EntrypointError: python {python!r} is not executable on node {node}")
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return  # the agent's own interpreter runs torchrun already
+    try:
+        probe = subprocess.run([python, "-c", "import torch.distributed.run"], capture_output=True,
+                               text=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except OSError as exc:  # not an executable format, for one
+        raise UserCodeError(f"EntrypointError: python {python!r} cannot be run on node {node}: {exc}") from None
+    except subprocess.TimeoutExpired:
+        raise UserCodeError(f"EntrypointError: python {python!r} on node {node} did not import torch "
+                            f"within {PROBE_TIMEOUT_S:.0f} s") from None
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        raise UserCodeError(f"EntrypointError: python {python!r} on node {node} cannot run "
+                            f"torch.distributed.run: {last}")
+
+
+def unpack(digest: str, run_dir: Path, *, node: str) -> Path:
+    """Verify and extract the bundle into <run_dir>/code (read-only); its path."""
+    path = keys.bundle_path(keys.artifact_root(), digest)
+    if not path.is_file():
+        raise UserCodeError(f"BundleError: code bundle {digest} is not at {path} on node {node} (the "
+                            "artifact root must be shared by the control plane and every node)")
+    dest = run_dir / CODE_DIR
+    if dest.exists():  # an earlier delivery of this launch got this far: start from scratch
+        remove_tree(dest)
+    try:
+        extract_bundle(path, dest, digest=digest, limits=BundleLimits.from_env())
+    except BundleError as exc:
+        raise UserCodeError(f"BundleError: code bundle {digest} on node {node}: {exc}") from None
+    return dest
+
+
+def find_script(script: str, code_dir: str, *, node: str) -> str:
+    """The script's absolute path: inside the bundle, or (no bundle; the spec requires it) absolute."""
+    if code_dir:
+        path = os.path.normpath(os.path.join(code_dir, script))
+        if os.path.commonpath([path, code_dir]) == code_dir and os.path.isfile(path):
+            return path
+        raise UserCodeError(f"EntrypointError: entrypoint.script {script!r} is not a file of the code bundle")
+    if os.path.isabs(script) and os.path.isfile(script):
+        return script
+    raise UserCodeError(f"EntrypointError: entrypoint.script {script!r} does not exist on node {node}")
