@@ -122,7 +122,7 @@ def test_links_inside_are_kept_outside_refused(tmp_path):
 
 def test_caps_name_the_file(tmp_path):
     root = _tree(tmp_path / "code", {"train.py": "x", "weights/model.bin": os.urandom(5000)})
-    with pytest.raises(CliError, match=r"^weights/model.bin is 5000 bytes, over the 4000 bytes bundle cap; add it "
+    with pytest.raises(CliError, match=r"^weights/model.bin is 4.9 KiB, over the 3.9 KiB bundle cap; add it "
                                        r"to .trainyardignore"):
         pack(root, Limits(max_bytes=4000))
     (root / ".trainyardignore").write_text("weights/\n")
@@ -130,7 +130,7 @@ def test_caps_name_the_file(tmp_path):
     with pytest.raises(CliError, match="more than 1 files"):
         pack(root, Limits(max_files=1))
     _tree(root, {"a.txt": "a" * 3000, "b.txt": "b" * 3000})
-    with pytest.raises(CliError, match="over the 5000 bytes unpacked bundle cap"):
+    with pytest.raises(CliError, match="over the 4.9 KiB unpacked bundle cap"):
         pack(root, Limits(max_unpacked=5000))
 
 

@@ -43,10 +43,19 @@ def home(tmp_path_factory):
     return tmp_path_factory.mktemp("home")
 
 
-def cli(home, *args: str, stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def alice_env(cluster):
+    """TRAINYARD_URL and TRAINYARD_TOKEN (alice's), which override any login file."""
+    token = subprocess.run([PY, "manage.py", "api_token", "alice"], cwd=REPO, env=cluster.env, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    return {"TRAINYARD_URL": f"http://127.0.0.1:{cluster.port}", "TRAINYARD_TOKEN": token}
+
+
+def cli(home, *args: str, stdin: str = "", timeout: float = 300, env: dict | None = None):
     """One `trainyard` command in a fresh process, as in a shell without a terminal."""
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg"), "COLUMNS": "200",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           **(env or {})}
     return subprocess.run([PY, "-m", "trainyard.cli", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=home, start_new_session=True)
 
@@ -118,17 +127,54 @@ def test_a_new_user(cluster, home):
         f"error: rollback of job {job_id}: only staff may roll a job back (HTTP 403)"
 
 
-def test_cancel_and_watch_of_a_cancelled_job_exits_1(cluster, home):
+def test_submit_code_of_the_sdk_example_and_watch_it_succeed(cluster, tmp_path, alice_env):
+    """The issue's "done when": submit examples/sdk_ddp --code examples/sdk_ddp --watch."""
+    example = REPO / "examples" / "sdk_ddp"
+    run = cli(tmp_path, "submit", str(example / "job.yaml"), "--code", str(example), "--watch", env=alice_env,
+              timeout=600)
+    assert run.returncode == 0, (run.stdout, run.stderr, cluster.logs())
+    job_id = int(run.stdout.splitlines()[0])
+    steps = yaml.safe_load((example / "job.yaml").read_text())["train"]["steps"]
+    assert f"job {job_id} SUCCEEDED, step {steps}/{steps}, loss " in run.stdout
+    uploaded = [line for line in run.stderr.splitlines() if line.startswith(f"uploaded {example}: ")]
+    assert len(uploaded) == 1, run.stderr
+    job = cluster.job(job_id)
+    digest = job["spec"]["code"]["bundle"]
+    assert uploaded[0].endswith(f"-> {digest}") and job["owner"] == "alice"
+    rows = cluster.metrics(job_id)
+    assert {(r["rank"], r["step"]) for r in rows} == {(k, s) for k in (0, 1) for s in range(1, steps + 1)}
+    assert all(r["loss"] is not None for r in rows)
+    # the same tree again: the same digest (the archive is reproducible; the server stores it once)
+    again = cli(tmp_path, "submit", str(example / "job.yaml"), "--code", str(example), "--json", env=alice_env)
+    assert again.returncode == 0 and json.loads(again.stdout)["spec"]["code"]["bundle"] == digest
+    assert cli(tmp_path, "cancel", str(json.loads(again.stdout)["id"]), env=alice_env).returncode == 0
+
+
+def test_code_over_the_cap_is_refused_before_upload(cluster, tmp_path, alice_env):
+    code = tmp_path / "code"
+    (code / "data").mkdir(parents=True)
+    (code / "train.py").write_text("print('hi')\n")
+    (code / "data" / "shard.bin").write_bytes(os.urandom(300_000))
+    spec = write_spec(tmp_path, "job", {"name": "too-big", "entrypoint": {"script": "train.py"}})
+    before = cluster.get("/api/v1/jobs/")["count"]
+    refused = cli(tmp_path, "submit", spec, "--code", str(code),
+                  env={**alice_env, "TRAINYARD_BUNDLE_MAX_BYTES": "200000"})
+    assert one_error(refused).startswith("error: data/shard.bin is 293.0 KiB, over the 195.3 KiB bundle cap; "
+                                         "add it to .trainyardignore")
+    assert cluster.get("/api/v1/jobs/")["count"] == before
+
+
+def test_cancel_and_watch_of_a_cancelled_job_exits_1(cluster, home, alice_env):
     spec = write_spec(home, "long", {"name": "cli-long", **SMALL, "train": {**SMALL["train"], "steps": 100000}})
-    submitted = cli(home, "submit", spec, "--json")
+    submitted = cli(home, "submit", spec, "--json", env=alice_env)
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["id"]
     cluster.wait_running_ranks(job_id, 2)
-    cancelled = cli(home, "cancel", str(job_id))
+    cancelled = cli(home, "cancel", str(job_id), env=alice_env)
     assert cancelled.returncode == 0 and cancelled.stdout.startswith(f"job {job_id}: cancel requested, now ")
-    watched = cli(home, "watch", str(job_id), timeout=120)
+    watched = cli(home, "watch", str(job_id), timeout=120, env=alice_env)
     assert watched.returncode == 1, (watched.stdout, watched.stderr)
     assert f"job {job_id} CANCELLED" in watched.stdout
-    assert one_error(cli(home, "cancel", str(job_id))) == \
+    assert one_error(cli(home, "cancel", str(job_id), env=alice_env)) == \
         f"error: cancel of job {job_id}: status: job is already CANCELLED (HTTP 409)"
-    assert one_error(cli(home, "watch", "999999")) == "error: job 999999 not found (or not visible to you)"
+    assert one_error(cli(home, "watch", "999999", env=alice_env)) == "error: job 999999 not found (or not visible to you)"

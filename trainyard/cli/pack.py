@@ -47,7 +47,9 @@ class Packed:
 
 
 def _size(n: int) -> str:
-    return f"{n / MiB:.1f} MiB" if n >= 100 * 1024 else f"{n} bytes"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} bytes"
 
 
 class IgnoreRules:
