@@ -159,6 +159,8 @@ def ls(as_json):
     page = _api().get("/api/v1/jobs/", doing="job list")
     if as_json:
         return _print_json(page["results"])
+    if not page["results"]:
+        return click.echo("no jobs yet: `trainyard submit SPEC.yaml` starts one")
     console = _console()
     console.print(jobs_table(page["results"]))
     if page.get("next"):
