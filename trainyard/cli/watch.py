@@ -15,7 +15,7 @@ from .client import Api
 from .errors import CliError
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
-RECONNECTS = 5
+RECONNECTS = 5  # attempts in a row that receive nothing, then the CLI gives up
 
 
 class JobState:
@@ -129,11 +129,14 @@ def follow(api: Api, job_id: int, on_message, on_idle=lambda: None) -> None:
         failures += 1  # in a row without a message received
         if failures >= RECONNECTS:
             raise CliError(f"lost the job socket {url}: {problem}") from None
-        job = api.get(f"/api/v1/jobs/{job_id}/", doing=f"job {job_id}")
+        try:
+            job = api.get(f"/api/v1/jobs/{job_id}/", doing=f"job {job_id}")
+        except CliError as exc:  # the server itself may be restarting: retry within the same budget
+            job, problem = {}, exc.format_message()
         if job.get("status") in TERMINAL:
-            on_message({"type": "snapshot", "job": job, "samples": [], "events": [], "final": True})
+            on_message({"type": "snapshot", "job": job, "samples": [], "events": []})
             return
-        time.sleep(1.0)
+        time.sleep(min(2.0 ** (failures - 1), 10.0))  # 1, 2, 4, 8 s: ~15 s for a server to come back
 
 
 def watch(api: Api, job_id: int, console) -> int:
