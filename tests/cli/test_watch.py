@@ -22,6 +22,7 @@ def sample(step, rank, attempt=9):
 class Socket:
     def __init__(self, script):
         self.script, self.acks, self.headers, self.connections = script, [], [], 0
+        self.done = threading.Event()  # set when a connection's script has run
         self.server = serve(self.handler, "127.0.0.1", 0, process_request=self.rest)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.port = self.server.socket.getsockname()[1]
@@ -38,11 +39,14 @@ class Socket:
     def handler(self, ws):
         self.connections += 1
         self.headers.append({k: ws.request.headers.get(k) for k in ("Authorization", "Origin")})
-        for seq, msg in enumerate(self.script(self.connections), 1):
-            if isinstance(msg, int):
-                return ws.close(msg)
-            ws.send(json.dumps({**msg, "seq": seq}))
-            self.acks.append(json.loads(ws.recv(timeout=5)))
+        try:
+            for seq, msg in enumerate(self.script(self.connections), 1):
+                if isinstance(msg, int):
+                    return ws.close(msg)
+                ws.send(json.dumps({**msg, "seq": seq}))
+                self.acks.append(json.loads(ws.recv(timeout=5)))
+        finally:
+            self.done.set()
 
 
 @pytest.fixture
@@ -65,6 +69,7 @@ def test_succeeded_exits_0_and_acks_everything(env):
     assert result.exit_code == 0, result.output
     assert "job 5 (w): RUNNING" in result.output and "status RUNNING -> SUCCEEDED" in result.output
     assert result.output.rstrip().endswith("job 5 SUCCEEDED, step 4/4, loss 2.5")
+    assert sock.done.wait(5)
     assert sock.acks == [{"type": "ack", "seq": s} for s in (1, 2, 3)]
     assert sock.headers == [{"Authorization": "Token tok", "Origin": None}]
 

@@ -58,15 +58,25 @@ def load() -> Login:
 def save(url: str, token: str) -> Path:
     """Write the login file atomically: a new 0600 file (O_EXCL, no symlink followed) renamed over the old."""
     path = config_path()
+    try:
+        return _write(path, url, token)
+    except OSError as exc:
+        raise CliError(f"cannot save the login in {path}: {exc.strerror or exc}") from None
+
+
+def _write(path: Path, url: str, token: str) -> Path:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
-    # JSON string literals are valid TOML basic strings (same escapes; ensure_ascii keeps them ASCII).
-    text = f"# written by `trainyard login`\nurl = {json.dumps(url)}\ntoken = {json.dumps(token)}\n"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in url + token):
+        raise CliError("the URL and the token must not contain control characters")
+    # A JSON string without control characters is a valid TOML basic string (same escapes for " and \\).
+    text = (f"# written by `trainyard login`\nurl = {json.dumps(url, ensure_ascii=False)}\n"
+            f"token = {json.dumps(token, ensure_ascii=False)}\n")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
