@@ -112,6 +112,10 @@ def _load_spec(path: str) -> dict:
         raise CliError(f"{path} is not UTF-8 text") from None
     if not isinstance(spec, dict):
         raise CliError(f"{path}: a JobSpec is a YAML mapping (name: ..., model: ... or entrypoint: ...)")
+    try:
+        json.dumps(spec, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a YAML date, a set, .nan: not JSON
+        raise CliError(f"{path}: every value must be plain JSON data ({exc}); quote it as a string") from None
     return spec
 
 
