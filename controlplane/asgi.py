@@ -11,9 +11,14 @@ django_asgi_app = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 
-from jobs.api_code import UploadSizeGuard  # noqa: E402
+from controlplane import daphne_bodies  # noqa: E402
+from jobs.api_code import MULTIPART_OVERHEAD, UploadSizeGuard  # noqa: E402
 from jobs.routing import websocket_urlpatterns  # noqa: E402
 from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
+
+# Under daphne: no body over the largest upload is received, and Twisted does not parse multipart
+# bodies in memory on the side (controlplane/daphne_bodies.py).
+daphne_bodies.install(settings.TRAINYARD_BUNDLE_MAX_BYTES + MULTIPART_OVERHEAD)
 
 application = ProtocolTypeRouter({
     # daphne serves no files itself: static/ (CSS, ES modules, vendored uPlot) comes through Django's

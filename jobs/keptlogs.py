@@ -13,21 +13,24 @@ the append fits), and the file's sidecar `rank-<r>.log.dropped` ({"lines", "byte
 cut, so line offsets stay stable: offset N is the N-th line the rank ever printed in that attempt,
 and the first `lines` of them are gone. The API says so (`dropped_lines`, `note`).
 
-Reading: `read_page` pages one file by line offset (one pass over the file, counting newlines in 1 MiB
-chunks: ~0.1 s for the 200 MB default cap), `kept_index` lists the attempts and ranks a job has files
-for. A line still being written (no newline yet) is not counted.
+Reading: `read_page` pages one file by line offset through a line index kept in memory per file
+(marks every ~1 MiB: one pass over a file the first time, then only what it grew by; a page is a
+seek and at most ~1 MiB of reading), `kept_index` lists the attempts and ranks a job has files for.
+A line still being written (no newline yet) is not counted.
 
 Delivery is at least once: a relay killed after its commit but before its XACK re-reads those
 entries and appends their lines again (as it pushes them again to the Redis list).
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import queue
 import re
 import shutil
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import orjson
@@ -220,7 +223,7 @@ class LogKeeper:
                     lines += chunk.count(b"\n")
         self._record_drop(path, lines + extra_lines, size + extra_bytes)
         if size:
-            path.write_bytes(b"")
+            _write_atomic(path, b"")  # a new file: readers holding the old one keep reading it
             self._job_bytes[job_id] = used - size
 
     def _record_drop(self, path: Path, lines: int, nbytes: int) -> None:
@@ -243,23 +246,63 @@ def kept_index(root: Path, job_id: int) -> dict[int, list[int]]:
     return {a: sorted(rs) for a, rs in sorted(out.items())}
 
 
-def _scan(f, first: int, count: int) -> tuple[int, list[bytes]]:
-    """(complete lines in the file, those numbered first..first+count-1), reading 1 MiB at a time."""
-    total, out, carry, size = 0, [], b"", 0
-    while chunk := f.read(CHUNK):
-        buf = carry + chunk
-        n = buf.count(b"\n")
-        if n and total + n > first and total < first + count and size < PAGE_MAX_BYTES:
-            *complete, carry = buf.split(b"\n")
-            for line in complete[max(0, first - total):first + count - total]:
-                if size >= PAGE_MAX_BYTES:
-                    break
-                out.append(line)
-                size += len(line) + 1
-        else:
-            carry = buf[buf.rfind(b"\n") + 1:] if n else buf
-        total += n
-    return total, out
+class _LineIndex:
+    """Where a file's lines start, every ~CHUNK bytes: (byte offset, line number) marks up to `end`,
+    the byte after its last complete line. Built once per file (inode) and extended as it grows, so
+    paging a finished job's 200 MB file costs one pass, then a seek and at most ~1 MiB per page."""
+
+    def __init__(self, ino: int, dropped: int):
+        self.ino, self.dropped, self.end, self.lines = ino, dropped, 0, 0
+        self.marks: list[tuple[int, int]] = [(0, 0)]
+
+    def extend(self, f) -> None:
+        f.seek(self.end)
+        pos = self.end
+        while chunk := f.read(CHUNK):
+            n = chunk.count(b"\n")
+            if n:
+                self.lines += n
+                self.end = pos + chunk.rfind(b"\n") + 1
+                if self.end - self.marks[-1][0] >= CHUNK:
+                    self.marks.append((self.end, self.lines))
+            pos += len(chunk)
+
+    def read(self, f, first: int, count: int) -> list[bytes]:
+        """Lines first..first+count-1 (complete lines only, at most PAGE_MAX_BYTES of them)."""
+        if first >= self.lines or count <= 0:
+            return []
+        offset, line_no = self.marks[bisect.bisect_right(self.marks, first, key=lambda m: m[1]) - 1]
+        f.seek(offset)
+        out, size = [], 0
+        for raw in f:
+            if offset >= self.end or len(out) >= count or size >= PAGE_MAX_BYTES:
+                break
+            offset += len(raw)
+            if line_no >= first:
+                out.append(raw.rstrip(b"\n"))
+                size += len(raw)
+            line_no += 1
+        return out
+
+
+_INDEXES: OrderedDict[str, _LineIndex] = OrderedDict()  # path -> index, the most recently used last
+_INDEXES_MAX = 256
+_INDEXES_LOCK = threading.Lock()
+
+
+def _index(path: Path, f, dropped: int) -> _LineIndex:
+    """The file's line index, rebuilt when the file is not the one indexed: another inode, or the cap
+    cut it since (every cut raises the dropped count), or it shrank."""
+    st = os.fstat(f.fileno())
+    with _INDEXES_LOCK:
+        idx = _INDEXES.pop(str(path), None)
+        if idx is None or (idx.ino, idx.dropped) != (st.st_ino, dropped) or idx.end > st.st_size:
+            idx = _LineIndex(st.st_ino, dropped)
+        _INDEXES[str(path)] = idx
+        while len(_INDEXES) > _INDEXES_MAX:
+            _INDEXES.popitem(last=False)
+    idx.extend(f)
+    return idx
 
 
 def read_page(path: Path | None, *, offset: int, limit: int) -> dict:
@@ -271,7 +314,8 @@ def read_page(path: Path | None, *, offset: int, limit: int) -> dict:
         if path is None:
             raise FileNotFoundError
         with open(path, "rb") as f:
-            kept, raw = _scan(f, max(0, offset - dropped["lines"]), limit)
+            idx = _index(path, f, dropped["lines"])
+            kept, raw = idx.lines, idx.read(f, max(0, offset - dropped["lines"]), limit)
     except FileNotFoundError:
         kept, raw = 0, []
     start = max(offset, dropped["lines"])

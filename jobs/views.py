@@ -183,15 +183,17 @@ def job_detail(request, pk: int):
     step = max(job.step, summary.get("step") or 0)
     job.queue_position = selectors.queue_positions().get(job.pk) if job.status == Job.Status.QUEUED else None
     job.eta = _eta_text(job.predicted_start_at, timezone.now())
+    has_telemetry = bool(summary)  # the job has a sample at all
     config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
               "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel,
-              "is_staff": request.user.is_staff}
+              "is_staff": request.user.is_staff, "has_telemetry": has_telemetry}
     mesh = job.plan.get("mesh") or {}
     plan_mesh = " × ".join(f"{d}={mesh[d]}" for d in job.plan.get("order", ()) if d in mesh)
     return render(request, "jobs/job_detail.html", {
         "job": job, "attempts": attempts, "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
         "logs": selectors.job_log_lines(job.pk, limit=200), "config": config,
+        "telemetry_unavailable": job.status in Job.TERMINAL and not has_telemetry,
         "can_cancel": can_cancel and job.status not in Job.TERMINAL and job.status != Job.Status.STOPPING,
     })
 

@@ -102,6 +102,12 @@ def test_extract_refuses_existing_destination_and_bad_digest_argument(tmp_path):
         extract_bundle(path, tmp_path / "other", digest="md5:abc")
 
 
+def test_missing_bundle_file(tmp_path):
+    with pytest.raises(BundleError, match="does not exist"):
+        extract_bundle(tmp_path / "gone.tar.gz", tmp_path / "code", digest="sha256:" + "0" * 64)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_extract_verifies_the_hash(tmp_path):
     path = write(tmp_path, GOOD)
     run = tmp_path / "run"

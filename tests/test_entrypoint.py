@@ -130,3 +130,15 @@ def test_a_python_without_torch_fails_before_torchrun_with_its_error(tmp_path):
                 node="node-a")
     assert "cannot run torch.distributed.run: ModuleNotFoundError: No module named 'torch'" in str(exc.value)
     assert failure_class(str(exc.value))[:2] == ("user_error", False)
+
+
+@pytest.mark.parametrize("name", ["sdk_ddp", "plain"])
+def test_the_examples_job_files_are_valid_entrypoint_specs(name):
+    import yaml
+
+    from trainyard.spec import parse_job_spec
+
+    data = yaml.safe_load((EXAMPLES / name / "job.yaml").read_text())
+    data["code"] = {"bundle": "sha256:" + "0" * 64}  # what `trainyard submit --code` adds
+    spec = parse_job_spec(data)
+    assert spec.user_code and spec.model is None and (EXAMPLES / name / spec.entrypoint.script).is_file()

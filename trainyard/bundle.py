@@ -307,7 +307,10 @@ OnMember = Callable[[tarfile.TarFile, tarfile.TarInfo, str], None]
 def _scan(path: Path, limits: BundleLimits, on_member: OnMember | None = None) -> tuple[BundleInfo, _Table]:
     """Reads the bundle once: hashes the packed bytes, checks every member (calling `on_member`
     for each, in archive order, to unpack it), then the links and the padding after the end."""
-    size = os.stat(path).st_size
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise BundleError(f"the bundle file {path} does not exist") from None
     if size > limits.max_bytes:
         raise _too_big(f"the bundle is {size} bytes packed; the limit is {limits.max_bytes} "
                        "(TRAINYARD_BUNDLE_MAX_BYTES)")

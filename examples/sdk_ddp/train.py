@@ -8,6 +8,7 @@ rollback. On a laptop, `python train.py` (or torchrun) runs it standalone: rank 
 telemetry, checkpoints under ./checkpoints.
 
 Settings come from the JobSpec's `config` (run.config); the defaults below fill what is missing.
+The number of steps is the JobSpec's `train.steps` (run.steps; standalone: DEFAULTS["steps"]).
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def make_batch(step: int, rank: int, size: int, dim: int, device) -> tuple[torch
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
     x = torch.randn(size, dim, generator=g)
     w = torch.linspace(-1.0, 1.0, dim)
-    y = torch.sin(x @ w).unsqueeze(1) + 0.01 * torch.randn(size, 1, generator=g)
+    y = torch.sin(x @ w / dim ** 0.5).unsqueeze(1) + 0.01 * torch.randn(size, 1, generator=g)
     return x.to(device), y.to(device)
 
 
 def main() -> None:
     run = trainyard.init()  # trainyard: torch.distributed, the job's config, device and ids
     cfg = {**DEFAULTS, **run.config}
+    steps = run.steps or int(cfg["steps"])  # train.steps: also the job page's progress denominator
     torch.manual_seed(int(cfg["seed"]))
     net = nn.Sequential(nn.Linear(cfg["dim"], cfg["hidden"]), nn.GELU(),
                         nn.Linear(cfg["hidden"], cfg["hidden"]), nn.GELU(),
@@ -43,9 +45,9 @@ def main() -> None:
     loss_fn = nn.MSELoss()
 
     start = run.restore({"model": net, "optim": opt})  # trainyard: the last completed step, 0 if none
-    print(f"sdk_ddp: rank {run.rank}/{run.world_size} on {run.device}, steps {start + 1}..{cfg['steps']}",
+    print(f"sdk_ddp: rank {run.rank}/{run.world_size} on {run.device}, steps {start + 1}..{steps}",
           flush=True)
-    for step in range(start + 1, int(cfg["steps"]) + 1):
+    for step in range(start + 1, steps + 1):
         with run.phase("data"):  # trainyard: optional timing phases
             x, y = make_batch(step, run.rank, int(cfg["batch"]), int(cfg["dim"]), run.device)
         with run.phase("compute"):

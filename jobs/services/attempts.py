@@ -51,7 +51,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
         _node_maybe_quarantine(failure["node"], job, attempt)
     if outcome == "succeeded":
         job_set_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
-        job_event(job, "succeeded", f"finished {job.total_steps} steps", attempt=attempt)
+        job_event(job, "succeeded", _success_text(job, attempt), attempt=attempt)
     elif outcome == "cancelled":
         job_set_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
         job_event(job, "cancelled", "all processes stopped", attempt=attempt)
@@ -160,6 +160,14 @@ def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None
         transaction.on_commit(partial(dispatch.request_preempt, attempt.pk, reason, grace))
     job_publish_status(job)
     return True
+
+
+def _success_text(job: Job, attempt: Attempt) -> str:
+    if not job.spec.get("entrypoint"):
+        return f"finished {job.total_steps} steps"
+    # user code: train.steps is only what it said it would run; say what it reported
+    return (f"the entrypoint exited 0 after step {attempt.last_step}" if attempt.last_step
+            else "the entrypoint exited 0 (it reported no steps)")
 
 
 def attempts_check() -> dict:

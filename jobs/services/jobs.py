@@ -15,9 +15,10 @@ from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
 from ..policy import planner, predictor, scheduling
 from .attempts import attempt_stop
+from .bundles import bundle_files
 from .checkpoints import checkpoint_publish, checkpoint_states
 from .events import job_event, job_set_status
-from trainyard.spec import SpecError, parse_job_spec
+from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -27,6 +28,9 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
     created) on bad input, or when the cluster could never run it."""
     parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
+    code_errors = code_problems(parsed)
+    if code_errors:
+        raise SpecError(code_errors)
     nodes = selectors.cluster_snapshot()
     if not nodes:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
@@ -55,6 +59,25 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
         transaction.on_commit(dispatch.request_tick)
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
     return job
+
+
+def code_problems(spec: JobSpec) -> dict[str, list[str]]:
+    """An entrypoint job's code as SpecError.errors: code.bundle must name a stored bundle and
+    entrypoint.script a file in it. A module is not checked: it may come from the nodes'
+    PYTHONPATH as well as from the bundle."""
+    if spec.code is None:
+        return {}
+    files = bundle_files(spec.code.bundle)
+    if files is None:
+        return {"code.bundle": [f"no code bundle {spec.code.bundle} is stored: upload it first "
+                                f"(POST /api/v1/code/, or trainyard submit --code DIR)"]}
+    script = spec.entrypoint.script if spec.entrypoint is not None else None
+    if script is None or script in files:
+        return {}
+    scripts = sorted(f for f in files if f.endswith(".py"))
+    hint = (f"; its Python files include {', '.join(scripts[:5])}{', ...' if len(scripts) > 5 else ''}"
+            if scripts else "; it holds no .py file")
+    return {"entrypoint.script": [f"{script} is not a file in bundle {spec.code.bundle[:19]}...{hint}"]}
 
 
 def job_cancel(job: Job, *, user: AbstractUser) -> Job:

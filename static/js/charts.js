@@ -283,6 +283,22 @@ function perRankChart(root, field, fmt) {
   });
 }
 
+// One of the user's own metrics (run.log(step, name=value) in the SDK), one line per rank; the y range
+// follows the data (a metric may be negative or far from zero).
+export function userMetricChart(root, name) {
+  return new LiveChart(root, {
+    define: ({ store }) => {
+      const ranks = store.sortedRanks();
+      return {
+        key: ranks.join(','),
+        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtNum(v, 4) })),
+        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtNum(v, 3)), size: 56 })],
+      };
+    },
+    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.metricColumn(r, name))],
+  });
+}
+
 export function rankStepChart(root) {
   return perRankChart(root, 'step_s', fmtSeconds);
 }

@@ -7,6 +7,8 @@ import { SampleStore } from './store.js';
 import { lossChart, throughputChart, breakdownChart, rankStepChart, bytesChart, shareChart,
   attemptMarkers } from './charts.js';
 import { LogPane } from './logs.js';
+import { KeptLogs } from './keptlogs.js';
+import { addUserCharts, renderTelemetryNote } from './usercharts.js';
 import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
   readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
 
@@ -21,6 +23,7 @@ const charts = {
 };
 if ($('#chart-share')) charts.share = shareChart($('#chart-share'));
 const logs = new LogPane($('#log-tabs'), $('#log-pane'));
+const kept = new KeptLogs($('#kept-logs'), cfg.id);  // a finished job's logs, paged from the kept files
 const state = {
   job: null,
   status: cfg.status,
@@ -32,6 +35,7 @@ const state = {
   statusMessages: 0,
   eventRefreshes: 0,       // events that asked for a job refresh (straggler, rollback, ...)
   jobFetches: 0,
+  hasTelemetry: !!cfg.has_telemetry,  // a sample exists for the job (server) or arrived here
 };
 // Events after which the job JSON (stragglers, health, attempts) is stale.
 const REFRESH_KINDS = new Set(['straggler', 'straggler_cleared', 'hang_detected', 'rollback', 'restart',
@@ -56,6 +60,15 @@ function setStatus(status, reason) {
   if (TERMINAL.has(state.status) && $('#job-alerts')) $('#job-alerts').hidden = true;
   const cancel = $('#cancel-form');
   if (cancel) cancel.hidden = !cfg.can_cancel || TERMINAL.has(state.status) || state.status === 'STOPPING';
+  if (TERMINAL.has(state.status)) kept.show();
+  renderTelemetry();
+}
+
+function renderTelemetry() {
+  const attempts = (state.job && state.job.attempts) || [];
+  const current = attempts.reduce((a, b) => (!a || b.number > a.number ? b : a), null);
+  renderTelemetryNote($('#telemetry-note'), $('#charts'), { status: state.status, hasTelemetry: state.hasTelemetry,
+    runningSince: current && current.status === 'RUNNING' ? current.started_at : null });
 }
 
 function renderHeader() {
@@ -406,6 +419,11 @@ function renderAlerts(job) {
 // ---------------------------------------------------------------- socket messages
 
 const redrawCharts = frameThrottle(() => {
+  if (store.metricNames.size) addUserCharts($('#charts'), store, charts);
+  if (store.steps.length && !state.hasTelemetry) {
+    state.hasTelemetry = true;
+    renderTelemetry();
+  }
   const ctx = { store, world: state.world, markers: state.markers };
   for (const c of Object.values(charts)) c.update(ctx);
   renderHeader();
@@ -430,6 +448,7 @@ function refreshJobSoon() {
 function applyJob(job) {
   if (!job) return;
   state.job = job;
+  if (job.has_telemetry) state.hasTelemetry = true;
   const res = (job.spec && job.spec.resources) || {};
   if (res.nodes && res.procs_per_node) state.world = res.nodes * res.procs_per_node;
   if (isNum(job.step)) state.step = Math.max(state.step || 0, job.step);
@@ -451,7 +470,7 @@ function onMessage(msg) {
       for (const c of msg.checkpoints || []) addCheckpoint(c);
       applyJob(msg.job);
       store.merge(msg.samples, { downsampled: !!msg.downsampled });
-      logs.reset(msg.logs || []);
+      logs.reset(msg.logs || []);  // the live pane (hidden once the kept logs show)
       renderCheckpoints();
       redrawEvents();
       redrawCharts();
@@ -504,7 +523,8 @@ for (const e of readJSONScript('job-events') || []) addEvent(e);
 for (const c of readJSONScript('job-checkpoints') || []) addCheckpoint(c);
 setStatus(cfg.status);
 renderEta();
-setInterval(renderEta, 15000);  // the prediction only moves when the server says so; "in ~N min" ticks here
+setInterval(renderEta, 15000);
+setInterval(renderTelemetry, 10000);  // "no telemetry yet" once a running attempt has been quiet for a while  // the prediction only moves when the server says so; "in ~N min" ticks here
 renderHeader();
 renderEvents();
 renderCheckpoints();
@@ -514,7 +534,7 @@ const socket = new LiveSocket(`/ws/jobs/${cfg.id}/`, { onMessage, onState: bindI
 
 // For the browser tests and for poking around in the console.
 window.trainyard = {
-  store, charts, socket, logs, state, onMessage,
+  store, charts, socket, logs, kept, state, onMessage,
   stats: () => store.stats(),
   chartSteps: (name) => charts[name].seriesSteps(),
 };

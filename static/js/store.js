@@ -17,6 +17,7 @@ export class SampleStore {
     this.rows = new Map();     // step -> Map(rank -> sample)
     this.steps = [];           // sorted keys of rows
     this.ranks = new Set();
+    this.metricNames = new Set(); // names of the user's own metrics seen in any sample (s.metrics)
     this.attempt = 0;          // newest attempt id seen
     this.cutoff = Infinity;    // first step of the newest attempt: older attempts' samples from here on are stale
     this.downsampled = false;  // true once any step was dropped here or arrived downsampled
@@ -50,6 +51,7 @@ export class SampleStore {
       if (old && (Number(old.attempt) || 0) > a) continue;
       row.set(s.rank, s);
       this.ranks.add(s.rank);
+      if (s.metrics && typeof s.metrics === 'object') for (const name of Object.keys(s.metrics)) this.metricNames.add(name);
       changed += 1;
     }
     while (this.steps.length > this.maxSteps) this._downsample();
@@ -112,6 +114,15 @@ export class SampleStore {
     return this.steps.map((st) => {
       const s = this.rows.get(st).get(rank);
       const v = s ? s[field] : null;
+      return typeof v === 'number' && Number.isFinite(v) ? v : null;
+    });
+  }
+
+  // Column of one user metric (s.metrics[name]) for one rank, aligned with this.steps.
+  metricColumn(rank, name) {
+    return this.steps.map((st) => {
+      const s = this.rows.get(st).get(rank);
+      const v = s && s.metrics ? s.metrics[name] : null;
       return typeof v === 'number' && Number.isFinite(v) ? v : null;
     });
   }

@@ -119,6 +119,13 @@ def test_spec_fields_sync_and_inline_errors(page, base):
     page.fill("#id_spec", "name: typed\ntrain: {steps: 77}\n")
     page.wait_for_function("() => document.querySelector(\"[data-path='train.steps']\").value === '77'")
     assert page.input_value("[data-path='name']") == "typed" and page.input_value("[data-path='model.layers']") == ""
+    # An entrypoint spec (the user's own code) turns the built-in model and data fields off, and back on.
+    page.fill("#id_spec", "name: mine\nentrypoint: {module: mypkg.train}\n")
+    page.wait_for_function("() => document.querySelector('fieldset[data-group=model]').disabled")
+    assert page.locator("fieldset[data-group=data]").is_disabled()
+    assert not page.locator("fieldset[data-group=train]").is_disabled()
+    page.fill("#id_spec", "name: typed\ntrain: {steps: 77}\n")
+    page.wait_for_function("() => !document.querySelector('fieldset[data-group=model]').disabled")
 
     # A field error sits next to its field, the page answers 400 and keeps what was typed.
     page.fill("#id_spec", json.dumps({"name": "bad", "model": {"layers": 0}, "train": {"steps": 10}}))

@@ -141,3 +141,25 @@ def test_remove_job(tmp_path):
     k.write({(8, 80, 0): ["x"], (9, 90, 0): ["y"]})
     keptlogs.remove_job(tmp_path, 8)
     assert keptlogs.kept_index(tmp_path, 8) == {} and keptlogs.kept_index(tmp_path, 9) == {90: [0]}
+
+
+def test_line_index_follows_growth_and_cuts(tmp_path, monkeypatch):
+    import random
+
+    monkeypatch.setattr(keptlogs, "CHUNK", 256)  # an index mark every ~256 bytes
+    k = LogKeeper(tmp_path, max_bytes=60_000, thread=False)
+    path = rank_log_path(tmp_path, 2, 20, 0)
+    written: list[str] = []
+    rnd = random.Random(7)
+    for batch in range(60):
+        new = [f"batch {batch} line {i} " + "y" * rnd.randrange(0, 90) for i in range(rnd.randrange(1, 40))]
+        k.write({(2, 20, 0): new})
+        written += new
+        dropped = read_page(path, offset=0, limit=0)["dropped_lines"]
+        for _ in range(3):  # random pages, served from the index as the file grows and is cut
+            offset, limit = rnd.randrange(0, len(written) + 5), rnd.randrange(1, 50)
+            page = read_page(path, offset=offset, limit=limit)
+            start = max(offset, dropped)
+            assert page["total"] == len(written) and page["offset"] == start
+            assert page["lines"] == written[start:start + limit], (batch, offset, limit)
+    assert read_page(path, offset=0, limit=1)["dropped_lines"] > 0  # the cap did cut meanwhile

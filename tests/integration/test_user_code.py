@@ -74,7 +74,7 @@ def bundles(cluster) -> dict[str, str]:
 def sdk_spec(name: str, bundle: str, steps: int, every: int, *, nodes: int = 2, procs: int = 1,
              sleep: float = 0.05) -> dict:
     return {"name": name, "code": {"bundle": bundle}, "entrypoint": {"script": "train.py"},
-            "config": {"steps": steps, "hidden": 32, "batch": 16, "step_sleep_s": sleep},
+            "config": {"hidden": 32, "batch": 16, "step_sleep_s": sleep},
             "train": {"steps": steps}, "resources": {"nodes": nodes, "procs_per_node": procs},
             "checkpoint": {"every_steps": every, "keep": 3}}
 
@@ -184,7 +184,7 @@ def test_sdk_script_preempted_by_a_quota_change_checkpoints_yields_and_resumes(c
     status, body = cluster.request("PUT", "/api/v1/quotas/", [{"team": "vision", "max_slots": 4},
                                                                {"team": "nlp", "max_slots": 2}])
     assert status == 200, body
-    steps = 240
+    steps = 400
     status, big = cluster.request("POST", "/api/v1/jobs/", sdk_spec("vision-big", bundles["sdk_ddp"], steps, 25,
                                                                     procs=2), token=vera)
     assert status == 201, big
