@@ -480,7 +480,11 @@ def parse_text(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         pass
+    except RecursionError:
+        raise SpecError({"spec": ["the spec nests too deeply"]}) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError({"spec": [f"neither valid JSON nor YAML: {exc}"]}) from None
+    except RecursionError:
+        raise SpecError({"spec": ["the spec nests too deeply"]}) from None

@@ -26,6 +26,7 @@ MAX_ENV = 64              # env: count
 MAX_ENV_NAME_CHARS = 128
 MAX_ENV_VALUE_CHARS = 4096
 MAX_CONFIG_BYTES = 64 * 1024  # config: serialized as compact JSON (UTF-8)
+MAX_CONFIG_DEPTH = 32  # config: nested objects/lists (deeper would exhaust the recursion of json and pydantic)
 
 # Set by torchrun for every rank: a user value would give the rank a wrong identity.
 TORCHRUN_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -96,7 +97,21 @@ def _check_python(v: str | None) -> str | None:
     return v
 
 
+def _depth(v: Any) -> int:
+    # Iterative: a hostile config must not exhaust the recursion this check guards.
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_CONFIG_DEPTH:
+                stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
 def _check_config(v: dict) -> dict:
+    if _depth(v) > MAX_CONFIG_DEPTH:
+        raise ValueError(f"config nests more than {MAX_CONFIG_DEPTH} levels of objects and lists")
     try:
         text = json.dumps(v, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:

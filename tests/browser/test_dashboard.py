@@ -122,10 +122,12 @@ def test_spec_fields_sync_and_inline_errors(page, base):
     # An entrypoint spec (the user's own code) turns the built-in model and data fields off, and back on.
     page.fill("#id_spec", "name: mine\nentrypoint: {module: mypkg.train}\n")
     page.wait_for_function("() => document.querySelector('fieldset[data-group=model]').disabled")
-    assert page.locator("fieldset[data-group=data]").is_disabled()
-    assert not page.locator("fieldset[data-group=train]").is_disabled()
+    assert page.locator("[data-path='data.kind']").is_disabled()  # a control inside the disabled fieldset
+    assert page.locator("[data-path='model.layers']").is_disabled()
+    assert page.locator("[data-path='train.steps']").is_enabled()
     page.fill("#id_spec", "name: typed\ntrain: {steps: 77}\n")
     page.wait_for_function("() => !document.querySelector('fieldset[data-group=model]').disabled")
+    assert page.locator("[data-path='data.kind']").is_enabled()
 
     # A field error sits next to its field, the page answers 400 and keeps what was typed.
     page.fill("#id_spec", json.dumps({"name": "bad", "model": {"layers": 0}, "train": {"steps": 10}}))

@@ -222,3 +222,31 @@ def test_success_of_user_code_says_what_it_reported(user, nodes, bundle):
         services.attempt_node_exit(attempt.pk, node_name=n, result=ok_result(n, attempt.pk))
     assert Job.objects.get(pk=job.pk).status == "SUCCEEDED"
     assert JobEvent.objects.get(job=job, kind="succeeded").message == "the entrypoint exited 0 (it reported no steps)"
+
+
+@pytest.mark.parametrize("depth", [33, 5000])
+def test_a_deeply_nested_config_is_400_not_a_crash(user, nodes, client_for, depth):
+    config = {}
+    cur = config
+    for _ in range(depth - 1):
+        cur["a"] = {}
+        cur = cur["a"]
+    body = '{"name": "deep", "entrypoint": {"module": "pkg.train"}, "config": ' + _dumps(config) + "}"
+    r = client_for(user).post("/api/v1/jobs/", body, content_type="application/json")
+    assert r.status_code == 400, r.content[:300]
+    assert Job.objects.count() == 0
+
+
+def _dumps(config: dict) -> str:
+    # iterative: json.dumps itself would recurse too deep for the deepest case
+    depth, cur = 0, config
+    while cur:
+        depth, cur = depth + 1, cur["a"]
+    return '{"a": ' * depth + "{}" + "}" * depth
+
+
+def test_the_form_refuses_a_spec_nested_too_deeply(user, nodes, client):
+    client.force_login(user)
+    r = client.post("/jobs/new/", {"spec": "[" * 100000 + "]" * 100000})
+    assert r.status_code == 400 and "nests too deeply" in r.content.decode()
+    assert Job.objects.count() == 0
