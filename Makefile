@@ -46,6 +46,7 @@ test-fast: venv
 bench: venv deps
 	@scripts/ensure_system_deps.sh iproute2
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/sdk_overhead.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/scheduler.py

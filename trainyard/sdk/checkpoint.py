@@ -5,15 +5,18 @@ On-disk layout under <checkpoint_dir> (= <root>/job-<id>); the control plane reg
 checkpoint from the `checkpoint` event and reconciles from the manifests, so this is a contract:
 
     step-<S:08d>-a<attempt>/            a complete checkpoint, and only with trainyard.json in it
-        .metadata, __<r>_0.distcp       DCP: model, optimizer (get_state_dict) and the trainer dict
+        .metadata, __<r>_0.distcp       DCP: the caller's state (`saveable`: modules and optimizers
+                                        via get_state_dict; the built-in trainer's: model, optim
+                                        and its trainer dict)
         rank-<r>.pt                     rank r's RNG states (python, numpy, torch CPU, CUDA)
         trainyard.json                  the manifest, written last by rank 0 (MANIFEST_KEYS)
     .partial-step-<S:08d>-a<attempt>/   a save in progress, or one a crash cut short: never a
                                         checkpoint; rank 0 of a later attempt deletes it at start
 
-When: `Checkpointer.save_if_due`, called by the trainer after every step, saves every
-`every_steps` steps, at the last step, and when the ranks agreed to stop (preemption), never
-twice for one step. A save, on every rank:
+When: the SDK's `Run.should_checkpoint` (run.py), asked after every step by a user's script and
+by the built-in trainer alike, says every `every_steps` steps, at the last step, and when the
+ranks agreed to stop (preemption), never twice for one step; `Run.checkpoint` calls
+`save_state`. A save, on every rank:
 1. waits for the previous save if it is still in flight (one at a time bounds the staging
    memory to one copy of the state and keeps DCP's collectives on the checkpoint group in order);
 2. captures what the training loop could change before the next optimizer step: this rank's
@@ -27,8 +30,11 @@ twice for one step. A save, on every rank:
 Only the optimizer step changes the tensors the save thread copies (forward and backward read
 the parameters and write gradients, which are not saved; a forward that updates buffers, as
 BatchNorm's running statistics, updates tensors cloned in step 2). So the copy only has to be
-complete before the next optimizer step: the trainer calls `wait_for_staging()` right before
-`opt.step()`, and the copy runs alongside the next step's forward and backward. A save's
+complete before the next optimizer step: `Run.checkpoint` registers an optimizer step
+pre-hook that calls `wait_for_staging()` (the built-in trainer also calls it itself right before
+`opt.step()`, to account the wait), and the copy runs alongside the next step's forward and
+backward. A state with a module that no optimizer in it updates is copied before
+`Run.checkpoint` returns. A save's
 `blocking_s` is the time the training thread was held for it: save() itself (including any
 wait for the previous save) plus any wait in `wait_for_staging()`.
 One stager serves the whole run and keeps its copy between saves, so after the first save
@@ -305,12 +311,12 @@ class Checkpointer:
         `wait_for_staging()` before anything changes them (the next optimizer step).
         """
         t0 = time.perf_counter()
+        live, state = state, saveable(state)  # a state it cannot save fails here, before any side effect
         self.wait()
         self.saved_step = step
         record = _Save(step, self.dir / partial_name(step, self.attempt_id), time.perf_counter())
         record.partial.mkdir(parents=True, exist_ok=True)
         rng = rng_state(self.device)
-        live, state = state, saveable(state)
         if self.cfg.async_:
             state = _capture(state, _live_storages(live))
             if self.device.type == "cuda":  # the stager's stream must see the clones (and opt.step)

@@ -2,11 +2,13 @@
 reporter, data, process group); `Trainer.__init__` builds the model, the Strategy for the mesh
 (strategy.py), the optimizer, the checkpointer and the gradient sync from the launch config and
 hands them plain values; `Trainer.train_step` is one optimizer step and returns its sample;
-`Trainer.train` is the loop (report, rebalance, log, preemption). The checkpointer, not the
-loop, decides whether a step is saved (checkpoint.py `save_if_due`). Only the build functions
-read the launch config.
+`Trainer.train` is the loop (report, rebalance, log, preemption). Reporting, checkpointing and
+stopping go through the SDK's `Run` (trainyard/sdk/run.py), the same calls a user's script makes:
+`run.log` sends the sample `train_step` measured, `run.should_checkpoint` / `run.checkpoint`
+save (every_steps, the last step, an agreed stop), `run.should_stop` / `run.finish` end the run
+(exit 83 after a preemption). Only the build functions read the launch config.
 
-Per step every rank reports one sample (see reporter.py for transport). Timing fields, all
+Per step every rank reports one sample (trainyard/sdk/reporter.py: transport). Timing fields, all
 wall-clock seconds on this rank, measured with perf_counter (CUDA: after synchronising, with
 CUDA events for the collectives, see comm.py):
 - data_s: waiting for the next batch from the prefetcher plus starting its host->device copy.
@@ -22,7 +24,7 @@ CUDA events for the collectives, see comm.py):
   optimizer's kernels, so the time lands here rather than in the next step).
 - step_s: from asking for the batch to the end of the optimizer step, plus the time
   checkpointing blocked this rank in the step: on a checkpoint step, the save call (the
-  synchronous part, see checkpoint.py); on the step after an async save, any wait before the
+  synchronous part, see trainyard/sdk/checkpoint.py); on the step after an async save, any wait before the
   optimizer step for the save's state copy, which runs alongside that step's forward and
   backward. step_s ~= data_s + compute_s + exposed comm + optim_s + checkpoint blocking (+
   microseconds of bookkeeping). A chaos-slowed rank (chaos.py: slow_s, or the slow factor that
