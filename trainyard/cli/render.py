@@ -38,8 +38,8 @@ def job_view(job: dict) -> list:
     entry = spec.get("entrypoint") or {}
     what = (entry.get("script") or entry.get("module") or "") if entry else (spec.get("model") or {}).get("kind", "")
     fields = Table.grid(padding=(0, 2))
-    fields.add_column(style="bold")
-    fields.add_column()
+    fields.add_column(style="bold", no_wrap=True)
+    fields.add_column(overflow="fold")  # a digest or a reason is shown whole, wrapped
     rows = [("job", f"{job['id']} {job.get('name', '')}"), ("status", job.get("status", "")),
             ("reason", job.get("status_reason") or ""), ("owner", job.get("owner", "")),
             ("runs", what), ("code", ((spec.get("code") or {}).get("bundle") or "")),
@@ -65,7 +65,7 @@ def job_view(job: dict) -> list:
 def checkpoints_table(rows: list[dict]) -> Table:
     t = Table(box=None, header_style="bold")
     for col in ("ID", "STEP", "ATTEMPT", "CREATED", "SIZE", "STATE", "PATH"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold" if col == "PATH" else "ellipsis", no_wrap=col != "PATH")
     for c in rows:
         state = ("deleted" if c.get("deleted") else "pinned" if c.get("pinned")
                  else "superseded" if c.get("superseded") else "kept")
