@@ -185,6 +185,8 @@ TRAINYARD_QUOTA_WINDOW_S = float(os.environ.get("TRAINYARD_QUOTA_WINDOW_S", str(
 # Reclaim (preempt borrowers) only when the entitled job would otherwise wait longer than this.
 TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600"))
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
+# POST /api/v1/auth/token/ (jobs/api_auth.py): token requests per client address (DRF rate syntax).
+TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,54 @@
+"""POST /api/v1/auth/token/: exchange a username and password for the user's API token (the one
+`manage.py api_token USER` prints), for non-browser clients such as `trainyard login`.
+
+No session, so no CSRF: the view authenticates nothing but the credentials in the body, and a
+browser's cookies are ignored. Attempts are throttled per client address
+(settings.TRAINYARD_LOGIN_RATE, default 20/min; 429 with Retry-After past it). A wrong username
+or password, or an inactive user, is one 400 that does not say which.
+"""
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth import authenticate
+from drf_spectacular.utils import extend_schema
+from rest_framework.authtoken.models import Token
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
+from rest_framework.views import APIView
+
+from .errors import InvalidInput
+
+
+class LoginRateThrottle(SimpleRateThrottle):
+    """Every token request counts, per client address, against settings.TRAINYARD_LOGIN_RATE."""
+
+    scope = "login"
+
+    def get_rate(self) -> str:
+        return getattr(settings, "TRAINYARD_LOGIN_RATE", "20/min")
+
+    def get_cache_key(self, request, view) -> str:
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+class AuthTokenView(APIView):
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes = [LoginRateThrottle]
+
+    @extend_schema(request={"application/json": {"type": "object", "properties": {
+        "username": {"type": "string"}, "password": {"type": "string"}}, "required": ["username", "password"]}},
+        responses={200: {"type": "object", "properties": {"token": {"type": "string"}, "username": {"type": "string"},
+                                                          "is_staff": {"type": "boolean"}}}})
+    def post(self, request):
+        data = request.data if isinstance(request.data, dict) else {}
+        missing = {f: ["required"] for f in ("username", "password")
+                   if not isinstance(data.get(f), str) or not data.get(f)}
+        if missing:
+            raise InvalidInput(missing)
+        user = authenticate(request, username=data["username"], password=data["password"])
+        if user is None or not user.is_active:
+            raise InvalidInput({"credentials": ["wrong username or password"]})
+        token, _ = Token.objects.get_or_create(user=user)
+        return Response({"token": token.key, "username": user.get_username(), "is_staff": user.is_staff})

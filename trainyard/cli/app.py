@@ -1,0 +1,253 @@
+"""The `trainyard` commands (click). Every expected failure is one line on stderr and exit code 2;
+`watch` (and `submit --watch`) exit 0 when the job SUCCEEDED and 1 when it ended otherwise."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from . import config
+from .client import Api
+from .errors import CliError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+class TrainyardGroup(click.Group):
+    """Runs a command and turns every failure into one line: usage errors, CliErrors, aborts,
+    and (with TRAINYARD_DEBUG unset) anything unexpected."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `trainyard` (or a group): its help
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
+            rv = 0
+        except click.UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+            rv = _fail(f"{exc.format_message()}{where}", 2)
+        except click.ClickException as exc:
+            rv = _fail(exc.format_message(), exc.exit_code)
+        except click.Abort:
+            rv = _fail("aborted", 2)
+        except Exception as exc:  # a bug: still one line, unless asked for the traceback
+            if os.environ.get("TRAINYARD_DEBUG"):
+                raise
+            rv = _fail(f"internal error: {type(exc).__name__}: {exc} (TRAINYARD_DEBUG=1 shows the traceback)", 2)
+        code = rv if isinstance(rv, int) else 0
+        if not standalone_mode:
+            return code
+        sys.exit(code)
+
+
+def _fail(message: str, code: int) -> int:
+    click.echo(f"error: {' '.join(message.split())}", err=True)
+    return code
+
+
+def _api() -> Api:
+    login = config.load()
+    return Api(login.url, login.token)
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _print_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@click.group(cls=TrainyardGroup, context_settings=CONTEXT)
+def cli():
+    """Submit and follow Trainyard jobs.
+
+    Log in once with `trainyard login URL`; TRAINYARD_URL and TRAINYARD_TOKEN override the
+    saved login. Errors are one line on stderr with exit code 2.
+    """
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("url")
+@click.option("--token", help="an API token (`manage.py api_token USER` prints one) instead of a password")
+@click.option("-u", "--username", help="the username (asked for when not given)")
+def login(url, token, username):
+    """Log in to the Trainyard at URL and save the login (0600) in
+    $XDG_CONFIG_HOME/trainyard/config.toml (default ~/.config/trainyard/config.toml)."""
+    url = config.normalize_url(url)
+    if token:
+        Api(url, token).get("/api/v1/nodes/", doing="login")  # proves the token before it is saved
+        who = "with the given token"
+    else:
+        username = username or click.prompt("Username")
+        # Hidden on a terminal; from a pipe the prompt reads a plain line (nothing is echoed either way).
+        password = click.prompt("Password", hide_input=sys.stdin.isatty())
+        body = Api(url).request("POST", "/api/v1/auth/token/", body={"username": username, "password": password},
+                                doing="login")
+        token, who = body["token"], f"as {body['username']}" + (" (staff)" if body.get("is_staff") else "")
+    path = config.save(url, token)
+    click.echo(f"logged in to {url} {who}; saved in {path}")
+    for name in ("TRAINYARD_URL", "TRAINYARD_TOKEN"):
+        if os.environ.get(name):
+            click.echo(f"note: {name} is set and overrides the saved value", err=True)
+
+
+def _load_spec(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = yaml.safe_load(f)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise CliError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{path} is not UTF-8 text") from None
+    if not isinstance(spec, dict):
+        raise CliError(f"{path}: a JobSpec is a YAML mapping (name: ..., model: ... or entrypoint: ...)")
+    try:
+        json.dumps(spec, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a YAML date, a set, .nan: not JSON
+        raise CliError(f"{path}: every value must be plain JSON data ({exc}); quote it as a string") from None
+    return spec
+
+
+def _upload(api: Api, directory: str) -> str:
+    from .pack import pack
+
+    packed = pack(directory)
+    res = api.upload("/api/v1/code/", "file", "code.tar.gz", packed.data, doing=f"upload of {directory}")
+    if not isinstance(res, dict) or not isinstance(res.get("bundle"), str):
+        raise CliError(f"upload of {directory}: the server's answer names no bundle")
+    click.echo(f"uploaded {directory}: {len(packed.files)} files, {packed.unpacked_bytes} bytes "
+               f"({len(packed.data)} packed) -> {res['bundle']}", err=True)
+    return res["bundle"]
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("spec_file", metavar="SPEC.yaml", type=click.Path(dir_okay=False))
+@click.option("--code", "code_dir", type=click.Path(file_okay=False),
+              help="pack this directory (honouring .gitignore and .trainyardignore), upload it and run the job from it")
+@click.option("--watch", "watch_job", is_flag=True, help="then follow the job live; exit 0 iff it SUCCEEDED")
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON instead of its id")
+def submit(spec_file, code_dir, watch_job, as_json):
+    """Submit the JobSpec in SPEC.yaml (YAML or JSON) and print the new job's id."""
+    spec = _load_spec(spec_file)
+    api = _api()
+    if code_dir:
+        spec["code"] = {"bundle": _upload(api, code_dir)}
+    job = api.post("/api/v1/jobs/", spec, doing="job refused")
+    if as_json:
+        _print_json(job)
+    else:
+        click.echo(job["id"])
+    if watch_job:
+        from .watch import watch
+
+        raise click.exceptions.Exit(watch(api, job["id"], _console(stderr=as_json)))
+
+
+@cli.command("ls", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
+def ls(as_json):
+    """List the jobs you can see (yours and your teams'; staff: all), newest first."""
+    from .render import jobs_table
+
+    page = _api().get("/api/v1/jobs/", doing="job list")
+    if as_json:
+        return _print_json(page["results"])
+    if not page["results"]:
+        return click.echo("no jobs yet: `trainyard submit SPEC.yaml` starts one")
+    console = _console()
+    console.print(jobs_table(page["results"]))
+    if page.get("next"):
+        console.print(f"({len(page['results'])} newest of {page['count']})")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
+def show(job_id, as_json):
+    """Show one job: status, progress, attempts."""
+    from .render import job_view
+
+    job = _api().get(f"/api/v1/jobs/{job_id}/", doing=f"job {job_id}")
+    if as_json:
+        return _print_json(job)
+    console = _console()
+    for part in job_view(job):
+        console.print(part)
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+def watch(job_id):
+    """Follow a job live (step/steps, loss, samples/s, ETA, status changes).
+    Exit code 0 when it SUCCEEDED, 1 when it FAILED or was CANCELLED."""
+    from .watch import watch as run_watch
+
+    raise click.exceptions.Exit(run_watch(_api(), job_id, _console()))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+def cancel(job_id):
+    """Cancel a job (its owner or staff)."""
+    job = _api().post(f"/api/v1/jobs/{job_id}/cancel/", doing=f"cancel of job {job_id}")
+    click.echo(f"job {job_id}: cancel requested, now {job['status']}")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
+def checkpoints(job_id, as_json):
+    """List a job's checkpoints, newest first (the IDs `rollback` takes)."""
+    from .render import checkpoints_table
+
+    page = _api().get(f"/api/v1/jobs/{job_id}/checkpoints/", params={"page_size": 500}, doing=f"job {job_id}")
+    if as_json:
+        return _print_json(page["results"])
+    if not page["results"]:
+        return click.echo(f"job {job_id} has no checkpoints")
+    _console().print(checkpoints_table(page["results"]))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.argument("checkpoint", metavar="CHECKPOINT", type=int)
+def rollback(job_id, checkpoint):
+    """Roll a job back to one of its checkpoints (staff only; see `trainyard checkpoints ID`)."""
+    job = _api().post(f"/api/v1/jobs/{job_id}/rollback/", {"checkpoint": checkpoint},
+                      doing=f"rollback of job {job_id}")
+    click.echo(f"job {job_id}: rolling back to checkpoint {checkpoint}, now {job['status']}")
+
+
+@cli.command(context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
+def nodes(as_json):
+    """List the cluster's nodes: status, slots in use, load."""
+    from .render import nodes_table
+
+    page = _api().get("/api/v1/nodes/", doing="node list")
+    if as_json:
+        return _print_json(page["results"])
+    _console().print(nodes_table(page["results"]))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.option("-f", "--follow", is_flag=True, help="keep printing new lines until the job ends")
+@click.option("--rank", type=click.IntRange(min=0), help="only this rank's lines")
+@click.option("--attempt", type=click.IntRange(min=1), help="only this attempt's lines (its id, as `show` lists)")
+def logs(job_id, follow, rank, attempt):
+    """Print a job's logs (every rank, or --rank R; every attempt, or --attempt A)."""
+    from .logs import print_logs
+
+    print_logs(_api(), job_id, rank=rank, attempt=attempt, follow=follow)

@@ -1,0 +1,87 @@
+"""Tables and key/value views for `ls`, `show`, `checkpoints` and `nodes` (rich)."""
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def _when(value: str | None) -> str:
+    return (value or "")[:19].replace("T", " ")
+
+
+def _steps(job: dict) -> str:
+    return f"{job.get('step') or 0}/{job.get('total_steps') or '?'}"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def jobs_table(jobs: list[dict]) -> Table:
+    t = Table(box=None, header_style="bold")
+    for col in ("ID", "NAME", "STATUS", "OWNER", "STEP", "RESTARTS", "CREATED"):
+        t.add_column(col, no_wrap=col != "NAME")
+    for j in jobs:
+        t.add_row(str(j["id"]), j.get("name", ""), j.get("status", ""), j.get("owner", ""), _steps(j),
+                  str(j.get("restarts", 0)), _when(j.get("created_at")))
+    return t
+
+
+def job_view(job: dict) -> list:
+    """A job's fields, then one row per attempt."""
+    spec = job.get("spec") or {}
+    entry = spec.get("entrypoint") or {}
+    what = (entry.get("script") or entry.get("module") or "") if entry else (spec.get("model") or {}).get("kind", "")
+    fields = Table.grid(padding=(0, 2))
+    fields.add_column(style="bold", no_wrap=True)
+    fields.add_column(overflow="fold")  # a digest or a reason is shown whole, wrapped
+    rows = [("job", f"{job['id']} {job.get('name', '')}"), ("status", job.get("status", "")),
+            ("reason", job.get("status_reason") or ""), ("owner", job.get("owner", "")),
+            ("runs", what), ("code", ((spec.get("code") or {}).get("bundle") or "")),
+            ("step", _steps(job)), ("restarts", str(job.get("restarts", 0))),
+            ("queue position", str(job.get("queue_position") or "")),
+            ("created", _when(job.get("created_at"))), ("started", _when(job.get("started_at"))),
+            ("finished", _when(job.get("finished_at")))]
+    for key, value in rows:
+        if value:
+            fields.add_row(key, value)
+    attempts = Table(box=None, header_style="bold", title="attempts", title_justify="left")
+    for col in ("#", "ID", "STATUS", "OUTCOME", "LAST STEP", "RANKS", "FAILURE"):
+        attempts.add_column(col)
+    for a in job.get("attempts") or []:
+        failure = a.get("failure") or {}
+        text = failure.get("message") or failure.get("class") or "" if isinstance(failure, dict) else str(failure)
+        nodes = sorted({r.get("node", "") for r in a.get("ranks") or []})
+        attempts.add_row(str(a.get("number")), str(a.get("id")), a.get("status", ""), a.get("outcome") or "",
+                         str(a.get("last_step") or 0), f"{len(a.get('ranks') or [])} on {','.join(nodes)}", text)
+    return [fields, attempts] if job.get("attempts") else [fields]
+
+
+def checkpoints_table(rows: list[dict]) -> Table:
+    t = Table(box=None, header_style="bold")
+    for col in ("ID", "STEP", "ATTEMPT", "CREATED", "SIZE", "STATE", "PATH"):
+        t.add_column(col, overflow="fold" if col == "PATH" else "ellipsis", no_wrap=col != "PATH")
+    for c in rows:
+        state = ("deleted" if c.get("deleted") else "pinned" if c.get("pinned")
+                 else "superseded" if c.get("superseded") else "kept")
+        t.add_row(str(c["id"]), str(c.get("step")), str(c.get("attempt") or ""), _when(c.get("created_at")),
+                  _size(c.get("size_bytes")), state, c.get("path") or "")
+    return t
+
+
+def nodes_table(nodes: list[dict]) -> Table:
+    t = Table(box=None, header_style="bold")
+    for col in ("NAME", "STATUS", "SLOTS", "ADDRESS", "CPU", "MEM", "DEVICES", "LABELS"):
+        t.add_column(col)
+    for n in nodes:
+        pct = lambda v: "" if v is None else f"{v:.0f}%"  # noqa: E731
+        labels = ",".join(f"{k}={v}" for k, v in sorted((n.get("labels") or {}).items()))
+        t.add_row(n["name"], n.get("status", "") + (f" ({n['drain_mode']})" if n.get("drain_mode") else ""),
+                  f"{n.get('slots_used', 0)}/{n.get('slots', 0)}", n.get("address", ""), pct(n.get("cpu_percent")),
+                  pct(n.get("mem_percent")), str(len(n.get("devices") or [])), labels)
+    return t
