@@ -190,3 +190,45 @@ def test_no_telemetry_message_then_user_metric_charts(page, base, cluster):
     assert page.locator("#telemetry-note").is_hidden()
     screenshot(page, "screenshot-user-metrics.png")
     assert not page.js_errors, page.js_errors
+
+
+# ---------------------------------------------------------------- the examples, end to end
+
+def _upload(cluster, name: str) -> str:
+    from tests.integration.test_user_code import EXAMPLES, upload
+    from tests.test_entrypoint import pack_dir
+
+    status, body = upload(cluster, pack_dir(EXAMPLES / name))
+    assert status in (200, 201), body
+    return body["bundle"]
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_sdk_example_charts_its_own_metric_and_plain_example_says_no_telemetry(page, base, cluster):
+    sdk = cluster.submit({"name": "sdk-page", "code": {"bundle": _upload(cluster, "sdk_ddp")},
+                          "entrypoint": {"script": "train.py"}, "train": {"steps": 12},
+                          "config": {"hidden": 32, "batch": 16, "step_sleep_s": 0.02},
+                          "resources": {"nodes": 2, "procs_per_node": 1}, "checkpoint": {"every_steps": 6}})
+    plain = cluster.submit({"name": "plain-page", "code": {"bundle": _upload(cluster, "plain")},
+                            "entrypoint": {"script": "train.py", "args": ["--steps", "12"]},
+                            "resources": {"nodes": 2, "procs_per_node": 1}})
+    done = {j["id"]: cluster.wait_status(j["id"], TERMINAL, 300) for j in (sdk, plain)}
+    assert done[sdk["id"]]["status"] == "SUCCEEDED" and done[sdk["id"]]["has_telemetry"] is True, done[sdk["id"]]
+    assert done[plain["id"]]["status"] == "SUCCEEDED" and done[plain["id"]]["has_telemetry"] is False, done[plain["id"]]
+
+    # The SDK script's run.log(step, loss=..., samples=..., lr=...): lr is its own metric, charted per rank.
+    _page_ready(page, base, sdk["id"])
+    wait_js(page, "() => document.querySelector('#charts [data-metric=\"lr\"]')?.dataset.points === '24'", 30,
+            "the lr chart with 12 steps of 2 ranks")
+    assert int(page.get_attribute("#chart-loss", "data-points")) == 24
+    assert page.locator("#telemetry-note").is_hidden()
+    screenshot(page, "screenshot-sdk-metrics.png")
+
+    # The plain script: no charts, the notice, and its own output paged from the kept files.
+    _page_ready(page, base, plain["id"])
+    assert page.locator("#telemetry-note").is_visible() and page.locator("#charts").is_hidden()
+    wait_js(page, "() => window.trainyard.kept.loads >= 1", 30, "the kept logs")
+    lines = _kept_state(page)["lines"]
+    assert "plain: rank 0/2 on cpu, 12 steps" in lines and "plain: rank 0 done" in lines, lines
+    assert not page.js_errors, page.js_errors

@@ -116,7 +116,7 @@ def test_job_page_renders_status_attempts_failure_and_empty_checkpoints(client_a
     assert 'id="cancel-form"' in html  # owner, job not terminal
     config = json.loads(re.search(r'<script id="job-config" type="application/json">(.*?)</script>', html).group(1))
     assert config == {"id": job.pk, "status": job.status, "step": 2, "total_steps": 100, "world": 2,
-                      "can_cancel": True, "is_staff": False}
+                      "can_cancel": True, "is_staff": False, "has_telemetry": True}
     assert '<script type="module" src="/static/js/job.js">' in html
 
 
