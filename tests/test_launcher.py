@@ -572,3 +572,18 @@ def test_a_script_without_the_sdk_failing_is_diagnosed_from_its_traceback(tmp_pa
     assert 'train.py", line' in first["traceback"]
     d = diagnose([dict(result, node="node-a")])
     assert (d.failure_class, d.retry, d.rank) == ("user_error", False, 1)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_a_module_entrypoint_is_found_in_the_code_dir(tmp_path):
+    rec = Recorder()
+    req = dataclasses.replace(user_request(tmp_path, args=("--steps", "2")), nproc=1, slots=(0,), script="",
+                              module="train")  # `python -m train`: the code dir is first on PYTHONPATH
+    assert Supervisor(req, **rec.callbacks()).start()
+    rec.wait(exited)
+    (result,) = rec.exits()
+    assert (result["exit_code"], result["failures"]) == (0, [])
+    (rank,) = rec.ranks()
+    assert "user rank 0 done sum=1" in [line for _, _, line in rec.lines(0)], rec.lines()
+    assert rank["rank"] == 0
