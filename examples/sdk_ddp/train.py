@@ -63,7 +63,7 @@ def main() -> None:
             print(f"sdk_ddp: step {step} rank {run.rank} loss {loss.item():.4f}", flush=True)
         if run.should_checkpoint(step):  # trainyard: every_steps, the last step, preemption
             run.checkpoint(step, {"model": net, "optim": opt})
-        if run.should_stop():  # trainyard: preemption, drain, rollback or cancel
+        if run.should_stop():  # trainyard: preemption or drain asked for a stop
             break
     run.finish()  # trainyard
     print(f"sdk_ddp: rank {run.rank} finished", flush=True)

@@ -336,8 +336,8 @@ class Run:
         return self._ckpt.wait_for_staging()
 
     def should_stop(self) -> bool:
-        """Whether the control plane asked this attempt to stop (preemption, drain, rollback)
-        and every rank agreed: all ranks return True after the same step. Save that step
+        """Whether the control plane asked this attempt to stop and save (preemption, drain with
+        mode preempt) and every rank agreed: all ranks return True after the same step. Save that step
         (`should_checkpoint` says so), leave the loop and call `finish`, which exits 83."""
         return self._stop_agreed(self._step)
 
