@@ -155,9 +155,12 @@ def trainer_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int)
 
 
 def rng_state(device: torch.device) -> dict:
+    """This rank's RNG states in types `torch.load(weights_only=True)` reads back (no pickled
+    objects in a checkpoint): numpy's key array travels as an int64 tensor."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
-        state["numpy"] = np.random.get_state()
+        name, key, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -166,7 +169,8 @@ def rng_state(device: torch.device) -> dict:
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])
+        name, key, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -449,8 +453,9 @@ class Checkpointer:
         dcp.load(loaded, checkpoint_id=path, process_group=self.group)
         load_into(state, loaded)
         rng_file = Path(path) / f"rank-{self.rank}.pt"
-        if rng_file.is_file():  # our own file: weights_only=False for numpy's RNG tuple
-            set_rng_state(torch.load(rng_file, weights_only=False), self.device)
+        restored = rng_file.is_file()
+        if restored:  # tensors, ints, floats and strings only: nothing in a checkpoint is unpickled as code
+            set_rng_state(torch.load(rng_file, weights_only=True), self.device)
         else:
             seed_rng(seed, step, self.rank, self.device)
-        return Resumed(step, step, time.perf_counter() - t0, rng_file.is_file())
+        return Resumed(step, step, time.perf_counter() - t0, restored)
