@@ -12,34 +12,43 @@ from .celery_app import app
 
 # shared=False: registered with this side's app only (Celery shares tasks with every app in a
 # process by default), so each side serves exactly its own queue's tasks even when both load.
+#
+# The periodic tasks and heartbeats are acked early (PERIODIC): the next beat or heartbeat, 2 s
+# later, redoes what a lost one would have done, and a late ack is what kombu's Redis transport
+# fails on when the broker restarts while such a task runs (the ack after the reconnect finds the
+# old channel without a connection: "Unrecoverable error: 'NoneType' object has no attribute
+# 'hostname'", and the control worker exits; tests/integration/test_chaos.py restarts Redis with a
+# heartbeat in flight; seen in one of three full runs). Attempt reports keep the late ack: each
+# is sent once.
+PERIODIC = {"shared": False, "acks_late": False}
 
 
-@app.task(name=SCHEDULE_TICK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+@app.task(name=SCHEDULE_TICK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
 def schedule_tick() -> list[int]:
     return services.schedule_tick()
 
 
-@app.task(name=NODES_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+@app.task(name=NODES_CHECK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
 def nodes_check() -> list[str]:
     return services.nodes_check()
 
 
-@app.task(name=ETA_REFRESH_TASK, shared=False, time_limit=60, soft_time_limit=50)
+@app.task(name=ETA_REFRESH_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
 def eta_refresh() -> int:
     return services.eta_refresh()
 
 
-@app.task(name=ATTEMPTS_CHECK_TASK, shared=False, time_limit=60, soft_time_limit=50)
+@app.task(name=ATTEMPTS_CHECK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
     return services.attempts_check()
 
 
-@app.task(name=BUNDLES_GC_TASK, shared=False, time_limit=600, soft_time_limit=540)
+@app.task(name=BUNDLES_GC_TASK, **PERIODIC, time_limit=600, soft_time_limit=540)
 def bundles_gc() -> list[str]:
     return services.bundles_gc().deleted
 
 
-@app.task(name=HEARTBEAT_TASK, shared=False, time_limit=30, expires=10)
+@app.task(name=HEARTBEAT_TASK, **PERIODIC, time_limit=30, expires=10)
 def node_heartbeat(payload: dict) -> None:
     node, orphans = services.node_heartbeat(payload)
     for attempt_id in orphans:

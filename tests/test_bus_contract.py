@@ -98,3 +98,14 @@ def test_each_side_serves_its_own_tasks_with_the_shared_settings():
     assert not {SCHEDULE_TICK_TASK, HEARTBEAT_TASK, RANKS_TASK, NODE_EXIT_TASK} & set(node.tasks)
     for app in (control, node):
         assert all(app.conf[k] == v for k, v in CELERY_SETTINGS.items())
+
+
+def test_reports_are_acked_after_they_run_and_periodic_tasks_before():
+    """An attempt's rank and exit reports are sent once: a worker killed mid-task must run them
+    again (late ack). Ticks and heartbeats repeat every 2 s, so they are acked early, which keeps
+    a Redis restart during one from crashing the control worker (jobs/tasks.py)."""
+    from jobs.celery_app import app as control
+    from jobs.tasks import PERIODIC  # noqa: F401 - registers the control tasks
+
+    assert control.tasks[RANKS_TASK].acks_late and control.tasks[NODE_EXIT_TASK].acks_late
+    assert not control.tasks[HEARTBEAT_TASK].acks_late and not control.tasks[SCHEDULE_TICK_TASK].acks_late
