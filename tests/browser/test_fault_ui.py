@@ -549,3 +549,49 @@ def test_quarantined_node_is_cleared_from_its_card(page, base, cluster):
         manage(cluster, "shell", "-c",
                "from jobs.models import Node; Node.objects.filter(name='node-b', status='QUARANTINED')"
                ".update(status='READY', quarantined_at=None, quarantine_reason='')")
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(600)
+def test_sdk_script_rolled_back_from_the_page_resumes_at_the_target_and_runs_every_step_once(page, base, cluster):
+    """The user's own code (examples/sdk_ddp, uploaded as a bundle) rolled back from the page:
+    run.restore loads the target, the new attempt runs target+1.. and the lineage has each step once."""
+    from tests.integration.test_user_code import EXAMPLES, upload
+    from tests.test_entrypoint import pack_dir
+
+    status, body = upload(cluster, pack_dir(EXAMPLES / "sdk_ddp"))
+    assert status in (200, 201), body
+    steps = 200
+    job = cluster.submit({"name": "sdk-rollback-ui", "code": {"bundle": body["bundle"]},
+                          "entrypoint": {"script": "train.py"}, "train": {"steps": steps},
+                          "config": {"hidden": 32, "batch": 16, "step_sleep_s": 0.05},
+                          "resources": {"nodes": 2, "procs_per_node": 1},
+                          "checkpoint": {"every_steps": 10, "keep": 100}})
+    job_id = job["id"]
+    page.goto(f"{base}/jobs/{job_id}/")
+    wait_js(page, "() => document.querySelectorAll('#checkpoints-body tr[data-state=active]').length >= 2", 180,
+            "two checkpoints of the script in the table")
+    steps_by_id = {int(k): v for k, v in page.evaluate("""() => Object.fromEntries([...document.querySelectorAll(
+        '#checkpoints-body tr[data-checkpoint]')].map(r => [r.dataset.checkpoint, +r.dataset.step]))""").items()}
+    target = min((c for c, s in row_states(page).items() if s == "active"), key=lambda c: steps_by_id[c])
+    target_step = steps_by_id[target]
+
+    page.click(f'#checkpoints-body tr[data-checkpoint="{target}"] button[data-action=rollback]')
+    with page.expect_response(lambda r: r.url.endswith(f"/api/v1/jobs/{job_id}/rollback/")) as resp:
+        page.click("#rollback-yes")
+    assert resp.value.status == 202, resp.value.text()
+    wait_js(page, f"() => (document.querySelector('#chart-loss').dataset.markers || '').split(',')"
+                  f".includes('rollback@{target_step}')", 60, "the rollback marker")
+    wait_js(page, "() => document.body.dataset.jobStatus === 'SUCCEEDED'", 240, "SUCCEEDED after the rollback")
+
+    final = cluster.job(job_id)
+    assert final["step"] == steps and final["status"] == "SUCCEEDED", final
+    second = sorted(final["attempts"], key=lambda a: a["number"])[1]
+    assert second["resumed_from_step"] == target_step and second["resumed_from"] == target, second
+    # run.restore returned the target's step: the new attempt's first sample is the step after it.
+    status, samples = cluster.request("GET", f"/api/v1/jobs/{job_id}/metrics/?attempt={second['id']}&limit=10000")
+    assert status == 200 and min(s["step"] for s in samples) == target_step + 1, samples[:3]
+    assert all("lr" in s["metrics"] for s in samples)  # the script's own metric, after the resume too
+    wait_js(page, f"() => Object.values(window.trainyard.stats()).every(s => s.max === {steps})", 30, "the last step")
+    assert_no_duplicates_or_gaps(chart_stats(page), world=2)
+    assert not page.js_errors, page.js_errors
