@@ -75,15 +75,15 @@ def test_a_resume_path_that_is_not_a_complete_checkpoint_is_a_config_error_namin
 def test_resume_config_is_parsed_and_its_step_checked_against_the_manifest(tmp_path):
     final = ck.publish(_partial(tmp_path, 5, 21), {"format": 1, "step": 5})
     raw = make_launch_config(tmp_path, "redis://x:1/0", checkpoint={"every_steps": 5, "async": False})
-    assert parse_run_config(raw).resume is None
+    assert parse_run_config(raw).launch.resume is None
     assert parse_run_config(raw).checkpoint == CheckpointSpec.model_validate({"every_steps": 5, "async": False, "keep": 3})
     raw["resume"] = {"path": str(final), "step": 5, "checkpoint_id": 3}
     cfg = parse_run_config(raw)
-    assert (cfg.resume.path, cfg.resume.step, cfg.resume.checkpoint_id) == (final, 5, 3)
-    assert ck.resume_manifest(cfg.resume)["step"] == 5
+    assert (cfg.launch.resume.path, cfg.launch.resume.step, cfg.launch.resume.checkpoint_id) == (final, 5, 3)
+    assert ck.resume_manifest(cfg.launch.resume)["step"] == 5
     raw["resume"]["step"] = 10
     with pytest.raises(ConfigError, match=r"resume.step=10 but .*-a21/trainyard.json says step 5"):
-        ck.resume_manifest(parse_run_config(raw).resume)
+        ck.resume_manifest(parse_run_config(raw).launch.resume)
     for bad, message in [({"path": "rel/dir", "step": 5}, "resume.path must be absolute"),
                          ({"step": 5}, "resume must be null or an object with path and step")]:
         raw["resume"] = bad

@@ -14,8 +14,8 @@ def test_default_spec_parses_to_the_demo_job(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(raw))
     cfg = load_run_config(path)
-    assert (cfg.job_id, cfg.attempt_id, cfg.node, cfg.stream) == (7, 9, "node-a", "trainyard:job:7")
-    assert cfg.run_dir == tmp_path / "run" and cfg.data_root == tmp_path / "data"
+    assert (cfg.launch.job_id, cfg.launch.attempt_id, cfg.launch.node, cfg.launch.stream) == (7, 9, "node-a", "trainyard:job:7")
+    assert cfg.launch.run_dir == tmp_path / "run" and cfg.launch.data_root == tmp_path / "data"
     m = cfg.model
     assert (m.kind, m.layers, m.hidden, m.heads, m.seq_len, m.vocab) == ("gpt", 4, 128, 4, 128, 256)
     assert cfg.data.kind == "demo" and cfg.data.path is None

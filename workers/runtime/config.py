@@ -16,32 +16,48 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.sdk.config import ConfigError, LaunchConfig, ResumeConfig, load_launch_config, parse_launch_config
-from trainyard.spec import CheckpointSpec, CommSpec, DataSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainSpec
+from trainyard.spec import (CheckpointSpec, CommSpec, DataSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
+                            TrainSpec)
 
 __all__ = ["ConfigError", "ResumeConfig", "RunConfig", "load_run_config", "parse_run_config"]
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One attempt's launch config: the launch-only fields, then the validated JobSpec's sections."""
+    """One attempt's launch config: the launch-only fields (`launch`, as trainyard.sdk parsed
+    them, which the SDK's Run is built from) and the validated JobSpec's sections."""
 
-    job_id: int
-    attempt_id: int
-    node: str
-    run_dir: Path
-    redis_url: str
-    stream: str
-    data_root: Path
-    checkpoint_dir: Path
-    model: ModelSpec
-    data: DataSpec
-    train: TrainSpec
-    resources: ResourcesSpec
-    parallel: ParallelSpec  # "auto" in the spec reads as ParallelSpec() (dp None: the whole world)
-    comm: CommSpec
-    checkpoint: CheckpointSpec = CheckpointSpec()
-    resume: ResumeConfig | None = None
-    launch: LaunchConfig | None = None  # what the SDK's Run is built from (trainer.py)
+    launch: LaunchConfig  # the launch-only fields (ids, node, run dir, Redis, roots, resume)
+    spec: JobSpec         # validated once, by run_config; the sections below read it
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.spec.model
+
+    @property
+    def data(self) -> DataSpec:
+        return self.spec.data
+
+    @property
+    def train(self) -> TrainSpec:
+        return self.spec.train
+
+    @property
+    def resources(self) -> ResourcesSpec:
+        return self.spec.resources
+
+    @property
+    def parallel(self) -> ParallelSpec:
+        """`parallel: "auto"` reads as ParallelSpec() (dp None: data parallel over the world)."""
+        return self.spec.plan
+
+    @property
+    def comm(self) -> CommSpec:
+        return self.spec.comm
+
+    @property
+    def checkpoint(self) -> CheckpointSpec:
+        return self.spec.checkpoint
 
     def per_rank_batch(self, world_size: int) -> int:
         """Samples one rank consumes per optimizer step (all its micro-batches together)."""
@@ -71,14 +87,7 @@ def run_config(launch: LaunchConfig) -> RunConfig:
     spec = launch.job_spec()
     if spec.model is None or spec.data is None:
         raise ConfigError("the built-in trainer needs the spec's model and data (this job has an entrypoint)")
-    return RunConfig(
-        job_id=launch.job_id, attempt_id=launch.attempt_id, node=launch.node, run_dir=launch.run_dir,
-        redis_url=launch.redis_url, stream=launch.stream, data_root=launch.data_root,
-        checkpoint_dir=launch.checkpoint_dir,
-        model=spec.model, data=spec.data, train=spec.train, resources=spec.resources,
-        parallel=spec.plan, comm=spec.comm, checkpoint=spec.checkpoint,
-        resume=launch.resume, launch=launch,
-    )
+    return RunConfig(launch=launch, spec=spec)
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -113,7 +113,7 @@ def check_world(cfg: RunConfig, env: DistEnv) -> Mesh:
 def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
     """Train this rank to completion; returns its summary. Exceptions propagate (exit != 0)."""
     env = env or DistEnv.from_environ()
-    write_rank_file(cfg.run_dir, env, cfg.node)
+    write_rank_file(cfg.launch.run_dir, env, cfg.launch.node)
     cuda = cfg.resources.device == "cuda"
     if cuda:
         # CUDA_VISIBLE_DEVICES holds this node's slots, so the local rank indexes them.
@@ -121,9 +121,9 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    reporter = Reporter(cfg.redis_url, cfg.stream, rank=env.rank, attempt=cfg.attempt_id,
-                        preempt_key=preempt_key(cfg.attempt_id))
-    reporter.event("rank_started", pid=os.getpid(), node=cfg.node, world_size=env.world_size)
+    reporter = Reporter(cfg.launch.redis_url, cfg.launch.stream, rank=env.rank, attempt=cfg.launch.attempt_id,
+                        preempt_key=preempt_key(cfg.launch.attempt_id))
+    reporter.event("rank_started", pid=os.getpid(), node=cfg.launch.node, world_size=env.world_size)
     try:
         # User errors (bad data path, too little data) surface here, before the rendezvous,
         # so a failing rank does not first wait for its peers.
@@ -133,8 +133,8 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         cfg.micro_batch(mesh.dp)  # global_batch divisible by dp x grad_accum
         # a step consumes one loader batch (its micro-batches are cut from it): a checkpoint at
         # step S has consumed S batches on every rank
-        start_batch = resume_manifest(cfg.resume)["step"] if cfg.resume else 0
-        batches, val = build_batches(cfg.data, cfg.model, cfg.data_root, rank=dp_rank,
+        start_batch = resume_manifest(cfg.launch.resume)["step"] if cfg.launch.resume else 0
+        batches, val = build_batches(cfg.data, cfg.model, cfg.launch.data_root, rank=dp_rank,
                                      world_size=mesh.dp, batch=batch, seed=cfg.train.seed,
                                      pin_memory=cuda, start_batch=start_batch,
                                      balance=cfg.train.balance == "auto")
@@ -160,11 +160,11 @@ class Trainer:
         self.steps, self.accum, self.seq_len = train.steps, train.grad_accum, mcfg.seq_len
         self.batch = cfg.per_rank_batch(mesh.dp)
         self.lr_at = functools.partial(lr_at, train=train)
-        self.node, self.attempt_id = cfg.node, cfg.attempt_id
+        self.node, self.attempt_id = cfg.launch.node, cfg.launch.attempt_id
         torch.manual_seed(train.seed)  # identical initial weights on every rank
         model = build_model(mcfg).to(device)
         # Reporting, checkpoints and stopping go through the SDK's Run, as in a user's script.
-        self.run = Run(env=env, device=device, launch=cfg.launch, spec=cfg.launch.job_spec(),
+        self.run = Run(env=env, device=device, launch=cfg.launch, spec=cfg.spec,
                        reporter=reporter)
         self._build_comm(cfg)
         p = cfg.parallel
@@ -177,8 +177,8 @@ class Trainer:
         # local SGD: sync.wrap puts a PostLocalSGDOptimizer around AdamW (sync.py)
         self.opt = self.sync.wrap(torch.optim.AdamW(self.model.parameters(), lr=train.lr,
                                                     betas=(0.9, 0.95), weight_decay=0.01))
-        self.first = self._resume(cfg.resume.path, start_batch) + 1 if cfg.resume is not None else 1
-        self.chaos = Chaos.from_environ(cfg.job_id, env.rank, _say)
+        self.first = self._resume(cfg.launch.resume.path, start_batch) + 1 if cfg.launch.resume is not None else 1
+        self.chaos = Chaos.from_environ(cfg.launch.job_id, env.rank, _say)
         self.slow = SlowKnob(self.chaos, env.rank)  # test aid: compute takes `factor` x as long
         self.balance = None  # train.balance none: equal shares
         if train.balance == "auto":
