@@ -170,18 +170,26 @@ function _base({ width, height }) {
 
 // ---------------------------------------------------------------- the job page's four charts
 
-export function lossChart(root) {
+// One line per rank of `column(store, rank)`: the loss, the per-rank step charts and the user's
+// own metrics are all this, with their own number formats and y range.
+function rankLines(root, column, { value, tick, size, scales }) {
   return new LiveChart(root, {
     define: ({ store }) => {
       const ranks = store.sortedRanks();
       return {
         key: ranks.join(','),
-        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtNum(v, 4) })),
-        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtNum(v, 3)) })],
+        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => value(v) })),
+        ...(scales ? { scales } : {}),
+        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => tick(v)), ...(size ? { size } : {}) })],
       };
     },
-    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, 'loss'))],
+    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => column(store, r))],
   });
+}
+
+export function lossChart(root) {
+  return rankLines(root, (store, r) => store.column(r, 'loss'),
+    { value: (v) => fmtNum(v, 4), tick: (v) => fmtNum(v, 3) });
 }
 
 // Job samples/s per step (thin) and its moving average (thick). Tokens/s is samples/s times the
@@ -269,34 +277,17 @@ export function breakdownChart(root) {
 
 // One line per rank of one sample field, from zero: step time, bytes sent, batch share.
 function perRankChart(root, field, fmt) {
-  return new LiveChart(root, {
-    define: ({ store }) => {
-      const ranks = store.sortedRanks();
-      return {
-        key: ranks.join(','),
-        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmt(v) })),
-        scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
-        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmt(v)), size: 56 })],
-      };
-    },
-    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.column(r, field))],
+  return rankLines(root, (store, r) => store.column(r, field), {
+    value: fmt, tick: fmt, size: 56,
+    scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
   });
 }
 
 // One of the user's own metrics (run.log(step, name=value) in the SDK), one line per rank; the y range
 // follows the data (a metric may be negative or far from zero).
 export function userMetricChart(root, name) {
-  return new LiveChart(root, {
-    define: ({ store }) => {
-      const ranks = store.sortedRanks();
-      return {
-        key: ranks.join(','),
-        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => fmtNum(v, 4) })),
-        axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtNum(v, 3)), size: 56 })],
-      };
-    },
-    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => store.metricColumn(r, name))],
-  });
+  return rankLines(root, (store, r) => store.metricColumn(r, name),
+    { value: (v) => fmtNum(v, 4), tick: (v) => fmtNum(v, 3), size: 56 });
 }
 
 export function rankStepChart(root) {
