@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 from pathlib import Path
 
 import psutil
@@ -154,7 +155,14 @@ def test_a_script_without_the_sdk_runs_with_its_logs_and_no_telemetry(cluster, b
                           "resources": {"nodes": 2, "procs_per_node": 1}})
     done = cluster.wait_status(job["id"], TERMINAL, 240)
     assert done["status"] == "SUCCEEDED", (done, cluster.logs())
-    (attempt,) = done["attempts"]
+    *retried, attempt = done["attempts"]
+    for earlier in retried:
+        # A retry is the platform doing its job after an infrastructure fault (CI saw one second
+        # attempt here once, 1 run in 6, on a loaded 2-core machine); never after the script's own
+        # error. Say which, so that a recurring cause shows in the warnings summary.
+        assert earlier["failure"].get("class") not in (None, "user_error", "oom"), earlier
+        warnings.warn(f"plain job {job['id']}: attempt {earlier['number']} ended {earlier['outcome']}: "
+                      f"{earlier['failure'].get('message')}", stacklevel=1)
     assert attempt["outcome"] == "succeeded" and sorted(r["rank"] for r in attempt["ranks"]) == [0, 1]
     for rank in (0, 1):
         lines = log_lines(cluster, job["id"], rank, attempt["id"])
