@@ -9,6 +9,7 @@ import { lossChart, throughputChart, breakdownChart, rankStepChart, bytesChart, 
 import { LogPane } from './logs.js';
 import { KeptLogs } from './keptlogs.js';
 import { addUserCharts, renderTelemetryNote } from './usercharts.js';
+import { renderPlanMeasured } from './planpanel.js';
 import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
   readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
 
@@ -88,6 +89,7 @@ function renderHeader() {
   $('#job-loss').textContent = isNum(loss) ? fmtNum(loss, 4) : '–';
   const stepS = store.latest('step_s');
   $('#job-step-time').textContent = isNum(stepS) ? fmtSeconds(stepS) : '–';
+  renderPlanMeasured(store);
 }
 
 // ---------------------------------------------------------------- queue position, predicted start
