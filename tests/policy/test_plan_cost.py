@@ -92,3 +92,17 @@ def test_more_micro_batches_cut_the_bubble():
     few = step_time(r, Candidate(dp=1, tp=1, pp=2, micro_batch=32), DEFAULT_GPU)
     many = step_time(r, Candidate(dp=1, tp=1, pp=2, micro_batch=4), DEFAULT_GPU)
     assert many.bubble_fraction < few.bubble_fraction
+
+
+def test_constants_round_trip_through_json_and_interpolate_log_linearly():
+    import json
+
+    from jobs.policy.plan import DEFAULT_CPU, DeviceConstants
+
+    for k in (DEFAULT_GPU, DEFAULT_CPU):
+        assert DeviceConstants.from_dict(json.loads(json.dumps(k.to_dict()))) == k
+    newer = {**DEFAULT_CPU.to_dict(), "a_field_from_the_future": 1}
+    assert DeviceConstants.from_dict(newer) == DEFAULT_CPU
+    k = DeviceConstants(name="x", matmul_eff=((100.0, 0.1), (10000.0, 0.5)))
+    assert k.efficiency(10.0) == 0.1 and k.efficiency(1e6) == 0.5          # clamped at the ends
+    assert k.efficiency(1000.0) == pytest.approx(0.3)                       # halfway in log n
