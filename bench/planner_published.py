@@ -12,7 +12,8 @@ the plans and rejected counts and the best plan.
 the TRAIN rows only (jobs/policy/plan/fit.py): per split, mean and max |error| of the throughput
 predicted for the published layout against the measured one, whether the published (tp, pp) is
 among the planner's three best distinct layouts, and the regret of the planner's pick where a
-group of rows measured several layouts of one model on one cluster (none in the verified data).
+group of rows measured several layouts of one model on one cluster and batch (Megatron-LM 2021
+Table 2's five PTD-P / ZeRO-3 pairs).
 Targets on the held-out rows: mean <= 12%, max <= 25%, top-3 >= 80%. `out_of_scope` rows (the
 run used techniques the model does not cost) are reported apart.
 """

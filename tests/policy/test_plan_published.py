@@ -5,7 +5,9 @@ cost model predicts for each held-out row's published layout is compared with th
 Targets (issue 13): held-out mean |error| <= 12%, every held-out row within 25%, the published
 (tp, pp) among the planner's three best distinct layouts for >= 80% of rows. Rows the model does
 not cover (`out_of_scope`: techniques it does not model) are reported, not hidden, and checked
-for the direction their missing techniques explain. Run with -s to print the figures.
+for the direction their missing techniques explain. A source's baselines (Megatron-LM's ZeRO-3
+rows, chosen to lose) count in the errors and the regret, not in the top-3 rate (printed apart).
+Run with -s to print the figures.
 """
 import json
 import math
@@ -49,20 +51,28 @@ def test_held_out_rows_meet_the_targets():
     print("out of scope:", json.dumps({k: v for k, v in beyond.items() if k != "rows"}))
     assert result["mean_abs_error"] <= 0.12
     assert result["max_abs_error"] <= 0.25
-    assert result["top3_rate"] >= 0.8
+    assert result["top3_rate"] >= 0.8 and result["top3_rows"] >= 10
     # What the out-of-scope rows lack (sequence parallelism, interleaving, partial recompute) would
     # make the run faster than the model says: the model must err on that side, not the other.
     assert all(r["error"] < 0 and r["published_in_top3"] for r in beyond["rows"])
 
 
-def test_regret_is_measured_on_groups_of_layouts_of_one_model():
-    # No verified source in published.py measured several layouts of one model on one cluster and
-    # batch (MT-NLG varies the cluster); the computation is checked on two rows that do.
-    base = next(r for r in ROWS if r["id"] == "megatron21-145.6B")
+def test_regret_of_the_planners_pick_among_layouts_a_source_measured():
+    # Megatron-LM 2021's Table 2 measured PTD-P and ZeRO-3 on the same GPUs and batch: five pairs.
+    _, held, _ = split()
+    groups = regret(held, DEFAULT_GPU)
+    assert len(groups) == 5 and all(len(g["rows"]) == 2 for g in groups)
+    by_id = {r["id"]: r for r in ROWS}
+    for g in groups:
+        best = max(measured_tokens_per_s(by_id[i]) for i in g["rows"])
+        assert g["regret"] == round(1 - measured_tokens_per_s(by_id[g["pick"]]) / best, 4)
+    values = [g["regret"] for g in groups]
+    print(f"\nregret of the planner's pick over {len(groups)} groups: mean {sum(values) / len(values):.1%}, "
+          f"max {max(values):.1%}: " + json.dumps(groups))
+    # A pair the planner gets wrong is visible: it costs what the measured numbers say, no more.
+    base = by_id["megatron21-145.6B"]
     other = {**base, "id": "x-slow-layout", "published": {"tp": 4, "pp": 16, "dp": 24},
              "measured": {**base["measured"], "tflops_per_gpu": 100}}
-    assert regret([r for r in ROWS], DEFAULT_GPU) == []
     (group,) = regret([base, other], DEFAULT_GPU)
-    assert group["rows"] == ["megatron21-145.6B", "x-slow-layout"]
     expected = 0.0 if group["pick"] == base["id"] else 1 - 100 / 148
     assert math.isclose(group["regret"], round(expected, 4))
