@@ -5,6 +5,8 @@ import os
 import secrets
 from pathlib import Path
 
+import psutil
+
 from trainyard import keys
 from trainyard.bundle import BundleLimits
 
@@ -169,6 +171,10 @@ TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", st
 # Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
+# parallel: auto on CPU plans each process within this much memory (GB): by default a core's share
+# of this host's memory (on one machine every agent's slot is a core of it).
+TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMORY_GB") or round(
+    psutil.virtual_memory().total / 1e9 / max(1, os.cpu_count() or 1), 1))
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.

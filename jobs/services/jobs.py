@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 
-from .. import dispatch, selectors
+from .. import autoplan, dispatch, selectors
 from ..errors import RollbackCheckpointError, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
@@ -41,11 +41,17 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     stored = parsed.to_json()
-    if parsed.parallel != "auto":
+    auto = None
+    if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
+        stored, auto = autoplan.resolve_auto(stored)  # the best plan, written into the spec
+    elif parsed.parallel != "auto":
         stored["parallel"]["dp"] = parsed.dp
     plan = planner.describe(stored)
-    plan["source"] = ("auto: data parallel over all processes (no strategy search yet)"
-                      if parsed.parallel == "auto" else "spec")
+    plan["source"] = ("spec" if parsed.parallel != "auto" else
+                      "auto: data parallel over all processes (an MLP is not searched)" if auto is None else
+                      f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
+    if auto is not None:
+        plan["auto"] = auto
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
     prediction = predictor.predict(shape, selectors.past_runs())
