@@ -8,8 +8,8 @@ from typing import Any, get_args
 from django import forms
 from pydantic import BaseModel
 
-from trainyard.spec import (CommSpec, DataSpec, JobSpec, ModelSpec, ResourcesSpec, SpecError, TrainSpec,
-                            parse_text)
+from trainyard.spec import DataSpec, JobSpec, ModelSpec, ResourcesSpec, SpecError, TrainSpec, parse_text
+from trainyard.spec_parallel import CommSpec, ParallelSpec
 
 DEMO_SPEC = """{
   "name": "gpt-demo",
@@ -24,7 +24,7 @@ DEMO_SPEC = """{
 class SpecField:
     path: str          # dotted JobSpec path, as in SpecError.errors
     label: str
-    kind: str          # text | int | float | select
+    kind: str          # text | int | float | select | bool (a select of false/true, sent as a JSON boolean)
     group: str
     choices: tuple[str, ...] = ()
     help: str = ""
@@ -55,6 +55,11 @@ SPEC_FIELDS: tuple[SpecField, ...] = (
     SpecField("parallel.tp", "Tensor parallel", "int", "Parallelism",
               help="ranks splitting each layer's heads and MLP columns; must divide heads"),
     SpecField("parallel.pp", "Pipeline stages", "int", "Parallelism", help="at most the number of layers"),
+    SpecField("parallel.recompute", "Activation recompute", "select", "Parallelism",
+              _choices(ParallelSpec, "recompute"),
+              help="full: recompute each block's activations in the backward pass (less memory, more compute)"),
+    SpecField("parallel.shard_optimizer", "Shard optimizer state", "bool", "Parallelism", ("false", "true"),
+              help="ZeRO-1: each data-parallel rank keeps 1/dp of the AdamW state; not with FSDP"),
     SpecField("train.grad_accum", "Gradient accumulation", "int", "Parallelism",
               help="micro-steps per optimizer step, synchronised only on the last"),
     SpecField("comm.compression", "Gradient compression", "select", "Parallelism",
@@ -81,6 +86,11 @@ def _lookup(data: Any, path: str) -> Any:
     return data
 
 
+def _text(value: Any) -> Any:
+    # a boolean as the spec writes it (JSON/YAML), which is what a "bool" field's options say
+    return ("true" if value else "false") if isinstance(value, bool) else value
+
+
 def field_groups(spec: Any, errors: dict[str, list[str]] | None) -> list[dict]:
     """Fields grouped for the template, each with its value in `spec` (a parsed dict, or anything
     when the text did not parse), its default as placeholder, and the errors at its path."""
@@ -93,8 +103,8 @@ def field_groups(spec: Any, errors: dict[str, list[str]] | None) -> list[dict]:
         groups.setdefault(f.group, []).append({
             "path": f.path, "id": "f-" + f.path.replace(".", "-"), "label": f.label, "kind": f.kind,
             "choices": f.choices, "help": f.help, "errors": errors.get(f.path, []),
-            "value": "" if value is None or isinstance(value, (dict, list)) else value,
-            "placeholder": "" if default is None else default,
+            "value": "" if value is None or isinstance(value, (dict, list)) else _text(value),
+            "placeholder": "" if default is None else _text(default),
         })
     return [{"name": name, "fields": fields, "path": GROUP_PATHS.get(name, ""),
              "errors": errors.get(GROUP_PATHS.get(name, ""), [])} for name, fields in groups.items()]

@@ -19,11 +19,11 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 
 from .mesh import param_count
 from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
+from .spec_parallel import MAX_STEPS, CommSpec, ParallelSpec
 from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
 # Upper bounds that catch typos (hidden: 1280000) before they become an OOM on a node.
 MAX_PARAMS = 20_000_000_000
-MAX_STEPS = 10_000_000
 BYTE_VOCAB = 256  # the demo corpus is byte-level text: every token id is in [0, 256)
 UINT16_IDS = 65536  # a data.kind tokens file holds uint16 ids
 
@@ -126,6 +126,18 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "parallel.fsdp", lambda s: s.plan.fsdp and s.plan.tp > 1,
          lambda s: "FSDP together with tensor parallelism is not supported; use dp x tp "
                    "with fsdp false, or fsdp with tp 1"),
+    Rule("submit", "parallel.shard_optimizer", lambda s: s.plan.shard_optimizer and s.plan.fsdp,
+         lambda s: "fsdp already shards the optimizer state (with the parameters and gradients) over dp: "
+                   "use shard_optimizer false with fsdp true"),
+    Rule("submit", "parallel.shard_optimizer", lambda s: s.plan.shard_optimizer and s.dp < 2,
+         lambda s: f"shard_optimizer splits the optimizer state over the data-parallel ranks; the job has "
+                   f"dp {s.dp}: use shard_optimizer false (or dp >= 2)"),
+    Rule("submit", "parallel.shard_optimizer", lambda s: s.plan.shard_optimizer and s.comm.sync != "allreduce",
+         lambda s: f"with shard_optimizer each rank updates only its share of the parameters from the "
+                   f"averaged gradients, but comm.sync {s.comm.sync} averages no gradients: use allreduce"),
+    Rule("submit", "parallel", lambda s: s.user_code and (s.plan.recompute != "none" or s.plan.shard_optimizer),
+         lambda s: f"recompute and shard_optimizer {_BUILTIN_ONLY}: use recompute none and "
+                   f"shard_optimizer false"),
     Rule("submit", "comm.compression", lambda s: _builtin(s) and not s.plain_ddp and s.comm.compression != "none",
          lambda s: "gradient compression is a DDP comm hook: it needs plain data "
                    "parallelism (tp 1, pp 1, fsdp false)"),
@@ -252,58 +264,6 @@ class ResourcesSpec(_Strict):
     def world_size(self) -> int:
         """Processes in the job: nodes x procs_per_node."""
         return self.nodes * self.procs_per_node
-
-
-class ParallelSpec(_Strict):
-    """How the ranks split the work: dp x tp x pp = world size, optionally FSDP-sharded."""
-
-    dp: int | None = Field(None, ge=1, description="defaults to world size / (tp * pp)")
-    tp: int = Field(1, ge=1, description="tensor parallel: ranks splitting each block's heads and MLP columns")
-    pp: int = Field(1, ge=1, description="pipeline parallel: stages, each holding consecutive blocks")
-    fsdp: bool = Field(False, description="shard parameters, gradients and optimizer state over dp (FSDP2)")
-    microbatches: int = Field(4, ge=1, le=1024, description="pp: micro-batches per step of each replica")
-    schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="pp: the pipeline schedule")
-
-
-class Periods(_Strict):
-    """comm.sync hierarchical: how often the models are averaged within a node and globally."""
-
-    node: int = Field(2, ge=1, description="steps between averages among a node's ranks")
-    global_: int = Field(8, ge=1, alias="global",
-                         description="steps between averages over all ranks; a multiple of node, larger")
-
-
-class CommSpec(_Strict):
-    """How gradients or models are synchronised between data-parallel replicas."""
-
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
-        "none", description="gradient all-reduce compression (a DDP comm hook; workers/runtime/comm.py)")
-    ratio: Union[Literal["auto"], float] = Field(
-        0.01, description="topk: fraction of each gradient bucket sent, (0, 1]; auto: chosen from "
-                          "measured step times")
-    rank: int = Field(2, ge=1, le=1024, description="powersgd: matrix approximation rank")
-    start_step: int = Field(10, ge=0, le=MAX_STEPS,
-                            description="steps 1..start_step all-reduce dense gradients; compression starts after")
-    sync: Literal["allreduce", "local_sgd", "hierarchical"] = Field(
-        "allreduce", description="allreduce: every step's gradients; local_sgd / hierarchical: average "
-                                 "whole models every few steps")
-    period: int = Field(4, ge=1, description="local_sgd: steps between model averages (after start_step)")
-    periods: Periods = Field(Periods(), description="hierarchical: the node and global averaging periods")
-
-    @field_validator("ratio", mode="before")
-    @classmethod
-    def _ratio(cls, v: Any) -> Any:
-        # One clear message instead of one per union branch ("Input should be 'auto'", ...).
-        if isinstance(v, str) and v.strip() == "auto":
-            return "auto"
-        try:
-            ok = not isinstance(v, bool) and 0 < float(v) <= 1
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"ratio must be a fraction in (0, 1] (the share of each gradient bucket "
-                             f"top-k sends) or 'auto', got {v!r}")
-        return float(v)
 
 
 class CheckpointSpec(_Strict):

@@ -41,6 +41,8 @@ def describe(spec: dict) -> dict:
     tp = 1 if auto else int(par["tp"])
     pp = 1 if auto else int(par["pp"])
     fsdp = False if auto else bool(par["fsdp"])
+    recompute = "none" if auto else par.get("recompute", "none")  # a spec stored before these fields
+    shard_optimizer = False if auto else bool(par.get("shard_optimizer", False))
     dp = world // (tp * pp) if auto or par.get("dp") is None else int(par["dp"])
     grid = Mesh(pp=pp, dp=dp, tp=tp, fsdp=fsdp)
     mesh = grid.shape
@@ -50,7 +52,8 @@ def describe(spec: dict) -> dict:
     roles = []
     for rank in range(world):
         c = grid.coords(rank)
-        bits = [f"replica {c['dp']}/{dp}" + (" (sharded)" if fsdp else "")]
+        bits = [f"replica {c['dp']}/{dp}" + (" (sharded)" if fsdp else "")
+                + (f" (1/{dp} of the optimizer state)" if shard_optimizer else "")]
         if tp > 1:
             per = heads // tp
             bits.append(f"tp {c['tp']}/{tp}: heads {c['tp'] * per}-{(c['tp'] + 1) * per - 1}")
@@ -61,7 +64,7 @@ def describe(spec: dict) -> dict:
     plan = {"dp": dp, "tp": tp, "pp": pp, "fsdp": fsdp, "world_size": world, "mesh": mesh,
             "order": list(MESH_ORDER), "dims": dims, "strategy": strategy_name(dp, tp, pp, fsdp),
             "roles": roles, "sync": comm["sync"], "compression": comm["compression"],
-            "balance": spec["train"]["balance"]}
+            "balance": spec["train"]["balance"], "recompute": recompute, "shard_optimizer": shard_optimizer}
     if pp > 1:
         plan["microbatches"] = int(par["microbatches"])
         plan["schedule"] = par["schedule"]
@@ -79,4 +82,5 @@ def describe_user_code(spec: dict, world: int) -> dict:
     return {"dp": world, "tp": 1, "pp": 1, "fsdp": False, "world_size": world, "mesh": grid.shape,
             "order": list(MESH_ORDER), "dims": dims, "strategy": strategy_name(world, 1, 1, False),
             "roles": roles, "sync": spec["comm"]["sync"], "compression": spec["comm"]["compression"],
-            "balance": spec["train"]["balance"], "user_code": True}
+            "balance": spec["train"]["balance"], "recompute": "none", "shard_optimizer": False,
+            "user_code": True}

@@ -75,6 +75,7 @@ function fieldValue(input) {
   const kind = input.dataset.kind;
   if (kind === 'int' && /^[-+]?\d+$/.test(raw)) return parseInt(raw, 10);
   if (kind === 'float' && raw !== '' && Number.isFinite(Number(raw))) return Number(raw);
+  if (kind === 'bool' && (raw === 'true' || raw === 'false')) return raw === 'true';
   return raw; // a malformed number goes through as text; the server names the field in its error
 }
 

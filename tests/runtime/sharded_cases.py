@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from trainyard.mesh import Mesh
-from trainyard.spec import ModelSpec, ParallelSpec
+from trainyard.spec import ModelSpec
+from trainyard.spec_parallel import ParallelSpec
 from workers.runtime.model import build_model, lm_loss
 from workers.runtime.parallel import optim_bytes, param_bytes
 from workers.runtime.sharded import ShardedStrategy

@@ -3,7 +3,8 @@ from typing import get_args
 
 import pytest
 
-from trainyard.spec import CheckpointSpec, CommSpec, ParallelSpec, unsupported_options, validate_job_spec
+from trainyard.spec import CheckpointSpec, unsupported_options, validate_job_spec
+from trainyard.spec_parallel import CommSpec, ParallelSpec
 from workers.runtime.config import ConfigError, load_run_config, parse_run_config
 
 from .conftest import make_launch_config

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.sdk.config import ConfigError, LaunchConfig, ResumeConfig, load_launch_config, parse_launch_config
-from trainyard.spec import (CheckpointSpec, CommSpec, DataSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                            TrainSpec)
+from trainyard.spec import CheckpointSpec, DataSpec, JobSpec, ModelSpec, ResourcesSpec, TrainSpec
+from trainyard.spec_parallel import CommSpec, ParallelSpec
 
 __all__ = ["ConfigError", "ResumeConfig", "RunConfig", "load_run_config", "parse_run_config"]
 

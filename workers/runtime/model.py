@@ -4,6 +4,14 @@ Both map (B, T) int64 token ids to (B, T, vocab) logits and are trained on next-
 entropy (`lm_loss`). The GPT follows nanoGPT: token + learned position embeddings, pre-LN
 blocks (causal self-attention through F.scaled_dot_product_attention, then a 4x GELU MLP),
 a final LayerNorm and an untied LM head.
+
+Activation recomputation (parallel.recompute full, `build_model(cfg, recompute=True)`): every GPT
+Block and every MLP residual layer runs its forward under torch.utils.checkpoint
+(use_reentrant=False), so autograd keeps only each block's input and recomputes what is inside
+in the backward pass (no dropout or other randomness inside: the recomputation is exact). It is
+done inside the block's forward rather than by wrapping the module, so parameter names, the
+tensor-parallel plan's FQNs, FSDP's units and the pipeline's stages are the same either way
+(FSDP2's hooks run outside the checkpointed region, as with torchtitan's checkpoint_wrapper).
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainyard.spec import ModelSpec
 
@@ -46,8 +55,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(hidden, heads)
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.recompute = False  # parallel.recompute full: keep only the input, recompute the rest
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -88,12 +103,18 @@ class MLP(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.apply(_init_weights)
+        self.recompute = False  # parallel.recompute full: each residual layer recomputed in backward
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
+        recompute = self.recompute and torch.is_grad_enabled()
         for layer in self.layers:
-            x = x + F.gelu(layer(x))
+            x = checkpoint(_residual, layer, x, use_reentrant=False) if recompute else _residual(layer, x)
         return self.head(self.ln_f(x))
+
+
+def _residual(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x + F.gelu(layer(x))
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -103,8 +124,12 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def build_model(cfg: ModelSpec) -> nn.Module:
-    return GPT(cfg) if cfg.kind == "gpt" else MLP(cfg)
+def build_model(cfg: ModelSpec, *, recompute: bool = False) -> nn.Module:
+    """The model `cfg` names; `recompute`: activation checkpointing of every block (module docstring)."""
+    model = GPT(cfg) if cfg.kind == "gpt" else MLP(cfg)
+    for block in model.blocks if isinstance(model, GPT) else (model,):
+        block.recompute = recompute
+    return model
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

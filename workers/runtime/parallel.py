@@ -63,6 +63,7 @@ class DDPStrategy:
     (through the comm hook that compresses and counts, see comm.py)."""
 
     name = "ddp"
+    dp_group = None  # every rank is a replica: the default group (ZeRO-1 shards the optimizer over it)
 
     def __init__(self, model: nn.Module, mesh: Mesh, rank: int, device: torch.device,
                  hook_state=None, hook=None):

@@ -76,6 +76,7 @@ from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig
 from .data import Batch, build_batches, val_batches
 from .model import build_model
+from .optim import build_optimizer, state_optimizer
 from .parallel import optim_bytes
 from .strategy import build_strategy
 from .sync import build_sync
@@ -162,21 +163,23 @@ class Trainer:
         self.lr_at = functools.partial(lr_at, train=train)
         self.node, self.attempt_id = cfg.launch.node, cfg.launch.attempt_id
         torch.manual_seed(train.seed)  # identical initial weights on every rank
-        model = build_model(mcfg).to(device)
+        p = cfg.parallel
+        model = build_model(mcfg, recompute=p.recompute == "full").to(device)
         # Reporting, checkpoints and stopping go through the SDK's Run, as in a user's script.
         self.run = Run(env=env, device=device, launch=cfg.launch, spec=cfg.spec,
                        reporter=reporter)
         self._build_comm(cfg)
-        p = cfg.parallel
         self.strategy = build_strategy(mesh, env.rank, model, device, vocab=mcfg.vocab,
                                        heads=mcfg.heads, hidden=mcfg.hidden,
                                        microbatches=p.microbatches, schedule=p.schedule,
                                        hook_state=self.sync.hook_state, hook=self.sync.hook,
                                        counter=self.counter)
         self.model = self.strategy.module  # what the optimizer updates and the checkpoint saves
-        # local SGD: sync.wrap puts a PostLocalSGDOptimizer around AdamW (sync.py)
-        self.opt = self.sync.wrap(torch.optim.AdamW(self.model.parameters(), lr=train.lr,
-                                                    betas=(0.9, 0.95), weight_decay=0.01))
+        # AdamW, or ZeRO-1 over the dp group (optim.py); local SGD: sync.wrap puts a
+        # PostLocalSGDOptimizer around it (sync.py)
+        self.opt = self.sync.wrap(build_optimizer(self.model, train, shard=p.shard_optimizer,
+                                                  dp_group=self.strategy.dp_group))
+        self.state_opt = state_optimizer(self.opt)  # what checkpoints save: this rank's state
         self.first = self._resume(cfg.launch.resume.path, start_batch) + 1 if cfg.launch.resume is not None else 1
         self.chaos = Chaos.from_environ(cfg.launch.job_id, env.rank, _say)
         self.slow = SlowKnob(self.chaos, env.rank)  # test aid: compute takes `factor` x as long
@@ -230,7 +233,7 @@ class Trainer:
         t3 = time.perf_counter()
         # every_steps, the last step, or the ranks agreed to stop here (preemption)
         if self.run.should_checkpoint(step):
-            self.run.checkpoint(step, trainer_state(self.model, self.opt, step))
+            self.run.checkpoint(step, trainer_state(self.model, self.state_opt, step))
         comm = self.counter.take()
         self.run_comm.add(comm, self.compression.compressing)
         comm_s, exposed_s = comm.measure(self.clock, ref, backward_end)
@@ -279,8 +282,16 @@ class Trainer:
 
     def _report_plan(self) -> None:
         plan, rank = self.strategy.info(), self.env.rank
-        opt_bytes = optim_bytes(self.opt)
-        self.reporter.event("rank_plan", rank=rank, node=self.node, **plan, optim_bytes=opt_bytes)
+        opt_bytes = optim_bytes(self.state_opt)
+        # what this rank really built: checkpointed blocks, a ZeRO-1 partition of the optimizer
+        recompute = any(getattr(m, "recompute", False) for m in self.model.modules())
+        shard = self.state_opt is not self.opt  # optim.state_optimizer: ZeRO's local AdamW
+        if shard:
+            plan["role"] += f"; optimizer state: its 1/{self.mesh.dp} share (ZeRO-1)"
+        if recompute:
+            plan["role"] += "; activations recomputed in backward"
+        self.reporter.event("rank_plan", rank=rank, node=self.node, **plan, optim_bytes=opt_bytes,
+                            recompute="full" if recompute else "none", shard_optimizer=shard)
         _say(f"rank {rank} plan {plan['strategy']} mesh {plan['mesh']['shape']} coords "
              f"{plan['coords']} param_bytes {plan['param_bytes']} optim_bytes {opt_bytes}")
 
@@ -301,7 +312,7 @@ class Trainer:
 
     def _resume(self, path: Path, start_batch: int) -> int:
         """Load the resume checkpoint into model and optimizer (run.restore); returns its step."""
-        state = trainer_state(self.model, self.opt, -1)
+        state = trainer_state(self.model, self.state_opt, -1)
         state["trainer"]["batches_consumed"] = -1
         step = self.run.restore(state)
         consumed = state["trainer"]["batches_consumed"]
