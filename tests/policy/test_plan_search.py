@@ -109,3 +109,19 @@ def test_plan_for_job_plans_what_our_runtime_runs():
             assert p["schedule"] == "gpipe" or par["microbatches"] >= p["pp"]
         else:
             assert accum * p["micro_batch"] * p["dp"] == 32
+
+
+def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
+    import pytest as _pytest
+
+    from jobs.policy.plan import PlanInputError
+
+    small = {"model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 256},
+             "cluster": {"nodes": 2, "devices_per_node": 8, "device": A100, "intra_node_gbs": 300, "inter_node_gbs": 25},
+             "global_batch": 1}
+    with _pytest.raises(PlanInputError) as exc:   # tp*pp <= 8 < 16 devices, so dp >= 2 > batch 1
+        plan_dict(small)
+    assert "global_batch" in exc.value.errors
+    with _pytest.raises(PlanInputError) as exc:   # tp 4 x pp 2 x dp 2 exists, micro-batch 3 divides 8/2 = 4 nowhere
+        plan_dict(small | {"global_batch": 8, "fix": {"micro_batch": 3}})
+    assert "fix.micro_batch" in exc.value.errors
