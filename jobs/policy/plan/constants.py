@@ -89,10 +89,13 @@ DEFAULT_GPU = DeviceConstants(
     source='published-fit on megatron21-1.7B, megatron21-18.4B, megatron21-145.6B, megatron21-1008.0B, mtnlg-530B-2240 (loss 0.0668)',
 )
 
-# This machine's CPUs (2-rank fp32 runs), order of magnitude, until `manage.py calibrate` runs.
+# This machine's CPUs (one training thread per rank, fp32), order of magnitude until `manage.py
+# calibrate` measures them: a 1-thread fp32 matmul reached ~0.04 / 0.15 / 0.19 / 0.10 / 0.075
+# TFLOP/s at n = 64 / 128 / 256 / 512 / 1024 (torch, loaded machine, 2026-12-01), against the
+# 0.2 TFLOP/s peak jobs/policy/plan/job.py assumes for a "cpu" process.
 DEFAULT_CPU = DeviceConstants(
     name="cpu",
-    matmul_eff=((64.0, 0.05), (256.0, 0.2), (1024.0, 0.4)),
+    matmul_eff=((64.0, 0.2), (128.0, 0.6), (256.0, 0.8), (1024.0, 0.4)),
     intra_alpha_s=50e-6,
     inter_alpha_s=200e-6,
     comm_eff=0.5,

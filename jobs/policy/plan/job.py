@@ -10,7 +10,7 @@ from .search import plan
 # The device facts a JobSpec does not carry, per resources.device, until a calibration (or the
 # caller's `device=`) says better: memory and peak per process, links in GB/s one way.
 KIND_DEFAULTS = {
-    "cpu": {"memory_gb": 4.0, "peak_tflops": 0.05, "intra_node_gbs": 5.0, "inter_node_gbs": 1.0},
+    "cpu": {"memory_gb": 4.0, "peak_tflops": 0.2, "intra_node_gbs": 5.0, "inter_node_gbs": 1.0},
     "cuda": {"memory_gb": 80.0, "peak_tflops": 312.0, "intra_node_gbs": 300.0, "inter_node_gbs": 25.0},
 }
 
