@@ -125,3 +125,21 @@ def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
     with _pytest.raises(PlanInputError) as exc:   # tp 4 x pp 2 x dp 2 exists, micro-batch 3 divides 8/2 = 4 nowhere
         plan_dict(small | {"global_batch": 8, "fix": {"micro_batch": 3}})
     assert "fix.micro_batch" in exc.value.errors
+
+
+def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():
+    import pytest as _pytest
+
+    from jobs.policy.plan import PlanInputError
+    from trainyard.spec import parse_job_spec
+
+    spec = parse_job_spec({"name": "x", "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 2},
+                           "train": {"global_batch": 16}}).to_json()
+    assert plan_for_job(spec, None)["plans"]
+    mlp = parse_job_spec({"name": "m", "model": {"kind": "mlp", "hidden": 96, "heads": 5},
+                          "resources": {"nodes": 1, "procs_per_node": 2}}).to_json()
+    assert {(p["tp"], p["pp"]) for p in plan_for_job(mlp, None)["plans"]} == {(1, 1)}
+    script = {"resources": {"nodes": 1, "procs_per_node": 2}, "train": {"global_batch": 8}, "model": None}
+    with _pytest.raises(PlanInputError) as exc:
+        plan_for_job(script, None)
+    assert "model" in exc.value.errors
