@@ -80,7 +80,8 @@ def test_a_model_given_by_size_plans_data_parallel_only():
     out = plan_dict({"model": {"params": 7_000_000_000, "seq_len": 2048}, "cluster": GPT_13B["cluster"],
                      "global_batch": 64})
     assert out["plans"] and {(p["tp"], p["pp"]) for p in out["plans"]} == {(1, 1)}
-    assert any(p["fsdp"] for p in out["plans"])
+    assert any(p["fsdp"] for p in out["plans"]) and {p["recompute"] for p in out["plans"]} == {"none"}
+    assert "activations not counted" in out["plans"][0]["explain"]
 
 
 def test_a_trillion_parameter_gpt_on_3072_devices_plans_in_under_100_ms():

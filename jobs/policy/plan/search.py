@@ -47,14 +47,16 @@ def layouts(req: PlanRequest, x: Ctx, *, cross_node_tp: bool) -> list[tuple[int,
 
 
 def families(req: PlanRequest, dp: int, pp: int):
-    """(fsdp, shard_optimizer, recompute, schedule) combinations the fix allows for a layout."""
+    """(fsdp, shard_optimizer, recompute, schedule) combinations the fix allows for a layout (a
+    model given only by size has no activations to recompute)."""
     f = req.fix
+    recomputes = ("none",) if req.model.sized_only and f.recompute is None else ("none", "full")
     for fsdp, shard in STRATEGIES:
         if (fsdp or shard) and dp == 1 and not (f.fsdp or f.shard_optimizer):
             continue
         if (f.fsdp is not None and fsdp != f.fsdp) or (f.shard_optimizer is not None and shard != f.shard_optimizer):
             continue
-        for rc in ("none", "full"):
+        for rc in recomputes:
             if f.recompute is not None and rc != f.recompute:
                 continue
             for sched in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
