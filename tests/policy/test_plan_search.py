@@ -126,6 +126,9 @@ def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
     with _pytest.raises(PlanInputError) as exc:   # tp 4 x pp 2 x dp 2 exists, micro-batch 3 divides 8/2 = 4 nowhere
         plan_dict(small | {"global_batch": 8, "fix": {"micro_batch": 3}})
     assert "fix.micro_batch" in exc.value.errors
+    with _pytest.raises(PlanInputError) as exc:   # one layer: no stages to schedule
+        plan_dict(small | {"model": {**small["model"], "layers": 1}, "global_batch": 8, "fix": {"schedule": "gpipe"}})
+    assert "fix.schedule" in exc.value.errors
 
 
 def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():

@@ -101,7 +101,10 @@ def _no_candidate(req: PlanRequest, x: Ctx) -> dict[str, list[str]]:
     rule = (f"no layout fills the {x.devices} devices: tp must divide the {x.heads} heads and tile the "
             f"{x.per_node}-device nodes, pp be at most {x.layers} layers, and dp = devices / (tp*pp) divide "
             f"global_batch {req.global_batch}")
-    if f.micro_batch is not None and any(True for _ in _layouts_any(req, x)):
+    found = list(_layouts_any(req, x))
+    if f.schedule is not None and found and all(pp == 1 for _, _, pp in found):
+        return {"fix.schedule": ["a pipeline schedule needs pp > 1, and no layout here has more than one stage"]}
+    if f.micro_batch is not None and found:
         return {"fix.micro_batch": [f"micro_batch {f.micro_batch} divides no replica's batch "
                                     f"(global_batch {req.global_batch} / dp)"]}
     if any(getattr(f, k) is not None for k in ("dp", "tp", "pp")):
