@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 
-from .. import dispatch, selectors
+from .. import dispatch, selectors, selectors_knowledge
 from ..errors import RollbackCheckpointError, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
@@ -48,7 +48,8 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
                       if parsed.parallel == "auto" else "spec")
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
-    prediction = predictor.predict(shape, selectors.past_runs())
+    prediction = predictor.predict(shape, selectors.past_runs(),
+                                   knowledge=selectors_knowledge.knowledge_for_prediction(shape))
     plan["predicted_s"] = None if prediction.seconds is None else round(prediction.seconds, 1)
     plan["prediction_source"] = prediction.source
     with transaction.atomic():
