@@ -180,3 +180,24 @@ def test_the_page_lists_records_best_plans_and_says_what_is_wrong(user, nodes, c
     assert r.status_code == 400 and "layers: must be a whole number" in r.content.decode()
     client.logout()
     assert client.get("/knowledge/").status_code == 302
+
+
+def test_the_calibrations_section_follows_the_model(user, staff, nodes, client):
+    from jobs import models
+    from jobs.views_knowledge import evaluation_items
+
+    assert evaluation_items({"spearman": 0.9123, "step_time": {"median_rel_error": 0.0712, "held_out": 6},
+                             "ok": True, "note": "quick", "list": [1, 2]}) == [
+        "spearman: 0.912", "step_time.median_rel_error: 0.0712", "step_time.held_out: 6", "ok: True", "note: quick"]
+    assert evaluation_items(None) == []
+    client.force_login(staff)
+    html = client.get("/knowledge/").content.decode()
+    if not hasattr(models, "Calibration"):  # the calibration part is not merged: no section
+        assert 'id="calibrations"' not in html
+        return
+    models.Calibration.objects.create(device_name="cpu", kind="cpu", constants={}, measurements={},
+                                      evaluation={"spearman": 0.93}, node="node-a")
+    html = client.get("/knowledge/").content.decode()
+    assert 'id="calibrations"' in html and "spearman: 0.93" in html and 'id="calibrate-form"' in html
+    client.force_login(user)
+    assert 'id="calibrate-form"' not in client.get("/knowledge/").content.decode()  # staff only
