@@ -23,6 +23,9 @@ from .policy.predictor import JobShape, MeasuredStep
 CANDIDATES = 5000
 # Records the predictor is given (it keeps the nearest group of them).
 PREDICTOR_CANDIDATES = 20
+# What ranking needs of a row (the rest stays in the database).
+RANK_FIELDS = ("id", "kind", "layers", "hidden", "heads", "seq_len", "vocab", "global_batch", "nodes",
+               "procs_per_node", "device_name", "step_time_s", "created_at", *knowledge.PLAN_FIELDS)
 
 
 def knowledge_visible_to(user) -> QuerySet[KnowledgeRecord]:
@@ -77,7 +80,7 @@ def _query(shape: Mapping, cluster: Mapping) -> dict:
 def _candidates(shape: Mapping, cluster: Mapping) -> list[KnowledgeRecord]:
     qs = KnowledgeRecord.objects.filter(kind=shape.get("kind", "gpt"), layers__isnull=False).filter(
         _device_q(_device_of(cluster)))
-    return list(qs.order_by("-id")[:CANDIDATES])
+    return list(qs.order_by("-id").only(*RANK_FIELDS)[:CANDIDATES])
 
 
 def knowledge_nearest(shape: Mapping, cluster: Mapping, plan: Mapping | None = None,
@@ -142,7 +145,7 @@ def knowledge_for_prediction(shape: JobShape) -> list[MeasuredStep]:
     else:
         device_q = Q(device_name="cpu")
     rows = {r.pk: r for r in KnowledgeRecord.objects.filter(device_q, kind=shape.kind, layers__isnull=False)
-            .order_by("-id")[:CANDIDATES]}
+            .order_by("-id").only(*RANK_FIELDS)[:CANDIDATES]}
     query = {"layers": shape.layers, "hidden": shape.hidden, "seq_len": shape.seq_len,
              "global_batch": shape.global_batch, "world": shape.world_size}
     ranked = knowledge.rank_nearest(query, [_point(r) for r in rows.values()], None, PREDICTOR_CANDIDATES)

@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 
 from django.db import transaction
-from django.db.models import Max, Min
+from django.db.models import Max, Sum
 
 from ..models import Attempt, KnowledgeRecord, MetricSample
 from ..policy import knowledge
 
 log = logging.getLogger(__name__)
 
-# Steps of one attempt the median is taken over, newest first: a 100k-step attempt need not
-# load every sample to know its steady step time. Peak memory is aggregated over all of them.
-WINDOW_STEPS = 2000
-SAMPLE_FIELDS = ("rank", "step", "step_s", "mem_bytes", "tokens_per_s")
+# Steps of one attempt the median is taken over, the newest: a 100k-step attempt need not read
+# every sample to know its steady step time. Peak memory over them too (on CUDA each sample
+# already carries the peak so far; on CPU the resident size settles after the first steps).
+WINDOW_STEPS = 1000
 
 
 def device_name(attempt: Attempt, device: str) -> str:
@@ -40,19 +40,17 @@ def device_name(attempt: Attempt, device: str) -> str:
     return max(names, key=names.get) if names else "cuda"
 
 
-def attempt_samples(attempt_id: int) -> list[dict]:
-    """The attempt's samples for the record: its last WINDOW_STEPS steps, with the peak memory of
-    all its steps folded into the first one."""
-    qs = MetricSample.objects.filter(attempt_id=attempt_id)
-    agg = qs.aggregate(lo=Min("step"), hi=Max("step"), peak=Max("mem_bytes"))
-    if agg["hi"] is None:
-        return []
-    if agg["hi"] - agg["lo"] > WINDOW_STEPS:
-        qs = qs.filter(step__gt=agg["hi"] - WINDOW_STEPS)
-    rows = list(qs.order_by("step", "rank").values(*SAMPLE_FIELDS))
-    if rows and agg["peak"] is not None:
-        rows[0] = {**rows[0], "mem_bytes": max(agg["peak"], rows[0]["mem_bytes"] or 0)}
-    return rows
+def attempt_steps(attempt: Attempt) -> list[dict]:
+    """Per step of the attempt's last WINDOW_STEPS: the slowest rank's step_s, the ranks'
+    tokens_per_s summed and their largest mem_bytes, aggregated in the database (one row per step
+    whatever the world size), in the shape jobs/policy/knowledge.measure takes samples."""
+    qs = MetricSample.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)  # the (job, step) index
+    if attempt.last_step > WINDOW_STEPS:
+        qs = qs.filter(step__gt=attempt.last_step - WINDOW_STEPS)
+    rows = qs.order_by("step").values("step").annotate(slowest=Max("step_s"), tokens=Sum("tokens_per_s"),
+                                                       peak=Max("mem_bytes"))
+    return [{"step": r["step"], "step_s": r["slowest"], "tokens_per_s": r["tokens"], "mem_bytes": r["peak"]}
+            for r in rows]
 
 
 def knowledge_record(attempt: Attempt) -> KnowledgeRecord | None:
@@ -72,7 +70,7 @@ def _record(attempt: Attempt) -> KnowledgeRecord | None:
         return None
     job = attempt.job
     spec = job.spec or {}
-    fields = knowledge.extract(spec, job.plan or {}, attempt_samples(attempt.pk),
+    fields = knowledge.extract(spec, job.plan or {}, attempt_steps(attempt),
                                device_name=device_name(attempt, (spec.get("resources") or {}).get("device", "cpu")))
     if fields is None:
         return None

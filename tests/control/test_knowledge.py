@@ -201,3 +201,30 @@ def test_the_calibrations_section_follows_the_model(user, staff, nodes, client):
     assert 'id="calibrations"' in html and "spearman: 0.93" in html and 'id="calibrate-form"' in html
     client.force_login(user)
     assert 'id="calibrate-form"' not in client.get("/knowledge/").content.decode()  # staff only
+
+
+def test_the_device_type_is_what_the_nodes_reported_for_the_slots_used(user, nodes):
+    from jobs.models import Node
+    from jobs.services.knowledge import device_name
+
+    _, attempt = run_job(user)
+    assert device_name(attempt, "cpu") == "cpu"
+    assert device_name(attempt, "cuda") == "cuda"  # no node reported a CUDA name
+    Node.objects.update(devices=[{"kind": "cuda", "index": 0, "name": "NVIDIA H200"},
+                                 {"kind": "cuda", "index": 1, "name": "NVIDIA A100-SXM4-80GB"}])
+    slots = {a.slot_ids[0] for a in attempt.allocations.all()}
+    expected = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}
+    assert len(slots) == 1 and device_name(attempt, "cuda") == expected[slots.pop()]
+
+
+def test_a_long_attempt_is_measured_over_its_newest_steps(user, nodes, monkeypatch):
+    from jobs.services import knowledge as writer
+
+    monkeypatch.setattr(writer, "WINDOW_STEPS", 12)
+    job = submit(user, train={"steps": 40})
+    attempt = start(job)
+    ingest(attempt, range(1, 21), step_s=0.5)
+    ingest(attempt, range(21, 41), step_s=0.1)
+    finish(attempt)
+    rec = KnowledgeRecord.objects.get()
+    assert rec.warm_steps == 9 and rec.step_time_s == pytest.approx(0.2)  # steps 29-40, first 3 of them left out
