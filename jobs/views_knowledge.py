@@ -116,12 +116,40 @@ def evaluation_items(evaluation, limit: int = 12) -> list[str]:
     return out
 
 
+# (key in an evaluation, label, shown as a percentage): jobs/policy/plan/calibration.evaluate's figures
+CALIBRATION_FIGURES = (("spearman", "Spearman", False), ("step_error_median", "step time error median", True),
+                       ("step_error_max", "max", True), ("states_error_median", "params+grads+optimizer error median",
+                                                         True), ("activation_error_median", "activation error median", True))
+
+
+def calibration_summary(evaluation) -> list[str]:
+    """A calibration's {"held_out", "before", "after"} evaluation as "figure before → after" lines
+    on the held-out runs; any other shape of evaluation as evaluation_items."""
+    ev = evaluation if isinstance(evaluation, dict) else {}
+    before, after = ev.get("before"), ev.get("after")
+    if not isinstance(after, dict):
+        return evaluation_items(ev)
+    before = before if isinstance(before, dict) else {}
+
+    def fmt(v, pct: bool) -> str:
+        return f"{v * 100:.0f}%" if pct else f"{v:.2f}"
+    out = []
+    for key, label, pct in CALIBRATION_FIGURES:
+        a, b = after.get(key), before.get(key)
+        if isinstance(a, (int, float)):
+            out.append(f"{label} {fmt(b, pct)} → {fmt(a, pct)}" if isinstance(b, (int, float))
+                       else f"{label} {fmt(a, pct)}")
+    if isinstance(ev.get("held_out"), list):
+        out.append(f"on {len(ev['held_out'])} held-out runs")
+    return out
+
+
 def _calibrations() -> list | None:
     if Calibration is None:
         return None
     rows = list(Calibration.objects.order_by("-created_at")[:CALIBRATION_ROWS])
     for c in rows:
-        c.evaluation_items = evaluation_items(getattr(c, "evaluation", None))
+        c.evaluation_items = calibration_summary(getattr(c, "evaluation", None))
     return rows
 
 

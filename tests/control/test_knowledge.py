@@ -184,21 +184,26 @@ def test_the_page_lists_records_best_plans_and_says_what_is_wrong(user, nodes, c
 
 def test_the_calibrations_section_follows_the_model(user, staff, nodes, client):
     from jobs import models
-    from jobs.views_knowledge import evaluation_items
+    from jobs.views_knowledge import calibration_summary, evaluation_items
 
     assert evaluation_items({"spearman": 0.9123, "step_time": {"median_rel_error": 0.0712, "held_out": 6},
                              "ok": True, "note": "quick", "list": [1, 2]}) == [
         "spearman: 0.912", "step_time.median_rel_error: 0.0712", "step_time.held_out: 6", "ok: True", "note: quick"]
     assert evaluation_items(None) == []
+    evaluation = {"held_out": [1, 4], "before": {"spearman": 0.5, "step_error_median": 0.41, "step_error_max": 0.9},
+                  "after": {"spearman": 0.94, "step_error_median": 0.081, "step_error_max": 0.2, "per_run": []}}
+    assert calibration_summary(evaluation) == ["Spearman 0.50 → 0.94", "step time error median 41% → 8%",
+                                               "max 90% → 20%", "on 2 held-out runs"]
+    assert calibration_summary({"spearman": 0.9}) == ["spearman: 0.9"]
     client.force_login(staff)
     html = client.get("/knowledge/").content.decode()
     if not hasattr(models, "Calibration"):  # the calibration part is not merged: no section
         assert 'id="calibrations"' not in html
         return
-    models.Calibration.objects.create(device_name="cpu", kind="cpu", constants={}, measurements={},
-                                      evaluation={"spearman": 0.93}, node="node-a")
+    models.Calibration.objects.create(device_name="cpu", kind="cpu", constants={}, measurements={}, peak_tflops=0.2,
+                                      evaluation=evaluation, node="node-a")
     html = client.get("/knowledge/").content.decode()
-    assert 'id="calibrations"' in html and "spearman: 0.93" in html and 'id="calibrate-form"' in html
+    assert 'id="calibrations"' in html and "Spearman 0.50 → 0.94" in html and 'id="calibrate-form"' in html
     client.force_login(user)
     assert 'id="calibrate-form"' not in client.get("/knowledge/").content.decode()  # staff only
 
