@@ -137,3 +137,20 @@ def resolve_auto(stored: dict) -> tuple[dict, dict]:
             "searched": len(doc["plans"]) + doc["rejected_count"], "constants_source": doc["constants_source"],
             "device": doc["device"], "flops_per_step": flops}
     return resolved, auto
+
+
+PREDICTED = ("step_time_s", "memory_gb_per_device", "tflops_per_device", "bubble_fraction")
+
+
+def predict_spec(stored: dict) -> dict | None:
+    """The planner's figures for the plan a concrete GPT spec runs (the job's plan["planner"];
+    the knowledge base compares them with what the attempt measured), None when the planner does
+    not find that plan among the runtime's (a shape it cannot split, or one that does not fit)."""
+    try:
+        doc = plan_spec(stored)
+    except PlanInputError:
+        return None
+    mine = doc.get("spec_plan")
+    if not mine:
+        return None
+    return {**{k: mine[k] for k in PREDICTED}, "constants_source": doc["constants_source"]}

@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from . import api, api_auth, api_code, api_plan, views
+from . import api, api_auth, api_code, api_knowledge, api_plan, views, views_knowledge
 
 router = DefaultRouter()
 router.register("jobs", api.JobViewSet, basename="api-job")
@@ -15,8 +15,10 @@ urlpatterns = [
     path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-cancel"),
     path("nodes/", views.node_list, name="node-list"),
     path("quotas/", views.quota_list, name="quota-list"),
+    path("knowledge/", views_knowledge.knowledge_page, name="knowledge"),
     path("api/v1/auth/token/", api_auth.AuthTokenView.as_view(), name="api-auth-token"),
     path("api/v1/quotas/", api.QuotaView.as_view(), name="api-quotas"),
+    path("api/v1/knowledge/", api_knowledge.KnowledgeView.as_view(), name="api-knowledge"),
     path("api/v1/code/", api_code.CodeUploadView.as_view(), name="api-code"),
     path("api/v1/plan/", api_plan.PlanView.as_view(), name="api-plan"),
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),

@@ -6,7 +6,14 @@ procs_per_node, device) — everything that sets the time of one step. Past runs
 key give a per-step time (duration / steps run); the prediction is the median of the last `k`
 (5) per-step times x the job's steps, searched at three levels, most specific first: the same
 user, the same team, anyone. The median, not the mean: one run slowed by a straggler or a
-restart should not move the next prediction much. Without history it is
+restart should not move the next prediction much. Without same-key history, the knowledge
+base's nearest measured configurations (`knowledge`: `MeasuredStep`s, nearest first, as
+jobs/selectors_knowledge.py reads them) give the step time: the median warm step time of the
+last `k` records of the nearest shape (same model kind and device type; distance over the
+log-ratios of layers, hidden, seq_len, global batch and world size, at most
+KNOWLEDGE_MAX_DISTANCE), each scaled by the model's ratio estimate_step_s(job) /
+estimate_step_s(record) so a measured neighbour corrects the model's constants rather than
+replacing the job's own size; source "knowledge: N runs of nearest shape". Without either it is
 `STARTUP_S + steps x estimate_step_s(shape)`, a FLOP count over throughputs measured on this
 repo's models (see the constants).
 
@@ -30,7 +37,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from trainyard.mesh import param_count, train_flops
 
@@ -94,9 +101,23 @@ class PastRun:
 
 
 @dataclass(frozen=True)
+class MeasuredStep:
+    """A knowledge-base record near a job: the shape it ran and its measured warm step time."""
+
+    shape: JobShape
+    step_time_s: float
+    distance: float  # jobs/policy/knowledge.py's distance from the job asking
+
+
+# Farther neighbours than this (e.g. one dimension 7x off, or two 4x each) say less than the model.
+KNOWLEDGE_MAX_DISTANCE = 2.0
+
+
+@dataclass(frozen=True)
 class Prediction:
     seconds: float | None  # None: no prediction (an entrypoint job that never ran)
-    source: str   # "history:user" | "history:team" | "history:any" | "history:entrypoint" | "model" | "none"
+    source: str   # "history:user" | "history:team" | "history:any" | "history:entrypoint"
+    #               | "knowledge: N runs of nearest shape" | "model" | "none"
     samples: int  # past runs the prediction rests on (0 for the model)
 
 
@@ -137,9 +158,11 @@ def estimate_step_s(shape: JobShape) -> float:
     return compute + comm + STEP_OVERHEAD_S.get(shape.device, 0.005)
 
 
-def predict(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K) -> Prediction:
-    """Predicted run time of `shape` from past runs of similar specs (see the module docstring).
-    An entrypoint job that never ran: `Prediction(None, "none", 0)`, nothing to estimate from."""
+def predict(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K,
+            knowledge: Sequence[MeasuredStep] = ()) -> Prediction:
+    """Predicted run time of `shape` from past runs of similar specs, else from the knowledge
+    base's nearest measured steps, else from the model (see the module docstring). An
+    entrypoint job that never ran: `Prediction(None, "none", 0)`, nothing to estimate from."""
     if shape.entrypoint is not None:
         return predict_user_code(shape, history, k=k) or Prediction(None, "none", 0)
     same = [r for r in history if r.shape.key == shape.key and r.steps_run > 0 and r.duration_s > 0]
@@ -151,7 +174,27 @@ def predict(shape: JobShape, history: Iterable[PastRun], *, k: int = HISTORY_K) 
             last = runs[-k:]
             per_step = statistics.median(max(r.duration_s - STARTUP_S, 0.0) / r.steps_run for r in last)
             return Prediction(STARTUP_S + per_step * shape.steps, source, len(last))
+    near = knowledge_step_s(shape, knowledge, k=k)
+    if near is not None:
+        per_step, n = near
+        return Prediction(STARTUP_S + per_step * shape.steps, f"knowledge: {n} run{'s' * (n != 1)} of nearest shape", n)
     return Prediction(STARTUP_S + shape.steps * estimate_step_s(shape), "model", 0)
+
+
+def knowledge_step_s(shape: JobShape, knowledge: Sequence[MeasuredStep], *, k: int = HISTORY_K
+                     ) -> tuple[float, int] | None:
+    """(per-step seconds, records used) from the nearest measured records, or None when none is
+    within KNOWLEDGE_MAX_DISTANCE. The nearest group: every record as near as the nearest one
+    (the same configuration measured again); the median of the last `k` of them (the input is
+    nearest first, newest first among equals), each scaled by the model's size ratio."""
+    usable = [m for m in knowledge if m.distance <= KNOWLEDGE_MAX_DISTANCE and m.step_time_s > 0
+              and m.shape.kind == shape.kind]
+    if not usable:
+        return None
+    nearest = min(m.distance for m in usable)
+    group = [m for m in usable if m.distance <= nearest + 1e-9][:k]
+    mine = estimate_step_s(shape)
+    return statistics.median(m.step_time_s * mine / estimate_step_s(m.shape) for m in group), len(group)
 
 
 def _user_code_run_s(run: PastRun, steps: int) -> float:

@@ -11,6 +11,7 @@ each importing only the ones below it:
     quotas       quotas_update, quota_audit
     nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
     attempts     stop, preempt, finish and its outcome, hang/straggler checks
+    knowledge    the knowledge base: one record per ended attempt with enough warm steps
     checkpoints  register, reconcile, retention, resume point, pin
     events       job events, the status compare-and-set, their publication
     bundles      code bundles: store, the submit check (bundle_files), garbage collection

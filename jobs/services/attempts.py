@@ -19,6 +19,7 @@ from ..models import Attempt, Job, Node
 from ..policy import diagnosis
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_publish_status, job_set_status
+from .knowledge import knowledge_record
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
         return
     job_event(job, "attempt_ended", f"attempt {attempt.number} ended: {outcome}", attempt=attempt,
            outcome=outcome, **({"evidence": failure} if failure else {}))
+    knowledge_record(attempt)  # whatever the outcome: its warm steps measured the configuration
     if failure.get("node") and failure.get("class") in diagnosis.NODE_FAULT_CLASSES:
         _node_maybe_quarantine(failure["node"], job, attempt)
     if outcome == "succeeded":

@@ -22,6 +22,7 @@ from django.utils import timezone
 from ..models import Attempt, Job, JobEvent, MetricSample
 from .checkpoints import checkpoint_register
 from .events import job_event
+from .knowledge import knowledge_refresh
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
         "(" + ", ".join(qn(c) for c in columns) + ")",
         "VALUES (" + ", ".join(["%s"] * len(columns)) + ")",
         ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None)]))
-    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)} FROM {qn(att.db_table)} "
+    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)}, {qn(att.get_field('status').column)} "
+              f"FROM {qn(att.db_table)} "
               f"WHERE {qn(att.pk.column)} IN ")
     step = qn(job.get_field("step").column)
     update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
@@ -116,9 +118,13 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
     with transaction.atomic(), connection.cursor() as cursor:
         # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
         attempts: dict[int, int] = {}
+        ended: set[int] = set()
         if wanted:
             cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
-            attempts = dict(cursor.fetchall())
+            for attempt_id, job_id, status in cursor.fetchall():
+                attempts[attempt_id] = job_id
+                if status == Attempt.Status.ENDED:
+                    ended.add(attempt_id)
         rows, top, attempt_top, malformed, dropped_metrics = [], {}, {}, 0, 0
         extra_field = MetricSample._meta.get_field("extra")
         for s in samples:
@@ -158,6 +164,9 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
             if job_id is not None:
                 _runtime_event(job_id, attempt_id, e)
+    late = ended.intersection(attempt_top)
+    if late:  # the last steps of an attempt that already ended: its knowledge record takes them in
+        knowledge_refresh(late)
     return top
 
 

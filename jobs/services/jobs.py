@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 
-from .. import autoplan, dispatch, selectors
+from .. import autoplan, dispatch, selectors, selectors_knowledge
 from ..errors import RollbackCheckpointError, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
@@ -52,9 +52,12 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
                       f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
     if auto is not None:
         plan["auto"] = auto
+    if parsed.model is not None and parsed.model.kind == "gpt":
+        plan["planner"] = autoplan.predict_spec(stored)  # what the planner expects of this plan
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
-    prediction = predictor.predict(shape, selectors.past_runs())
+    prediction = predictor.predict(shape, selectors.past_runs(),
+                                   knowledge=selectors_knowledge.knowledge_for_prediction(shape))
     plan["predicted_s"] = None if prediction.seconds is None else round(prediction.seconds, 1)
     plan["prediction_source"] = prediction.source
     with transaction.atomic():
