@@ -16,16 +16,24 @@ searched (the cost model is a transformer's): it runs data parallel over every p
 """
 from __future__ import annotations
 
+import statistics
+
 from django.conf import settings
 
 from trainyard.spec import SpecError, parse_job_spec
 
+from . import selectors_knowledge
 from .models import Node
+from .policy import knowledge
 from .planning import constants_for
 from .policy.plan.inputs import PlanInputError
 from .policy.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
 
 RUNNERS_UP = 3
+# The knowledge base's correction of the model: the median of measured / predicted over the nearest
+# records that had a prediction, bounded (a handful of odd runs must not turn the model upside down).
+KNOWLEDGE_RECORDS = 5
+SCALE_BOUNDS = (0.2, 5.0)
 
 
 def device_facts(kind: str) -> dict:
@@ -80,10 +88,12 @@ def plan_spec(stored: dict) -> dict:
     facts = device_facts(kind)
     constants = constants_for(facts["name"] if kind == "cuda" else "cpu")
     doc = plan_for_job(stored, constants, device=facts)
+    learned = prefer_measured(doc["plans"], stored, facts["name"])
     plans, rejected = doc["plans"], doc["rejected"]
     memory_gb = _device_memory(stored, facts)
     out = {"plans": plans, "rejected": rejected[:20], "rejected_count": len(rejected),
-           "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None}
+           "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None,
+           "knowledge": learned}
     if plans:
         out["runners_up"] = _runners_up(plans, rejected, memory_gb)
     elif rejected:
@@ -135,7 +145,7 @@ def resolve_auto(stored: dict) -> tuple[dict, dict]:
         * stored["resources"]["procs_per_node"]
     auto = {"chosen": best, "runners_up": doc["runners_up"], "candidates": len(doc["plans"]),
             "searched": len(doc["plans"]) + doc["rejected_count"], "constants_source": doc["constants_source"],
-            "device": doc["device"], "flops_per_step": flops}
+            "device": doc["device"], "flops_per_step": flops, "knowledge": doc["knowledge"]}
     return resolved, auto
 
 
@@ -154,3 +164,40 @@ def predict_spec(stored: dict) -> dict | None:
     if not mine:
         return None
     return {**{k: mine[k] for k in PREDICTED}, "constants_source": doc["constants_source"]}
+
+
+def _same_plan(record, p: dict) -> bool:
+    keys = [k for k in knowledge.PLAN_FIELDS if k != "schedule" or p["pp"] > 1]
+    return all(getattr(record, k) == p.get(k) for k in keys)
+
+
+def prefer_measured(plans: list[dict], stored: dict, device_name: str) -> dict:
+    """The knowledge base over the model (issue 13 section 4), in place: a plan this cluster ran
+    for this very shape, batch and world takes the median step time it measured; every other plan
+    is the model's prediction scaled by how the model erred on the nearest measured runs. Plans
+    are re-sorted; each keeps `model_step_time_s` and says its `step_time_source`."""
+    m, res = stored["model"], stored["resources"]
+    shape = {**{k: m[k] for k in knowledge.SHAPE_FIELDS if k in m}, "global_batch": stored["train"]["global_batch"]}
+    cluster = {"nodes": res["nodes"], "procs_per_node": res["procs_per_node"], "device": {"name": device_name}}
+    near = selectors_knowledge.knowledge_nearest(shape, cluster, limit=50)
+    ratios = [r.step_time_s / r.predicted_step_time_s for r in near[:KNOWLEDGE_RECORDS]
+              if r.predicted_step_time_s and r.step_time_s]
+    scale = min(max(statistics.median(ratios), SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if ratios else 1.0
+    exact = [r for r in near if r.distance == 0 and r.heads == m.get("heads") and r.vocab == m.get("vocab")]
+    measured_plans = 0
+    for p in plans:
+        runs = [r.step_time_s for r in exact if _same_plan(r, p)]
+        model_s = p["step_time_s"]
+        p["model_step_time_s"] = model_s
+        if runs:
+            p["step_time_s"], p["step_time_source"], p["measured_runs"] = statistics.median(runs), "measured", len(runs)
+            p["explain"] += (f" Measured on this cluster: {p['step_time_s']:.4g} s a step over {len(runs)} "
+                             f"run{'s' if len(runs) > 1 else ''} (the model said {model_s:.4g} s).")
+            measured_plans += 1
+        else:
+            p["step_time_s"] = model_s * scale
+            p["step_time_source"] = "model" if scale == 1.0 else f"model x {scale:.2f} (nearest measured runs)"
+        p["tflops_per_device"] = round(p["tflops_per_device"] * model_s / p["step_time_s"], 4)
+    plans.sort(key=lambda p: p["step_time_s"])
+    return {"records": len(near), "scale": round(scale, 4), "scale_from": len(ratios),
+            "measured_plans": measured_plans}

@@ -25,7 +25,8 @@ CANDIDATES = 5000
 PREDICTOR_CANDIDATES = 20
 # What ranking needs of a row (the rest stays in the database).
 RANK_FIELDS = ("id", "kind", "layers", "hidden", "heads", "seq_len", "vocab", "global_batch", "nodes",
-               "procs_per_node", "device_name", "step_time_s", "created_at", *knowledge.PLAN_FIELDS)
+               "procs_per_node", "device_name", "step_time_s", "predicted_step_time_s", "created_at",
+               *knowledge.PLAN_FIELDS)
 
 
 def knowledge_visible_to(user) -> QuerySet[KnowledgeRecord]:

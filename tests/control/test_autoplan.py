@@ -88,3 +88,51 @@ def test_the_job_page_shows_the_chosen_plan_and_the_runners_up(user, nodes, clie
     assert "Chosen by the planner" in page and job.plan["auto"]["chosen"]["explain"][:40] in page
     assert 'id="plan-pred-step"' in page and 'id="plan-runners"' in page and "slower by" in page
     assert client.get("/jobs/new/").content.decode().count('id="plan-preview"') == 1
+
+
+def _run(user, spec: dict, step_s: float, world: int):
+    """A job run to its end with `step_s` a step on every rank (telemetry through the real ingest)."""
+    from .test_knowledge import finish
+
+    job = services.job_submit(user=user, spec=spec)
+    attempt = start(job)
+    services.telemetry_ingest([
+        {"attempt": attempt.pk, "rank": r, "step": s, "ts": 1.0 + s, "loss": 1.0, "step_s": step_s, "mem_bytes": 1000}
+        for s in range(1, 13) for r in range(world)], events=[])
+    finish(attempt)
+    return job
+
+
+def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
+    from jobs.models import KnowledgeRecord
+    from jobs.policy.plan.job import spec_parallel
+
+    spec = {"name": "a", "model": GPT, "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 1},
+            "train": {"global_batch": 32, "steps": 12}}
+    first = services.job_submit(user=user, spec=spec)
+    chosen, runner = first.plan["auto"]["chosen"], None
+    assert chosen["step_time_source"] == "model" and first.plan["auto"]["knowledge"]["records"] == 0
+    doc = services.job_submit(user=user, spec=spec)  # the same again: nothing measured yet, same choice
+    assert doc.plan["auto"]["chosen"] == chosen
+    for queued in (first, doc):  # (they would hold the slots the measured run needs)
+        services.job_cancel(queued, user=user)
+    from jobs.autoplan import plan_spec
+    plans = plan_spec({**first.spec, "parallel": "auto"})["plans"]
+    runner = next(p for p in plans if (p["dp"], p["tp"], p["micro_batch"], p["fsdp"], p["shard_optimizer"])
+                  != (chosen["dp"], chosen["tp"], chosen["micro_batch"], chosen["fsdp"], chosen["shard_optimizer"]))
+    par, accum = spec_parallel(runner, 32)
+    # the runner-up, run for real: measured at a tenth of the favourite's predicted step time
+    _run(user, {**spec, "parallel": par, "train": {"global_batch": 32, "steps": 12, "grad_accum": accum}},
+         chosen["step_time_s"] / 10, 2)
+    assert KnowledgeRecord.objects.count() == 1
+    again = services.job_submit(user=user, spec=spec)
+    best = again.plan["auto"]["chosen"]
+    assert best["step_time_source"] == "measured" and best["measured_runs"] == 1
+    assert best["step_time_s"] == pytest.approx(chosen["step_time_s"] / 10)
+    assert (best["dp"], best["tp"], best["micro_batch"], best["fsdp"]) == (
+        runner["dp"], runner["tp"], runner["micro_batch"], runner["fsdp"])
+    assert "Measured on this cluster" in best["explain"]
+    # the unmeasured plans are the model scaled by how it erred on that run (0.1 x, within bounds)
+    k = again.plan["auto"]["knowledge"]
+    assert k["measured_plans"] == 1 and k["scale_from"] == 1
+    assert k["scale"] == pytest.approx(max(0.2, (chosen["step_time_s"] / 10) / runner["model_step_time_s"]), rel=1e-3)

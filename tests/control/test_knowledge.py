@@ -5,7 +5,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from jobs import selectors_knowledge, services
-from jobs.models import KnowledgeRecord
+from jobs.models import Job, KnowledgeRecord
 
 from .test_services import ok_result, start, submit
 
@@ -143,7 +143,9 @@ def test_records_of_other_teams_are_invisible_staff_sees_all(user, other, staff,
     row = mine["results"][0]
     assert row["measured"]["step_time_s"] == pytest.approx(0.2) and row["cluster"] == {
         "nodes": 2, "procs_per_node": 1, "world": 2, "device": "cpu"}
-    assert row["predicted"] == {"step_time_s": None, "memory_gb": None} and row["error"]["step_time"] is None
+    planner = Job.objects.get(pk=row["job"]).plan["planner"]
+    assert row["predicted"] == {"step_time_s": planner["step_time_s"], "memory_gb": planner["memory_gb_per_device"]}
+    assert row["error"]["step_time"] == pytest.approx((planner["step_time_s"] - 0.2) / 0.2, abs=1e-3)
 
 
 def test_a_team_mate_sees_the_teams_records(user, django_user_model, teams, nodes, client_for):
