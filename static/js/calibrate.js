@@ -8,9 +8,14 @@ const POLL_MS = 3000;
 const LIMIT_MS = 15 * 60 * 1000;
 const form = $('#calibrate-form');
 
+// The newest stored calibration's id (0: none yet; null: the API did not answer this time).
 async function newestId() {
-  const page = await getJSON('/api/v1/calibrations/');
-  return page && page.results && page.results.length ? page.results[0].id : 0;
+  try {
+    const page = await getJSON('/api/v1/calibrations/');
+    return page && page.results && page.results.length ? page.results[0].id : 0;
+  } catch (err) {
+    return null;
+  }
 }
 
 async function submit(ev) {
@@ -18,7 +23,7 @@ async function submit(ev) {
   const status = $('#calibrate-status');
   const button = form.querySelector('button[type=submit]');
   const node = form.elements.node.value;
-  const before = await newestId();
+  const before = (await newestId()) || 0;
   button.disabled = true;
   status.className = 'muted';
   status.textContent = `asking ${node} to calibrate…`;
@@ -32,7 +37,8 @@ async function submit(ev) {
   status.textContent = `${node} is calibrating (matmuls, collectives, a grid of short runs); this page reloads when it reports`;
   const started = Date.now();
   const poll = async () => {
-    if (await newestId() > before) {
+    const newest = await newestId();
+    if (newest !== null && newest > before) {
       window.location.reload();
       return;
     }
