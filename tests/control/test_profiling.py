@@ -81,8 +81,8 @@ def test_attempts_check_profiles_the_attempt_and_records_class_changes(user, nod
     with django_capture_on_commit_callbacks(execute=True):
         services.attempts_check()
     assert JobEvent.objects.filter(job=job, kind="profile").count() == 1
-    # between the thresholds (share ~0.35): stays communication-bound (hysteresis)
-    feed(attempt, range(23, 60), comm_s=0.03, exposed=0.022)
+    # between the thresholds (share ~0.26): stays communication-bound (hysteresis)
+    feed(attempt, range(23, 60), comm_s=0.03, exposed=0.01)
     services.attempts_check()
     assert Attempt.objects.get(pk=attempt.pk).profile["class"] == "communication"
     feed(attempt, range(60, 90), comm_s=0.01, exposed=0.002)
