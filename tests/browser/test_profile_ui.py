@@ -1,11 +1,11 @@
 """The job page's profile panel in Chromium, against the real cluster: a communication-heavy job of a
 non-staff owner shows communication-bound with its shares, the recommendation and its predicted
-gain; the owner's Apply button restarts it from its latest checkpoint with PowerSGD."""
+gain; the owner's Apply button restarts it from its latest checkpoint with the change."""
 from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_profiling import COMM_HEAVY
+from tests.integration.test_profiling import COMM_HEAVY, _carries
 
 from .conftest import login, screenshot
 from .test_dashboard import TERMINAL, wait_js
@@ -41,13 +41,16 @@ def test_owner_sees_the_profile_and_applies_the_recommendation(browser, base, cl
         card = page.locator("#profile-card")
         assert card.locator(".profile-class").inner_text() == "communication-bound"
         assert card.locator("[data-share=communication] b").inner_text().endswith("%")
-        assert "comm.compression powersgd" in card.locator(".profile-text").inner_text()
+        change = cluster.job(jid)["profile"]["recommendation"]["change"]
+        said = " ".join(f"{k} {v}" for k, v in change.items())
+        assert f"set {', '.join(f'{k} {v}' for k, v in change.items())}" in card.locator(".profile-text").inner_text()
         assert card.locator(".profile-gain").inner_text().startswith("predicted ")
         screenshot(page, "screenshot-profile.png")
         card.locator(".profile-apply").click()
         wait_js(page, "() => /^Applied/.test(document.querySelector('#profile-card .profile-note').textContent)",
                 30, "the apply confirmation")
-        assert "comm.compression powersgd" in card.locator(".profile-note").inner_text()
+        note = card.locator(".profile-note").inner_text()
+        assert all(f"{k} {v}" in note for k, v in change.items()), (note, said)
         wait_js(page, "() => [...document.querySelectorAll('#events li')].some(li => "
                       "li.dataset.kind === 'recommendation_applied')", 30, "the event in the timeline")
 
@@ -55,7 +58,7 @@ def test_owner_sees_the_profile_and_applies_the_recommendation(browser, base, cl
             j = cluster.job(jid)
             return len(j["attempts"]) == 2 and j["attempts"][1]["status"] == "RUNNING" and j
         j = cluster.wait_for(restarted, 180, "the second attempt to run")
-        assert j["spec"]["comm"]["compression"] == "powersgd" and j["attempts"][1]["resumed_from_step"] >= 20
+        assert _carries(j["spec"], change) and j["attempts"][1]["resumed_from_step"] >= 20
         wait_js(page, "() => document.querySelectorAll('#attempts-body tr[data-attempt]').length === 2", 30,
                 "the second attempt on the page")
         assert errors == []
