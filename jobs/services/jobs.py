@@ -190,6 +190,7 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
         job_event(job, "recommendation_applied", f"{who} applied the recommendation ({text}); restarting from the "
                   f"checkpoint at step {point.step}", attempt=attempt, actor=user, before=before, after=after,
                   recommendation=rec.get("kind"), predicted_gain=rec.get("predicted_gain"),
+                  predicted_step_s=rec.get("predicted_step_s"), step_s=(attempt.profile.get("window") or {}).get("step_s"),
                   profile_class=attempt.profile.get("class"), checkpoint=point.pk, step=point.step)
         job_set_status(job, Job.Status.RUNNING, Job.Status.STOPPING,
                        f"applying the recommendation ({text}): restarting from step {point.step}"[:500])

@@ -2,7 +2,9 @@
 (jobs/policy/profiling.py decides), stored on `Attempt.profile` by the periodic attempts check.
 
 A change of class is a "profile" job event; every change of the stored profile goes to the job
-page as a `profile` websocket message after commit. Applying the recommendation is a user's
+page as a `profile` websocket message after commit. The first profile of the attempt after an
+applied recommendation writes a "recommendation_result" event: the measured step time against
+the one before and the prediction, so a change that did not pay shows on the timeline. Applying the recommendation is a user's
 request and lives with the other ones in jobs.py (`job_apply_recommendation`).
 """
 from __future__ import annotations
@@ -45,6 +47,8 @@ def attempt_profile_update(attempt: Attempt, recent: list[dict]) -> bool:
         if new["class"] != old_class and not (old_class is None and new["class"] == profiling.UNKNOWN):
             job_event(job, "profile", _event_text(new), attempt=attempt, **{"class": new["class"]},
                       previous=old_class, shares=new["shares"], recommendation=new["recommendation"])
+        if new.get("shares"):
+            _applied_result(attempt, new)
         payload = {"type": "job.profile", "attempt": attempt.pk, "profile": new}
         transaction.on_commit(partial(dispatch.publish, f"job.{job.pk}", payload))
     return True
@@ -60,3 +64,23 @@ def _event_text(p: dict) -> str:
     if rec and rec.get("change"):
         text += f": {rec['text']}; predicted {rec['predicted_gain']:+.0%} faster"
     return text
+
+
+def _applied_result(attempt: Attempt, profile: dict) -> None:
+    """Once per applied recommendation, on the first later attempt with enough telemetry."""
+    job = attempt.job
+    applied = job.events.filter(kind="recommendation_applied").select_related("attempt").order_by("-id").first()
+    if (applied is None or applied.attempt is None or applied.attempt.number >= attempt.number
+            or job.events.filter(kind="recommendation_result", data__applied=applied.pk).exists()):
+        return
+    before, after = applied.data.get("step_s"), profile["window"]["step_s"]
+    if not before or not after:
+        return
+    measured = round(before / after - 1, 4)
+    predicted = applied.data.get("predicted_gain")
+    change = ", ".join(f"{k} {v}" for k, v in (applied.data.get("after") or {}).items())
+    job_event(job, "recommendation_result",
+              f"with {change}: {after * 1000:.1f} ms a step, was {before * 1000:.1f} ms (speed {measured:+.0%}"
+              + (f"; predicted {predicted:+.0%})" if predicted is not None else ")"), attempt=attempt,
+              applied=applied.pk, step_s_before=before, step_s_after=after, measured_gain=measured,
+              predicted_gain=predicted)

@@ -116,6 +116,18 @@ def test_apply_restarts_from_the_latest_checkpoint_with_the_change(user, nodes, 
     launch = [c[2] for c in sent if c[0] == "launch" and c[2]["attempt_id"] == second.pk]
     assert launch and launch[0]["spec"]["comm"]["compression"] == "powersgd"
     assert second.profile == {}  # the new attempt is profiled afresh
+    # its first profile measures the change against the step time before and the prediction
+    feed(second, range(21, 45), comm_s=0.001, exposed=0.0)
+    services.attempts_check()
+    result = JobEvent.objects.get(job=job, kind="recommendation_result")
+    before = ev.data["step_s"]
+    assert before == pytest.approx(0.061, abs=1e-4) and result.data["step_s_after"] == pytest.approx(0.026, abs=1e-4)
+    assert result.data["measured_gain"] == pytest.approx(before / 0.026 - 1, abs=1e-3)
+    assert result.data["predicted_gain"] == ev.data["predicted_gain"] and result.attempt_id == second.pk
+    assert "comm.compression powersgd: 26.0 ms a step, was 61.0 ms (speed +135%; predicted" in result.message
+    feed(second, range(45, 70), comm_s=0.001, exposed=0.0)
+    services.attempts_check()
+    assert JobEvent.objects.filter(job=job, kind="recommendation_result").count() == 1
 
 
 def test_team_member_and_staff_may_apply_others_may_not_see_it(user, other, staff, nodes, ckpt_root):
