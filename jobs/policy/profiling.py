@@ -47,6 +47,10 @@ the fractional speed-up step_s / predicted_step_s - 1):
   time scales with 1 / GEMM efficiency at the micro-batch's matrix size (the geometric mean of
   tokens x hidden x hidden), on the device's efficiency curve (MATMUL_EFF; the planner's
   calibrated DeviceConstants.matmul_eff replace it once calibrated).
+- measured results overrule all of this: after an applied change the next attempt measures it
+  (services.profiling, "recommendation_result"); one that made the step slower is recommended
+  for reverting (predicted: the step time measured before it), one that did not pay is not
+  offered again.
 - input-bound: the JobSpec has no loader knob (the runtime already prefetches two batches on a
   thread, workers/runtime/data.py), so the recommendation names the cause and its gain is the
   data wait removed, with no automatic change.
@@ -333,10 +337,36 @@ def _advice(kind: str, text: str, s: Shares, new_step_s: float, change: dict | N
             "predicted_step_s": predicted, "predicted_gain": gain}
 
 
+def _tried(change: Mapping, results: list[Mapping]) -> Mapping | None:
+    """The measured result of an earlier application of `change` that did not pay, if any."""
+    return next((r for r in results if all((r.get("after") or {}).get(k) == v for k, v in change.items())
+                 and (r.get("measured_gain") or 0) < MIN_GAIN), None)
+
+
+def _revert(spec: dict, s: Shares, results: list[Mapping]) -> dict | None:
+    """Undo the last applied change when the job measured slower with it (still in the spec)."""
+    last = results[-1] if results else None
+    if (not last or (last.get("measured_gain") or 0) > -MIN_GAIN or not last.get("before")
+            or last.get("recommendation") == "revert"):  # never undo an undo
+        return None
+    try:
+        if any(_get(spec, k) != v for k, v in last["after"].items()) or not _valid(spec, last["before"]):
+            return None
+    except (KeyError, TypeError):
+        return None
+    undo = ", ".join(f"{k} {v}" for k, v in last["before"].items())
+    text = (f"the last applied change made the step slower ({last['step_s_after'] * 1000:.1f} ms against "
+            f"{last['step_s_before'] * 1000:.1f} ms before it): set {undo} again")
+    return _advice("revert", text, s, last["step_s_before"], dict(last["before"]), spec)
+
+
 def profile(samples: Iterable[Mapping], spec: dict, previous: Mapping | None = None, *,
-            first_step: int = 0) -> dict:
+            first_step: int = 0, results: Iterable[Mapping] = ()) -> dict:
     """The attempt's profile: class, shares, the window, and the recommendation. `previous` is
-    the attempt's last profile (for hysteresis); `first_step` the attempt's first step - 1."""
+    the attempt's last profile (for hysteresis); `first_step` the attempt's first step - 1;
+    `results` the measured outcomes of the job's applied recommendations, oldest first ({before,
+    after, step_s_before, step_s_after, measured_gain}): measurements overrule the model, so a
+    change that measured slower is reverted and one that did not pay is not offered again."""
     s = shares(samples, first_step=first_step)
     if s is None:
         has = "entrypoint" in spec and spec.get("entrypoint")
@@ -344,8 +374,15 @@ def profile(samples: Iterable[Mapping], spec: dict, previous: Mapping | None = N
                 "compute, comm and optimizer times after the warm-up" + (" (a script reports them with run.phase)"
                                                                           if has else ""),
                 "shares": None, "recommendation": None}
+    results = list(results)
     cls = classify(s, (previous or {}).get("class"))
-    rec = {COMM: _comm_recommendation, INPUT: _input_recommendation}.get(cls, _compute_recommendation)(spec, s)
+    rec = _revert(spec, s, results) or {COMM: _comm_recommendation, INPUT: _input_recommendation}.get(
+        cls, _compute_recommendation)(spec, s)
+    tried = rec["change"] and rec["kind"] != "revert" and _tried(rec["change"], results)
+    if tried:
+        rec = _advice("none", f"{rec['text']}; but this change was applied before and measured "
+                      f"{tried['measured_gain']:+.0%} speed against {rec['predicted_gain']:+.0%} predicted: "
+                      "not offered again", s, s.step_s, None)
     return {"class": cls, "reason": "", "shares": {k: getattr(s, k) for k in (COMPUTE, COMM, INPUT)},
             "window": {k: v for k, v in asdict(s).items() if k not in (COMPUTE, COMM, INPUT)},
             "thresholds": {"enter": ENTER, "leave": LEAVE}, "recommendation": rec}

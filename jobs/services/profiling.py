@@ -35,7 +35,9 @@ def attempt_profile_update(attempt: Attempt, recent: list[dict]) -> bool:
     True when the stored profile changed."""
     job = attempt.job
     before = attempt.profile or {}
-    new = _round(profiling.profile(recent, job.spec, before, first_step=attempt.resumed_from_step or 0))
+    results = [e.data for e in job.events.filter(kind="recommendation_result").order_by("id")]
+    new = _round(profiling.profile(recent, job.spec, before, first_step=attempt.resumed_from_step or 0,
+                                   results=results))
     if {k: v for k, v in before.items() if k not in ("updated_at", "at_step")} == new:
         return False
     new |= {"updated_at": timezone.now().isoformat(), "at_step": attempt.last_step}
@@ -83,4 +85,5 @@ def _applied_result(attempt: Attempt, profile: dict) -> None:
               f"with {change}: {after * 1000:.1f} ms a step, was {before * 1000:.1f} ms (speed {measured:+.0%}"
               + (f"; predicted {predicted:+.0%})" if predicted is not None else ")"), attempt=attempt,
               applied=applied.pk, step_s_before=before, step_s_after=after, measured_gain=measured,
-              predicted_gain=predicted)
+              predicted_gain=predicted, before=applied.data.get("before"), after=applied.data.get("after"),
+              recommendation=applied.data.get("recommendation"))

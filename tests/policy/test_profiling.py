@@ -211,3 +211,25 @@ def test_spec_with_change_validates_like_a_submit():
         prof.spec_with_change(spec, {})
     out = prof.spec_with_change(_spec(), {"comm.compression": "bf16"})
     assert out["comm"]["compression"] == "bf16"
+
+
+def test_a_change_that_measured_slower_is_reverted_and_not_offered_again():
+    spec = _spec(comm={"sync": "local_sgd", "period": 4})
+    rows = _samples(compute=0.02, comm=0.04, exposed=0.04)  # communication-bound under local SGD: 63 ms
+    slower = {"before": {"comm.sync": "allreduce"}, "after": {"comm.sync": "local_sgd"}, "step_s_before": 0.05,
+              "step_s_after": 0.063, "measured_gain": -0.206, "recommendation": "local_sgd"}
+    rec = prof.profile(rows, spec, results=[slower])["recommendation"]
+    assert rec["kind"] == "revert" and rec["change"] == {"comm.sync": "allreduce"}
+    assert rec["before"] == {"comm.sync": "local_sgd"} and rec["predicted_step_s"] == pytest.approx(0.05)
+    assert "made the step slower (63.0 ms against 50.0 ms before it): set comm.sync allreduce again" in rec["text"]
+    # reverted: the model would offer local SGD again, but it measured slower here
+    reverted = {"before": {"comm.sync": "local_sgd"}, "after": {"comm.sync": "allreduce"}, "step_s_before": 0.063,
+                "step_s_after": 0.07, "measured_gain": -0.1, "recommendation": "revert"}
+    spec = _spec()
+    rows = _samples(data=0.0001, compute=0.0635, comm=0.0794, exposed=0.065, optim=0.0878)
+    assert prof.profile(rows, spec)["recommendation"]["change"] == {"comm.sync": "local_sgd"}
+    rec = prof.profile(rows, spec, results=[slower, reverted])["recommendation"]
+    assert rec["kind"] == "none" and rec["change"] is None and "not offered again" in rec["text"]
+    # a revert that measured slower is not undone (no ping-pong)
+    rec = prof.profile(rows, spec, results=[reverted])["recommendation"]
+    assert rec["kind"] != "revert"
