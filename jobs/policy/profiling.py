@@ -62,6 +62,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
+from trainyard.mesh import param_count, train_flops
 from trainyard.spec import SpecError, parse_job_spec
 
 COMPUTE, COMM, INPUT, UNKNOWN = "compute", "communication", "input", "unknown"
@@ -337,6 +338,20 @@ def _advice(kind: str, text: str, s: Shares, new_step_s: float, change: dict | N
             "predicted_step_s": predicted, "predicted_gain": gain}
 
 
+def achieved_tflops(spec: Mapping, s: Shares) -> float | None:
+    """Per rank: forward+backward FLOPs of its share of the step (6 x parameters x tokens,
+    trainyard.mesh) over its compute_s; None for user code (the model is the script's) or tp/pp
+    (a rank holds part of the model)."""
+    model, par = spec.get("model"), spec.get("parallel")
+    if not model or s.compute_s <= 0 or (isinstance(par, dict) and (par.get("tp", 1) > 1 or par.get("pp", 1) > 1)):
+        return None
+    world = int(spec["resources"]["nodes"]) * int(spec["resources"]["procs_per_node"])
+    tokens = int(spec["train"]["global_batch"]) // world * (int(model["seq_len"]) if model["kind"] == "gpt" else 1)
+    params = param_count(model["kind"], layers=int(model["layers"]), hidden=int(model["hidden"]),
+                         seq_len=int(model["seq_len"]), vocab=int(model["vocab"]))
+    return round(train_flops(params, tokens) / s.compute_s / 1e12, 6)
+
+
 def _tried(change: Mapping, results: list[Mapping]) -> Mapping | None:
     """The measured result of an earlier application of `change` that did not pay, if any."""
     return next((r for r in results if all((r.get("after") or {}).get(k) == v for k, v in change.items())
@@ -385,4 +400,5 @@ def profile(samples: Iterable[Mapping], spec: dict, previous: Mapping | None = N
                       "not offered again", s, s.step_s, None)
     return {"class": cls, "reason": "", "shares": {k: getattr(s, k) for k in (COMPUTE, COMM, INPUT)},
             "window": {k: v for k, v in asdict(s).items() if k not in (COMPUTE, COMM, INPUT)},
+            "achieved_tflops": achieved_tflops(spec, s),
             "thresholds": {"enter": ENTER, "leave": LEAVE}, "recommendation": rec}

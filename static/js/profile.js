@@ -44,8 +44,9 @@ export class ProfilePanel {
       gain.textContent = `predicted ${pct(rec.predicted_gain)} faster (step ${rec.predicted_step_s.toFixed(3)} s ` +
         `instead of ${p.window.step_s.toFixed(3)} s)`;
     }
+    const flops = p.achieved_tflops ? ` · compute at ${(1000 * p.achieved_tflops).toFixed(1)} GFLOP/s per rank` : '';
     $('.profile-window', this.root).textContent = p.window
-      ? `median of ${p.window.ranks} ranks over steps ${p.window.from_step}–${p.window.to_step}` : '';
+      ? `median of ${p.window.ranks} ranks over steps ${p.window.from_step}–${p.window.to_step}${flops}` : '';
     const button = $('.profile-apply', this.root);
     button.hidden = !(rec && rec.change);
     button.disabled = this.busy || !this.running;

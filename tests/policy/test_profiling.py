@@ -233,3 +233,16 @@ def test_a_change_that_measured_slower_is_reverted_and_not_offered_again():
     # a revert that measured slower is not undone (no ping-pong)
     rec = prof.profile(rows, spec, results=[reverted])["recommendation"]
     assert rec["kind"] != "revert"
+
+
+def test_achieved_tflops_counts_the_rank_share_over_its_compute_time():
+    spec = _spec()  # gpt 2 layers hidden 256 seq 64, global batch 8 over 2 ranks
+    p = prof.profile(_samples(compute=0.05), spec)
+    params = prof.param_count("gpt", layers=2, hidden=256, seq_len=64, vocab=256)
+    assert p["achieved_tflops"] == pytest.approx(6 * params * 4 * 64 / 0.05 / 1e12, rel=1e-4)
+    user = parse_job_spec({"name": "u", "entrypoint": {"script": "/opt/train.py"}}).to_json()
+    p = prof.profile(_samples(), user)  # a script reporting every phase: profiled, the model is its own
+    assert p["class"] == "compute" and p["achieved_tflops"] is None and p["recommendation"]["change"] is None
+    p = prof.profile(_samples(comm=0.05, exposed=0.05), user)
+    assert p["class"] == "communication" and p["recommendation"]["change"] is None
+    assert "DDP comm hook" in p["recommendation"]["text"]
