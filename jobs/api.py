@@ -120,6 +120,24 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job = self.get_queryset().get(pk=job.pk)
         return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_202_ACCEPTED)
 
+    @extend_schema(request={"application/json": {"type": "object", "properties": {"change": {
+        "type": "object", "description": "optional: the recommendation's change as the caller saw it "
+                                         "(409 if the profile recommends another one now)"}}}},
+                   responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def apply_recommendation(self, request, pk=None):
+        """Restart the running job from its latest checkpoint with the spec change its profile
+        recommends (the owner, their team, or staff: whoever may see the job)."""
+        job = self.get_object()
+        data = request.data if isinstance(request.data, dict) else {}
+        change = data.get("change")
+        if change is not None and not isinstance(change, dict):
+            raise InvalidInput({"change": ["must be an object: the recommendation's change, e.g. "
+                                           '{"comm.compression": "powersgd"}']})
+        job = services.job_apply_recommendation(job, user=request.user, change=change)
+        job = self.get_queryset().get(pk=job.pk)
+        return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_202_ACCEPTED)
+
     @extend_schema(request={"application/json": {"type": "object", "properties": {"pinned": {"type": "boolean"}}}},
                    responses=CheckpointSerializer)
     @action(detail=True, methods=["post"], url_path=r"checkpoints/(?P<checkpoint_id>[0-9]+)/pin")

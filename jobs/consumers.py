@@ -154,6 +154,9 @@ class JobConsumer(_FlowControlled):
     async def job_event(self, event):
         await self.push({"type": "event", "event": event["event"]})
 
+    async def job_profile(self, event):
+        await self.push({"type": "profile", "attempt": event["attempt"], "profile": event["profile"]})
+
     async def job_checkpoint(self, event):
         await self.push({k: v for k, v in event.items() if k != "type"} | {"type": "checkpoint"})
 

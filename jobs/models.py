@@ -132,6 +132,8 @@ class Attempt(models.Model):
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
     rank_plans = models.JSONField(default=dict, blank=True,
                                   help_text='{"<rank>": {coords, role, param_bytes, optim_bytes}} as the runtime reported them')
+    profile = models.JSONField(default=dict, blank=True,
+                               help_text="what bounds its step and the recommended change (jobs/policy/profiling.py)")
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
     preempt_for = models.PositiveIntegerField(null=True, blank=True, help_text="the queued job its slots go to")

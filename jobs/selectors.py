@@ -199,9 +199,10 @@ STRAGGLER_WINDOW_STEPS = 20
 
 
 def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
-    """The attempt's samples of its last STRAGGLER_WINDOW_STEPS steps, every rank."""
+    """The attempt's samples of its last STRAGGLER_WINDOW_STEPS steps, every rank (the window
+    of the hang, straggler and profiling checks)."""
     return list(MetricSample.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
-                .values("rank", "step", "step_s", "data_s", "compute_s", "optim_s"))
+                .values("rank", "step", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
 
 
 def attempt_rank_rows(attempt) -> list[dict]:

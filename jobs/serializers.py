@@ -22,7 +22,8 @@ class AttemptSerializer(serializers.ModelSerializer):
     class Meta:
         model = Attempt
         fields = ["id", "number", "status", "outcome", "resumed_from", "resumed_from_step", "stop_reason", "failure",
-                  "last_step", "last_progress_at", "stragglers", "created_at", "started_at", "ended_at", "ranks"]
+                  "last_step", "last_progress_at", "stragglers", "profile", "created_at", "started_at", "ended_at",
+                  "ranks"]
 
     def get_ranks(self, obj) -> list[dict]:
         return selectors.attempt_rank_rows(obj)
@@ -40,13 +41,14 @@ class JobSerializer(serializers.ModelSerializer):
     stragglers = serializers.SerializerMethodField()
     health = serializers.SerializerMethodField()
     has_telemetry = serializers.SerializerMethodField()
+    profile = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
         fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
                   "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "stragglers", "health",
-                  "has_telemetry", "attempts"]
+                  "has_telemetry", "profile", "attempts"]
 
     def get_has_telemetry(self, obj) -> bool:
         """Whether any attempt of the job ever sent a metric sample (a script that does not use the
@@ -61,6 +63,15 @@ class JobSerializer(serializers.ModelSerializer):
     def get_stragglers(self, obj) -> list[dict]:
         a = self._current(obj)
         return list(a.stragglers) if a is not None and a.status != Attempt.Status.ENDED else []
+
+    def get_profile(self, obj) -> dict | None:
+        """The running attempt's profile (jobs/policy/profiling.py: class, shares, window,
+        recommendation with its change and predicted gain), with "attempt" (its id); null when
+        no attempt runs or none was profiled yet."""
+        a = self._current(obj)
+        if a is None or a.status != Attempt.Status.RUNNING or not a.profile:
+            return None
+        return {**a.profile, "attempt": a.pk}
 
     def get_health(self, obj) -> dict:
         """What the hang detector sees for the running attempt."""

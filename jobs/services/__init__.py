@@ -5,13 +5,14 @@ Transitions are compare-and-set (`filter(status=old).update(...)`), each writes 
 side effects (Celery sends, websocket messages) run only after commit. One module per topic,
 each importing only the ones below it:
 
-    jobs         submit, cancel, rollback                          (what users ask for)
+    jobs         submit, cancel, rollback, apply a recommendation  (what users ask for)
     scheduling   schedule_tick, eta_refresh, launching a placement
     ingest       telemetry_ingest, runtime events, the job's stream name
     quotas       quotas_update, quota_audit
     nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
-    attempts     stop, preempt, finish and its outcome, hang/straggler checks
+    attempts     stop, preempt, finish and its outcome, hang/straggler/profile checks
     knowledge    the knowledge base: one record per ended attempt with enough warm steps
+    profiling    the running attempt's profile (what bounds its step, the recommendation)
     checkpoints  register, reconcile, retention, resume point, pin
     events       job events, the status compare-and-set, their publication
     bundles      code bundles: store, the submit check (bundle_files), garbage collection
@@ -24,7 +25,7 @@ from .attempts import attempt_preempt, attempts_check
 from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
 from .ingest import telemetry_ingest
-from .jobs import job_cancel, job_rollback, job_submit
+from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
 from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
 from .quotas import quota_audit, quotas_update
 from .scheduling import eta_refresh, schedule_tick
@@ -32,7 +33,7 @@ from .scheduling import eta_refresh, schedule_tick
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
     "bundle_store", "bundles_gc", "checkpoint_pin",
-    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_cancel", "job_rollback", "job_stream",
+    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel", "job_rollback", "job_stream",
     "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
     "quotas_update", "schedule_tick", "telemetry_ingest",
 ]

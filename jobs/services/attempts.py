@@ -20,6 +20,7 @@ from ..policy import diagnosis
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_publish_status, job_set_status
 from .knowledge import knowledge_record
+from .profiling import attempt_profile_update
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +174,12 @@ def _success_text(job: Job, attempt: Attempt) -> str:
 
 
 def attempts_check() -> dict:
-    """Stop hung attempts and flag stragglers, from the telemetry the relay committed. Hangs are
-    judged only while the relay is alive: a stopped relay also stops progress in the database."""
+    """Stop hung attempts, flag stragglers and profile what bounds each step (services.profiling),
+    from the telemetry the relay committed. Hangs are judged only while the relay is alive: a
+    stopped relay also stops progress in the database."""
     relay_ok = selectors.relay_alive()
     now = timezone.now()
-    hung, flagged = [], {}
+    hung, flagged, profiles = [], {}, {}
     grace = timedelta(seconds=settings.TRAINYARD_PREEMPT_GRACE_S)
     for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING, stop_reason="preempt",
                                           preempt_requested_at__lt=now - grace).select_related("job"):
@@ -193,7 +195,10 @@ def attempts_check() -> dict:
         ranks = _attempt_stragglers_check(attempt, recent)
         if ranks:
             flagged[attempt.pk] = ranks
-    return {"hung": hung, "stragglers": flagged, "relay_alive": relay_ok}
+        if attempt.stop_reason == "":
+            attempt_profile_update(attempt, recent)
+            profiles[attempt.pk] = attempt.profile.get("class")
+    return {"hung": hung, "stragglers": flagged, "profiles": profiles, "relay_alive": relay_ok}
 
 
 def _attempt_hang_check(attempt: Attempt, recent: list[dict], now) -> bool:

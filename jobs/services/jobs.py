@@ -1,4 +1,5 @@
-"""Jobs: submit, cancel, roll back to a checkpoint: the top of the services, what users ask for.
+"""Jobs: submit, cancel, roll back to a checkpoint, apply the profile's recommendation: the top of
+the services, what users ask for.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from .. import autoplan, dispatch, selectors, selectors_knowledge
 from ..errors import RollbackCheckpointError, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
-from ..policy import planner, predictor, scheduling
+from ..policy import planner, predictor, profiling, scheduling
 from .attempts import attempt_stop
 from .bundles import bundle_files
-from .checkpoints import checkpoint_publish, checkpoint_states
+from .checkpoints import checkpoint_publish, checkpoint_states, checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
@@ -161,3 +162,55 @@ def job_rollback(job: Job, *, user: AbstractUser, checkpoint_id: int | str) -> J
                 transaction.on_commit(dispatch.request_tick)
     job.refresh_from_db()
     return job
+
+
+def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | None = None) -> Job:
+    """Restart a running job from its latest checkpoint with the spec change its running
+    attempt's profile recommends (services.profiling): the new spec is validated like a submit
+    (SpecError: nothing changes), stored with its plan, recorded as a "recommendation_applied"
+    event with the values before and after, and the attempt stops like a rollback (outcome
+    rolled_back), so the next attempt resumes from the checkpoint with the new spec. `change`,
+    when given, must be the recommendation the caller saw. Raises TransitionError (409) when the
+    job is not running, recommends no change, has another one now, or has no checkpoint yet."""
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        attempt = job.attempts.filter(status=Attempt.Status.RUNNING, stop_reason="").order_by("-number").first()
+        if job.status != Job.Status.RUNNING or attempt is None:
+            raise TransitionError(f"the job is {job.status.lower()}: a recommendation applies to a running job")
+        rec = (attempt.profile or {}).get("recommendation") or {}
+        if not rec.get("change"):
+            raise TransitionError("the job's profile recommends no spec change now", field="recommendation")
+        if change is not None and change != rec["change"]:
+            raise TransitionError(f"the recommendation changed to {rec['change']}: review it and apply again",
+                                  field="change")
+        new_spec = profiling.spec_with_change(job.spec, rec["change"])
+        checkpoints_reconcile(job)
+        point = resume_checkpoint(job)
+        if point is None:
+            raise TransitionError("the job has no checkpoint yet to restart from: apply after its first "
+                                  f"checkpoint (every {job.spec['checkpoint']['every_steps']} steps)",
+                                  field="checkpoint")
+        before = {k: _dotted(job.spec, k) for k in rec["change"]}
+        after = {k: _dotted(new_spec, k) for k in rec["change"]}
+        plan = {**job.plan, **planner.describe(new_spec)}
+        Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
+        who = user.get_username()
+        text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
+        job_event(job, "recommendation_applied", f"{who} applied the recommendation ({text}); restarting from the "
+                  f"checkpoint at step {point.step}", attempt=attempt, actor=user, before=before, after=after,
+                  recommendation=rec.get("kind"), predicted_gain=rec.get("predicted_gain"),
+                  predicted_step_s=rec.get("predicted_step_s"), step_s=(attempt.profile.get("window") or {}).get("step_s"),
+                  profile_class=attempt.profile.get("class"), checkpoint=point.pk, step=point.step)
+        job_set_status(job, Job.Status.RUNNING, Job.Status.STOPPING,
+                       f"applying the recommendation ({text}): restarting from step {point.step}"[:500])
+        Attempt.objects.filter(pk=attempt.pk).update(stop_reason="rollback")
+        attempt.refresh_from_db()
+        attempt_stop(attempt, reason="rollback")
+    job.refresh_from_db()
+    return job
+
+
+def _dotted(spec: dict, path: str):
+    for part in path.split("."):
+        spec = spec[part]
+    return spec

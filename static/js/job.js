@@ -10,6 +10,7 @@ import { LogPane } from './logs.js';
 import { KeptLogs } from './keptlogs.js';
 import { addUserCharts, renderTelemetryNote } from './usercharts.js';
 import { renderPlanMeasured } from './planpanel.js';
+import { ProfilePanel } from './profile.js';
 import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
   readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
 
@@ -25,6 +26,7 @@ const charts = {
 if ($('#chart-share')) charts.share = shareChart($('#chart-share'));
 const logs = new LogPane($('#log-tabs'), $('#log-pane'));
 const kept = new KeptLogs($('#kept-logs'), cfg.id);  // a finished job's logs, paged from the kept files
+const profile = new ProfilePanel($('#profile-card'), cfg.id, { onApplied: (job) => { applyJob(job); refreshJobSoon(); } });
 const state = {
   job: null,
   status: cfg.status,
@@ -40,7 +42,7 @@ const state = {
 };
 // Events after which the job JSON (stragglers, health, attempts) is stale.
 const REFRESH_KINDS = new Set(['straggler', 'straggler_cleared', 'hang_detected', 'rollback', 'restart',
-  'preempt_requested', 'preempted', 'preempt_forced']);
+  'preempt_requested', 'preempted', 'preempt_forced', 'recommendation_applied']);
 
 // ---------------------------------------------------------------- header
 
@@ -460,6 +462,7 @@ function applyJob(job) {
   state.markers = attemptMarkers(job.attempts, [...state.events.values()]);
   renderAttempts(job.attempts);
   renderAlerts(job);
+  profile.render(job.profile, job.status);
   renderCheckpoints();  // attempt numbers come from the job
   renderHeader();
   redrawCharts();
@@ -505,6 +508,9 @@ function onMessage(msg) {
         refreshJobSoon();
       }
       break;
+    case 'profile':
+      profile.render({ ...msg.profile, attempt: msg.attempt }, state.status);
+      break;
     case 'checkpoint':
       addCheckpoint(msg.checkpoint || msg);
       renderCheckpoints();
@@ -536,7 +542,7 @@ const socket = new LiveSocket(`/ws/jobs/${cfg.id}/`, { onMessage, onState: bindI
 
 // For the browser tests and for poking around in the console.
 window.trainyard = {
-  store, charts, socket, logs, kept, state, onMessage,
+  store, charts, socket, logs, kept, profile, state, onMessage,
   stats: () => store.stats(),
   chartSteps: (name) => charts[name].seriesSteps(),
 };
