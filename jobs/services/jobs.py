@@ -193,6 +193,8 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
         before = {k: _dotted(job.spec, k) for k in rec["change"]}
         after = {k: _dotted(new_spec, k) for k in rec["change"]}
         plan = {**job.plan, **planner.describe(new_spec)}
+        if (new_spec.get("model") or {}).get("kind") == "gpt":  # the prediction of the plan it now runs
+            plan["planner"] = autoplan.predict_spec(new_spec)
         Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
         who = user.get_username()
         text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
