@@ -110,6 +110,16 @@ def test_spec_fields_sync_and_inline_errors(page, base):
     page.goto(f"{base}/jobs/new/")
     spec = json.loads(page.input_value("#id_spec"))
     assert spec["name"] == "gpt-demo" and page.input_value("[data-path='model.layers']") == str(spec["model"]["layers"])
+    # a select of a Literal sends its string, a bool field a JSON boolean; "default" removes the key
+    page.select_option("[data-path='parallel.recompute']", "full")
+    page.select_option("[data-path='parallel.shard_optimizer']", "true")
+    assert json.loads(page.input_value("#id_spec"))["parallel"] == {"recompute": "full", "shard_optimizer": True}
+    page.select_option("[data-path='parallel.shard_optimizer']", "")
+    page.select_option("[data-path='parallel.recompute']", "")
+    assert "parallel" not in json.loads(page.input_value("#id_spec"))
+    page.fill("#id_spec", json.dumps({**spec, "parallel": {"shard_optimizer": False}}))  # text -> the field
+    page.wait_for_function("() => document.querySelector(\"[data-path='parallel.shard_optimizer']\").value === 'false'")
+    page.fill("#id_spec", json.dumps(spec))
     # fields -> text, in the text's own format (YAML here)
     page.click("#format-toggle button[data-format=yaml]")
     assert "model: {" in page.input_value("#id_spec")

@@ -120,6 +120,16 @@ def test_the_stored_plan_describes_the_mesh_and_every_rank():
     assert [(r.start, r.stop - 1) for r in stage_layers(5, 2)] == [(0, 2), (3, 4)]
     auto = planner.describe(parse_job_spec({"name": "x", "parallel": "auto"}).to_json())
     assert auto["mesh"] == {"pp": 1, "dp": 2, "tp": 1} and auto["strategy"] == "dp 2"
+    assert (plan["recompute"], plan["shard_optimizer"], auto["recompute"], auto["shard_optimizer"]) == (
+        "none", False, "none", False)
+    zero = planner.describe(parse_job_spec(
+        {"name": "x", "parallel": {"recompute": "full", "shard_optimizer": True}}).to_json())
+    assert (zero["recompute"], zero["shard_optimizer"]) == ("full", True)
+    assert zero["roles"][1]["role"] == "replica 1/2 (1/2 of the optimizer state)"
+    # a plan stored before these fields existed still describes (as none / false)
+    old = parse_job_spec({"name": "x"}).to_json()
+    del old["parallel"]["recompute"], old["parallel"]["shard_optimizer"]
+    assert (planner.describe(old)["recompute"], planner.describe(old)["shard_optimizer"]) == ("none", False)
 
 
 def test_grad_accum_needs_the_global_batch_to_split_into_equal_micro_batches():
