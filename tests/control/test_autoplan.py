@@ -136,3 +136,23 @@ def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
     k = again.plan["auto"]["knowledge"]
     assert k["measured_plans"] == 1 and k["scale_from"] == 1
     assert k["scale"] == pytest.approx(max(0.2, (chosen["step_time_s"] / 10) / runner["model_step_time_s"]), rel=1e-3)
+
+
+@pytest.mark.parametrize("resources,sync", [({"nodes": 1, "procs_per_node": 1}, "allreduce"),
+                                            ({"nodes": 1, "procs_per_node": 2}, "local_sgd"),
+                                            ({"nodes": 2, "procs_per_node": 2}, "hierarchical"),
+                                            ({"nodes": 2, "procs_per_node": 2}, "allreduce")])
+def test_every_auto_choice_is_a_spec_the_runtime_accepts(user, nodes, resources, sync):
+    """The planner searches only what the spec's rules let the runtime run (no ZeRO-1 over one
+    replica or under model averaging, no tp x pp, FSDP only alone): each choice, and each
+    runner-up, is a valid concrete spec."""
+    from jobs.autoplan import plan_spec
+    from jobs.policy.plan.job import spec_parallel
+
+    spec = {"name": "s", "model": GPT, "parallel": "auto", "resources": resources, "comm": {"sync": sync},
+            "train": {"global_batch": 16}}
+    job = submit(user, **{k: v for k, v in spec.items() if k != "name"})
+    assert job.plan["auto"]["chosen"]["step_time_s"] > 0
+    for p in plan_spec({**job.spec, "parallel": "auto"})["plans"]:
+        par, accum = spec_parallel(p, 16)
+        parse_job_spec({**spec, "parallel": par, "train": {"global_batch": 16, "grad_accum": accum}})

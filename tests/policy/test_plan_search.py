@@ -98,8 +98,12 @@ def test_a_trillion_parameter_gpt_on_3072_devices_plans_in_under_100_ms():
 
 
 def test_plan_for_job_plans_what_our_runtime_runs():
-    spec = {"model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 256},
-            "resources": {"nodes": 2, "procs_per_node": 2, "device": "cpu"}, "train": {"global_batch": 32}}
+    from trainyard.spec import parse_job_spec
+
+    spec = parse_job_spec({"name": "t", "model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4,
+                                                  "seq_len": 128, "vocab": 256},
+                           "resources": {"nodes": 2, "procs_per_node": 2, "device": "cpu"},
+                           "train": {"global_batch": 32}}).to_json()
     out = plan_for_job(spec, None)
     assert out["plans"]
     for p in out["plans"]:

@@ -2,6 +2,10 @@
 restricted to what Trainyard's runtime runs, and the chosen plan written back as spec fields."""
 from __future__ import annotations
 
+import dataclasses
+
+from trainyard.spec import SpecError, parse_job_spec
+
 from .constants import DeviceConstants
 from .cost import Candidate
 from .inputs import PlanInputError, parse_plan_request
@@ -15,12 +19,17 @@ KIND_DEFAULTS = {
 }
 
 
-def runtime_supports(c: Candidate) -> bool:
-    """What workers/runtime runs (trainyard/spec.py's submit rules): no tp x pp, FSDP only with
-    tp = pp = 1, 1F1B with at least as many micro-batches as stages (checked by the caller's m)."""
-    if c.tp > 1 and c.pp > 1:
+def runtime_supports(spec: dict, c: Candidate) -> bool:
+    """Whether the runtime runs candidate `c` for `spec`: the concrete spec it would become passes
+    trainyard.spec's own rules (no tp x pp, FSDP alone, ZeRO-1 over dp >= 2 and not under model
+    averaging, compression / averaging / balancing only with plain dp, 1F1B with m >= pp, ...), so
+    the planner never keeps a copy of them that could drift."""
+    par, accum = spec_parallel(dataclasses.asdict(c), int(spec["train"]["global_batch"]))
+    try:
+        parse_job_spec({**spec, "parallel": par, "train": {**spec["train"], "grad_accum": accum}})
+    except SpecError:
         return False
-    return not (c.fsdp and (c.tp > 1 or c.pp > 1))
+    return True
 
 
 def job_request(spec: dict, *, device: dict | None = None) -> dict:
@@ -50,15 +59,8 @@ def plan_for_job(spec: dict, constants: DeviceConstants | None, *, device: dict 
     runtime runs (an mlp is costed as a GPT of its size with one head, dp / fsdp only). `device` overrides {name, memory_gb, peak_tflops, intra_node_gbs,
     inter_node_gbs}; PlanInputError when the spec's shape is no GPT the planner can split."""
     req = parse_plan_request(job_request(spec, device=device))
-    mlp = spec["model"].get("kind", "gpt") == "mlp"
-
     def runnable(c: Candidate) -> bool:
-        if mlp and (c.tp > 1 or c.pp > 1):  # the residual MLP is only replicated or sharded
-            return False
-        m = req.global_batch // c.dp // c.micro_batch
-        if c.pp > 1 and (m > 1024 or (c.schedule == "1f1b" and m < c.pp)):
-            return False
-        return runtime_supports(c)
+        return runtime_supports(spec, c)
 
     return plan(req, constants, limit_rejected=limit_rejected, runnable=runnable)
 
