@@ -1,0 +1,84 @@
+"""The harness: the matmul sweep in this process, then one torchrun of worker.py for the
+collectives and the run grid, assembled into trainyard/calibration.py's document (validated
+before it is written).
+
+Ranks: 2 on CPU (a collective needs two; each rank gets the one thread a slot gets,
+OMP_NUM_THREADS=1 as the launcher sets), one per GPU on CUDA. torchrun is started with an argv
+list on 127.0.0.1 (--standalone: a c10d rendezvous on a free local port) under a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trainyard.calibration import VERSION, parse_measurements
+
+from . import matmul
+
+CPU_PROCS = 2
+THREADS_PER_PROC = 1
+TIMEOUT_S = {True: 300, False: 1200}  # quick, default
+
+
+class HarnessError(RuntimeError):
+    """The distributed part failed or timed out; the message holds its output's tail."""
+
+
+def device_info() -> dict:
+    cuda = torch.cuda.is_available()
+    return {"name": torch.cuda.get_device_name(0) if cuda else "cpu", "kind": "cuda" if cuda else "cpu",
+            "procs": torch.cuda.device_count() if cuda else CPU_PROCS,
+            "threads_per_proc": THREADS_PER_PROC, "host": platform.node()[:255],
+            "torch": torch.__version__.split("+")[0]}
+
+
+def distributed_part(procs: int, quick: bool, timeout_s: float, log=print) -> dict:
+    """torchrun of worker.py with `procs` ranks; its rank 0's JSON."""
+    with tempfile.TemporaryDirectory(prefix="trainyard-calibrate-") as tmp:
+        out = Path(tmp) / "dist.json"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(procs), "-m", "workers.calibrate.worker", "--out", str(out)]
+        if quick:
+            argv.append("--quick")
+        env = {**os.environ, "OMP_NUM_THREADS": str(THREADS_PER_PROC), "MASTER_ADDR": "127.0.0.1",
+               "PYTHONWARNINGS": "ignore::FutureWarning"}
+        repo = Path(__file__).resolve().parents[2]  # workers.calibrate importable from there
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+        try:
+            proc = subprocess.run(argv, env=env, text=True, capture_output=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""
+            raise HarnessError(f"torchrun did not finish in {timeout_s:.0f} s\n{tail}") from None
+        for line in proc.stdout.splitlines():
+            if line.startswith(("run ", "collectives:")):
+                log(line)
+        if proc.returncode != 0 or not out.exists():
+            raise HarnessError(f"torchrun exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return json.loads(out.read_text())
+
+
+def measure(quick: bool, timeout_s: float | None = None, log=print) -> tuple[dict, dict]:
+    """The validated measurement document and the wall time of each part (seconds)."""
+    torch.set_num_threads(THREADS_PER_PROC)
+    info = device_info()
+    walls = {}
+    t0 = time.perf_counter()
+    device = torch.device("cuda", 0) if info["kind"] == "cuda" else torch.device("cpu")
+    points = matmul.sweep(device, quick)
+    walls["matmul_s"] = time.perf_counter() - t0
+    log(f"matmul: {len(points)} shapes, best {max(p['tflops'] for p in points):.3f} TFLOP/s "
+        f"({walls['matmul_s']:.1f} s)")
+    t0 = time.perf_counter()
+    dist_part = distributed_part(info["procs"], quick, timeout_s or TIMEOUT_S[quick], log)
+    walls["distributed_s"] = time.perf_counter() - t0
+    doc = {"version": VERSION, "device": info, "matmul": points, **dist_part}
+    parse_measurements(doc)  # what is written is what the control plane accepts
+    return doc, walls
