@@ -1,0 +1,69 @@
+"""Planning a JobSpec (`parallel: auto`): the request built from the validated spec, the search
+restricted to what Trainyard's runtime runs, and the chosen plan written back as spec fields."""
+from __future__ import annotations
+
+from .constants import DeviceConstants
+from .cost import Candidate
+from .inputs import parse_plan_request
+from .search import plan
+
+# The device facts a JobSpec does not carry, per resources.device, until a calibration (or the
+# caller's `device=`) says better: memory and peak per process, links in GB/s one way.
+KIND_DEFAULTS = {
+    "cpu": {"memory_gb": 4.0, "peak_tflops": 0.05, "intra_node_gbs": 5.0, "inter_node_gbs": 1.0},
+    "cuda": {"memory_gb": 80.0, "peak_tflops": 312.0, "intra_node_gbs": 300.0, "inter_node_gbs": 25.0},
+}
+
+
+def runtime_supports(c: Candidate) -> bool:
+    """What workers/runtime runs (trainyard/spec.py's submit rules): no tp x pp, FSDP only with
+    tp = pp = 1, 1F1B with at least as many micro-batches as stages (checked by the caller's m)."""
+    if c.tp > 1 and c.pp > 1:
+        return False
+    return not (c.fsdp and (c.tp > 1 or c.pp > 1))
+
+
+def job_request(spec: dict, *, device: dict | None = None) -> dict:
+    """The planner request for a validated JobSpec's built-in model on its resources."""
+    m, res, train = spec["model"], spec["resources"], spec["train"]
+    kind = res.get("device", "cpu")
+    facts = {**KIND_DEFAULTS.get(kind, KIND_DEFAULTS["cuda"]), **(device or {})}
+    return {
+        "model": {k: int(m[k]) for k in ("layers", "hidden", "heads", "seq_len", "vocab")},
+        "cluster": {"nodes": int(res["nodes"]), "devices_per_node": int(res["procs_per_node"]),
+                    "device": {"name": facts.get("name", kind), "memory_gb": float(facts["memory_gb"]),
+                               "peak_tflops": float(facts["peak_tflops"])},
+                    "intra_node_gbs": float(facts["intra_node_gbs"]),
+                    "inter_node_gbs": float(facts["inter_node_gbs"])},
+        "global_batch": int(train["global_batch"]),
+        "precision": "fp32" if kind == "cpu" else "bf16",
+    }
+
+
+def plan_for_job(spec: dict, constants: DeviceConstants | None, *, device: dict | None = None,
+                 limit_rejected: int = 200) -> dict:
+    """The planner's output for a validated JobSpec (spec.to_json()), restricted to plans our
+    runtime runs. `device` overrides {name, memory_gb, peak_tflops, intra_node_gbs,
+    inter_node_gbs}; PlanInputError when the spec's shape is no GPT the planner can split."""
+    req = parse_plan_request(job_request(spec, device=device))
+    per_replica = lambda c: req.global_batch // c.dp  # noqa: E731
+
+    def runnable(c: Candidate) -> bool:
+        m = per_replica(c) // c.micro_batch
+        if c.pp > 1 and (m > 1024 or (c.schedule == "1f1b" and m < c.pp)):
+            return False
+        return runtime_supports(c)
+
+    return plan(req, constants, limit_rejected=limit_rejected, runnable=runnable)
+
+
+def spec_parallel(row: dict, global_batch: int) -> tuple[dict, int]:
+    """(the spec's `parallel` section, train.grad_accum) for a plan row: pp > 1 -> microbatches =
+    per-replica batch / micro_batch and grad_accum 1; pp == 1 -> grad_accum = that ratio."""
+    m = global_batch // row["dp"] // row["micro_batch"]
+    par = {"dp": row["dp"], "tp": row["tp"], "pp": row["pp"], "fsdp": row["fsdp"],
+           "shard_optimizer": row["shard_optimizer"], "recompute": row["recompute"]}
+    if row["pp"] > 1:
+        par.update(microbatches=m, schedule=row["schedule"])
+        return par, 1
+    return par, m
