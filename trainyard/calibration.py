@@ -117,3 +117,40 @@ def parse_measurements(data: object) -> Measurements:
             path = ".".join(str(p) for p in err["loc"]) or "measurements"
             errors.setdefault(path, []).append(err["msg"])
         raise MeasurementsError(errors) from None
+
+
+class HarnessFailed(RuntimeError):
+    """`python -m workers.calibrate` exited non-zero, timed out or wrote an invalid document."""
+
+
+HARNESS_TIMEOUT_S = {True: 400, False: 1500}  # quick, default: the harness's own limits + start-up
+
+
+def run_harness(*, quick: bool, python: str, cwd: str, timeout_s: float | None = None) -> tuple[dict, dict]:
+    """Run the harness as a subprocess (argv list, no shell) of interpreter `python` in `cwd`
+    (where `workers` is importable); (the validated document, its summary line: wall times)."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="trainyard-calibration-") as tmp:
+        out = Path(tmp) / "measurements.json"
+        argv = [python, "-m", "workers.calibrate", "--out", str(out)] + (["--quick"] if quick else [])
+        limit = timeout_s or HARNESS_TIMEOUT_S[quick]
+        try:
+            proc = subprocess.run(argv, cwd=cwd, text=True, capture_output=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise HarnessFailed(f"the calibration harness did not finish in {limit:.0f} s") from None
+        if proc.returncode != 0 or not out.exists():
+            raise HarnessFailed(f"the calibration harness exited {proc.returncode}: {proc.stderr[-2000:]}")
+        doc = json.loads(out.read_text())
+        try:
+            summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            summary = {}
+    try:
+        parse_measurements(doc)
+    except MeasurementsError as e:
+        raise HarnessFailed(f"the calibration harness wrote an invalid document: {e}") from None
+    return doc, summary
