@@ -3,7 +3,7 @@
 
 Domain errors (jobs/errors.py) carry their field paths and status (400 invalid input, 403
 forbidden, 404 not found, 409 conflict); a JobSpec that fails validation (trainyard.spec.SpecError)
-is a 400 with its field paths; DRF's own errors (parse errors, authentication, its NotFound and
+is a 400 with its field paths, and so is bad planner input (PlanInputError); DRF's own errors (parse errors, authentication, its NotFound and
 ValidationError) keep their status and get their detail flattened into field paths. Views raise;
 none of them builds an error response by hand.
 """
@@ -14,6 +14,7 @@ from rest_framework.views import exception_handler as drf_handler
 from rest_framework.views import set_rollback
 
 from .errors import DomainError
+from .policy.plan import PlanInputError
 from trainyard.spec import SpecError
 
 
@@ -32,7 +33,7 @@ def _flatten(detail, prefix: str, out: dict) -> None:
 
 def exception_handler(exc, context):
     """settings.REST_FRAMEWORK["EXCEPTION_HANDLER"]: None (a 500) for anything not an API error."""
-    if isinstance(exc, (DomainError, SpecError)):
+    if isinstance(exc, (DomainError, SpecError, PlanInputError)):
         set_rollback()
         return Response({"errors": exc.errors}, status=getattr(exc, "status_code", 400))
     response = drf_handler(exc, context)

@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from . import api, api_auth, api_calibration, api_code, views
+from . import api, api_auth, api_calibration, api_code, api_plan, views
 
 router = DefaultRouter()
 router.register("jobs", api.JobViewSet, basename="api-job")
@@ -18,6 +18,7 @@ urlpatterns = [
     path("api/v1/auth/token/", api_auth.AuthTokenView.as_view(), name="api-auth-token"),
     path("api/v1/quotas/", api.QuotaView.as_view(), name="api-quotas"),
     path("api/v1/code/", api_code.CodeUploadView.as_view(), name="api-code"),
+    path("api/v1/plan/", api_plan.PlanView.as_view(), name="api-plan"),
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),
     path("api/v1/calibrations/", api_calibration.CalibrationView.as_view(), name="api-calibrations"),
     path("api/v1/", include(router.urls)),

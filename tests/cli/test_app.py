@@ -15,7 +15,7 @@ from trainyard.cli import config
 from trainyard.cli.app import cli
 from trainyard.cli.watch import JobState
 
-COMMANDS = ["login", "submit", "ls", "show", "logs", "watch", "cancel", "checkpoints", "rollback", "nodes"]
+COMMANDS = ["login", "submit", "ls", "show", "logs", "watch", "cancel", "checkpoints", "rollback", "nodes", "plan"]
 JOB = {"id": 7, "name": "demo", "status": "QUEUED", "status_reason": "", "owner": "alice", "step": 0,
        "total_steps": 40, "restarts": 0, "created_at": "2026-12-01T12:00:00+00:00", "spec": {}, "attempts": []}
 

@@ -58,8 +58,9 @@ def test_pipeline_in_flight_micro_batches_and_the_last_stages_logits():
     states_first = 16 * (2 * LAYER + ENDS)
     assert f1b.total == pytest.approx(states_first + 2 * one * 2)        # min(p, m) = 2 in flight
     assert f1b.logits == 8 * 2 * S * V
-    # GPipe keeps all m = 4 in flight on every stage: the last (head + logits) is now the fuller one.
-    assert gpipe.total == pytest.approx(16 * (2 * LAYER + HEAD) + 2 * one * 4 + f1b.logits)
+    # GPipe keeps all m = 4 in flight on every stage: the last (+ logits) is now the fuller one; the
+    # model charges every stage the states of the larger end stage (the first: embeddings + positions).
+    assert gpipe.total == pytest.approx(states_first + 2 * one * 4 + f1b.logits)
 
 
 def test_step_time_moves_the_right_way():
@@ -91,3 +92,17 @@ def test_more_micro_batches_cut_the_bubble():
     few = step_time(r, Candidate(dp=1, tp=1, pp=2, micro_batch=32), DEFAULT_GPU)
     many = step_time(r, Candidate(dp=1, tp=1, pp=2, micro_batch=4), DEFAULT_GPU)
     assert many.bubble_fraction < few.bubble_fraction
+
+
+def test_constants_round_trip_through_json_and_interpolate_log_linearly():
+    import json
+
+    from jobs.policy.plan import DEFAULT_CPU, DeviceConstants
+
+    for k in (DEFAULT_GPU, DEFAULT_CPU):
+        assert DeviceConstants.from_dict(json.loads(json.dumps(k.to_dict()))) == k
+    newer = {**DEFAULT_CPU.to_dict(), "a_field_from_the_future": 1}
+    assert DeviceConstants.from_dict(newer) == DEFAULT_CPU
+    k = DeviceConstants(name="x", matmul_eff=((100.0, 0.1), (10000.0, 0.5)))
+    assert k.efficiency(10.0) == 0.1 and k.efficiency(1e6) == 0.5          # clamped at the ends
+    assert k.efficiency(1000.0) == pytest.approx(0.3)                       # halfway in log n

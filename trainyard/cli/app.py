@@ -251,3 +251,44 @@ def logs(job_id, follow, rank, attempt):
     from .logs import print_logs
 
     print_logs(_api(), job_id, rank=rank, attempt=attempt, follow=follow)
+
+
+def _load_request(path: str) -> dict:
+    """A plan request from FILE or stdin ("-"): JSON (or YAML, its superset)."""
+    import yaml
+
+    where = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        data = yaml.safe_load(text)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"{where} is not valid JSON or YAML: {getattr(exc, 'problem', None) or exc}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{where} is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{where}: a plan request is an object {{model, cluster, global_batch, precision?, fix?}}")
+    return data
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("request_file", metavar="FILE|-")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="plans to show")
+@click.option("--json", "as_json", is_flag=True, help="print the planner's JSON document")
+def plan(request_file, top, as_json):
+    """Plan a model on a cluster: the best parallel layouts (dp, tp, pp, micro-batch, sharding,
+    recompute, schedule) with predicted step time, memory and TFLOP/s, and how many were rejected.
+    FILE (or - for stdin) holds {model, cluster, global_batch, precision?, fix?} as JSON or YAML."""
+    from .render import plans_view
+
+    result = _api().post("/api/v1/plan/", _load_request(request_file), doing="plan")
+    if as_json:
+        return _print_json(result)
+    console = _console()
+    for part in plans_view(result, top):
+        console.print(part)

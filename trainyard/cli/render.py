@@ -1,4 +1,4 @@
-"""Tables and key/value views for `ls`, `show`, `checkpoints` and `nodes` (rich)."""
+"""Tables and key/value views for `ls`, `show`, `checkpoints`, `nodes` and `plan` (rich)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -85,3 +85,26 @@ def nodes_table(nodes: list[dict]) -> Table:
                   f"{n.get('slots_used', 0)}/{n.get('slots', 0)}", n.get("address", ""), pct(n.get("cpu_percent")),
                   pct(n.get("mem_percent")), str(len(n.get("devices") or [])), labels)
     return t
+
+
+def _layout(p: dict) -> str:
+    sharding = "fsdp" if p.get("fsdp") else "zero-1" if p.get("shard_optimizer") else "ddp"
+    return f"dp {p['dp']} x tp {p['tp']} x pp {p['pp']} ({sharding})"
+
+
+def plans_view(result: dict, top: int) -> list:
+    """The best `top` plans as a table, the best one's explanation, and the rejected count."""
+    plans, rejected = result.get("plans") or [], result.get("rejected") or []
+    if not plans:
+        nearest = rejected[0]["reason"] if rejected else "no layout divides the cluster and the batch"
+        return [f"no plan fits: nearest miss {_layout(rejected[0]) + ': ' if rejected else ''}{nearest}"]
+    t = Table(box=None, header_style="bold")
+    for col in ("#", "LAYOUT", "MICRO-BATCH", "RECOMPUTE", "SCHEDULE", "STEP", "TFLOP/S", "MEMORY", "BUBBLE"):
+        t.add_column(col, no_wrap=True)
+    for i, p in enumerate(plans[:top], 1):
+        t.add_row(str(i), _layout(p), str(p["micro_batch"]), p["recompute"], p.get("schedule") or "",
+                  f"{p['step_time_s']:.3g} s", f"{p['tflops_per_device']:.3g}", f"{p['memory_gb_per_device']:.1f} GB",
+                  f"{p['bubble_fraction']:.0%}")
+    return [t, f"best: {plans[0]['explain']}",
+            f"{len(plans)} plans fit ({min(top, len(plans))} shown); {len(rejected)} rejected"
+            + (f", nearest: {rejected[0]['reason']}" if rejected else "")]

@@ -57,7 +57,8 @@ def evaluate_row(row: dict, k: DeviceConstants) -> dict:
     pub = (row["published"]["tp"], row["published"]["pp"])
     return {"id": row["id"], "measured_tokens_per_s": round(meas), "predicted_tokens_per_s": round(pred) if pred else None,
             "error": None if pred is None else round(pred / meas - 1, 4), "published_layout": list(pub),
-            "top3_layouts": [list(t) for t in top], "published_in_top3": pub in top}
+            "top3_layouts": [list(t) for t in top], "published_in_top3": pub in top,
+            "baseline": bool(row.get("baseline"))}
 
 
 def regret(rows: list[dict], k: DeviceConstants) -> list[dict]:
@@ -65,7 +66,7 @@ def regret(rows: list[dict], k: DeviceConstants) -> list[dict]:
     slower (measured) the layout the planner ranks first among them is than the group's best."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        key = repr((r["request"], r["framework"]))
+        key = repr(r["request"])  # one model, one cluster, one batch
         groups.setdefault(key, []).append(r)
     out = []
     for members in groups.values():
@@ -79,13 +80,22 @@ def regret(rows: list[dict], k: DeviceConstants) -> list[dict]:
 
 
 def evaluate(rows: list[dict], k: DeviceConstants) -> dict:
-    """Mean and max |error| of predicted throughput, the top-3 rate and the regret over `rows`."""
+    """Mean and max |error| of predicted throughput, the top-3 rate (over the layouts a run chose;
+    a source's baselines, chosen to lose, are counted apart) and the regret over `rows`."""
     per = [evaluate_row(r, k) for r in rows]
     errs = [abs(p["error"]) if p["error"] is not None else math.inf for p in per]
+    chosen = [p for p in per if not p["baseline"]]
+    rate = lambda ps: round(sum(p["published_in_top3"] for p in ps) / len(ps), 4) if ps else None  # noqa: E731
     return {"rows": per, "n": len(per), "mean_abs_error": round(statistics.fmean(errs), 4) if per else None,
             "max_abs_error": round(max(errs), 4) if per else None,
-            "top3_rate": round(sum(p["published_in_top3"] for p in per) / len(per), 4) if per else None,
-            "regret": regret(rows, k)}
+            "top3_rate": rate(chosen), "top3_rows": len(chosen), "top3_rate_with_baselines": rate(per),
+            **_regret_summary(regret(rows, k))}
+
+
+def _regret_summary(groups: list[dict]) -> dict:
+    values = [g["regret"] for g in groups]
+    return {"regret": groups, "regret_mean": round(statistics.fmean(values), 4) if values else None,
+            "regret_max": max(values) if values else None}
 
 
 def split() -> tuple[list[dict], list[dict], list[dict]]:
