@@ -83,8 +83,10 @@ class Run(_Strict):
     global_batch: int = Field(ge=1)
     plan: RunPlan
     procs: int = Field(ge=1)
-    step_time_s: float = Field(gt=0, description="median over the warm steps of the slowest rank's step")
-    steps: int = Field(ge=1, description="steps run, the first ones (warm-up) included")
+    step_time_s: float = Field(gt=0, description="median over the warm steps of the slowest rank's step "
+                                                 "(the smallest over the passes)")
+    steps: int = Field(ge=1, description="steps run in each pass, the first ones (warm-up) included")
+    passes: int = Field(1, ge=1, le=100, description="times the grid point was run (a pass over the grid each)")
     memory: RunMemory
 
 

@@ -3,11 +3,13 @@ ranks), its document valid and fit by the control plane's fit."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs.policy.plan.calibration import evaluate, fit
@@ -47,6 +49,16 @@ def test_quick_harness_writes_a_valid_document(tmp_path):
     k = fit(doc, DEFAULT_CPU, runs=range(0, 10, 2))
     e = evaluate(doc, k, range(1, 10, 2))
     assert e["runs"] == 5 and e["activation_error_max"] < 0.3
+
+
+def test_a_harness_past_its_timeout_is_killed_with_its_ranks(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the ranks' argv then names tmp_path
+    proc = subprocess.run([sys.executable, "-m", "workers.calibrate", "--out", str(tmp_path / "m.json"), "--quick",
+                           "--timeout", "3"], cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
+    assert proc.returncode == 1 and "did not finish in 3 s" in proc.stderr
+    assert not (tmp_path / "m.json").exists()
+    left = [p for p in psutil.process_iter(["cmdline"]) if any(str(tmp_path) in a for a in p.info["cmdline"] or [])]
+    assert left == []
 
 
 def test_a_missing_output_directory_is_refused(tmp_path):

@@ -8,12 +8,15 @@ list on 127.0.0.1 (--standalone: a c10d rendezvous on a free local port) under a
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +29,13 @@ from . import matmul
 CPU_PROCS = 2
 THREADS_PER_PROC = 1
 TIMEOUT_S = {True: 300, False: 1200}  # quick, default
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 class HarnessError(RuntimeError):
@@ -52,16 +62,29 @@ def distributed_part(procs: int, quick: bool, timeout_s: float, log=print) -> di
                "PYTHONWARNINGS": "ignore::FutureWarning"}
         repo = Path(__file__).resolve().parents[2]  # workers.calibrate importable from there
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+        # its output is read as it comes (progress lines logged live, the rest kept for an
+        # error); a timer kills it at the timeout (start_new_session: torchrun and its ranks)
+        proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        timer = threading.Timer(timeout_s, _kill_group, args=(proc,))
+        timer.start()
+        kept: collections.deque[str] = collections.deque(maxlen=200)
         try:
-            proc = subprocess.run(argv, env=env, text=True, capture_output=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""
-            raise HarnessError(f"torchrun did not finish in {timeout_s:.0f} s\n{tail}") from None
-        for line in proc.stdout.splitlines():
-            if line.startswith(("run ", "collectives:")):
-                log(line)
-        if proc.returncode != 0 or not out.exists():
-            raise HarnessError(f"torchrun exited {proc.returncode}\n{(proc.stdout + proc.stderr)[-4000:]}")
+            for line in proc.stdout:
+                if line.startswith(("run ", "collectives:")):
+                    log(line.rstrip())
+                kept.append(line)
+            rc = proc.wait()
+        finally:
+            timed_out = not timer.is_alive() and proc.returncode != 0
+            timer.cancel()
+            if proc.poll() is None:  # the reading failed: take torchrun and its ranks down too
+                _kill_group(proc)
+                proc.wait()
+        if timed_out:
+            raise HarnessError(f"torchrun did not finish in {timeout_s:.0f} s\n{''.join(kept)[-2000:]}")
+        if rc != 0 or not out.exists():
+            raise HarnessError(f"torchrun exited {rc}\n{''.join(kept)[-4000:]}")
         return json.loads(out.read_text())
 
 

@@ -214,7 +214,7 @@ def _lstsq(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
 # alpha), non-GEMM bytes per layer per token per hidden unit at 1 GB/s, and the extra
 # slowdown of the links inside a step (comm_eff / (1 + it)); with the finite-difference step of each.
 THETA_STEPS = (1e-3, 1e-4, 0.1, 1e-4, 1.0, 0.1)
-GAUSS_NEWTON_ROUNDS = 4
+GAUSS_NEWTON_ROUNDS = 6
 
 
 def _with_theta(k: DeviceConstants, theta: Sequence[float]) -> tuple[DeviceConstants, float]:
@@ -232,9 +232,9 @@ def _predict(c: _Case, k: DeviceConstants, theta: Sequence[float]) -> float:
 
 
 def _fit_theta(cases: list[_Case], k: DeviceConstants) -> tuple[float, list[float]]:
-    """(sum of squared relative errors, theta) for `k`'s overlap: non-negative least squares of
-    the relative step-time error, linearized around the current theta (the prediction is
-    piecewise linear in theta: the dp reduction's exposure is clamped at 0), a few rounds."""
+    """(sum of squared log errors, theta) for `k`'s overlap: non-negative least squares of
+    log(predicted / measured) step time (symmetric: over- and under-prediction by the same
+    factor weigh the same), linearized around the current theta (Gauss-Newton rounds)."""
     theta = [0.0] * len(THETA_STEPS)
     for _ in range(GAUSS_NEWTON_ROUNDS):
         rows, rhs = [], []
@@ -245,10 +245,10 @@ def _fit_theta(cases: list[_Case], k: DeviceConstants) -> tuple[float, list[floa
                 moved = list(theta)
                 moved[j] += h
                 jac.append((_predict(c, k, moved) - base) / h)
-            rows.append([d / y for d in jac])
-            rhs.append(1 - base / y + sum(d * t for d, t in zip(jac, theta)) / y)
+            rows.append([d / base for d in jac])
+            rhs.append(math.log(y / base) + sum(d * t for d, t in zip(jac, theta)) / base)
         theta = _nnls(rows, rhs)
-    sse = sum((_predict(c, k, theta) / c.run.step_time_s - 1) ** 2 for c in cases)
+    sse = sum(math.log(_predict(c, k, theta) / c.run.step_time_s) ** 2 for c in cases)
     return sse, theta
 
 
