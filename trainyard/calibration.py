@@ -138,8 +138,11 @@ def run_harness(*, quick: bool, python: str, cwd: str, timeout_s: float | None =
 
     with tempfile.TemporaryDirectory(prefix="trainyard-calibration-") as tmp:
         out = Path(tmp) / "measurements.json"
-        argv = [python, "-m", "workers.calibrate", "--out", str(out)] + (["--quick"] if quick else [])
         limit = timeout_s or HARNESS_TIMEOUT_S[quick]
+        # the harness's own limit (it takes its torchrun and ranks down) comes first; this
+        # process's timeout is the backstop for a harness that hangs outside torchrun
+        argv = [python, "-m", "workers.calibrate", "--out", str(out), "--timeout", str(max(5.0, limit - 60))]
+        argv += ["--quick"] if quick else []
         try:
             proc = subprocess.run(argv, cwd=cwd, text=True, capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the distributed part")
     args = ap.parse_args(argv)
+    if args.timeout is not None and args.timeout <= 0:
+        ap.error("--timeout must be positive")
     if not args.out.parent.is_dir():
         ap.error(f"--out: directory {args.out.parent} does not exist")
     from .harness import HarnessError, measure

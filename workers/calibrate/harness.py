@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from trainyard.calibration import VERSION, parse_measurements
@@ -31,11 +32,24 @@ THREADS_PER_PROC = 1
 TIMEOUT_S = {True: 300, False: 1200}  # quick, default
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """torchrun and its ranks (each rank in a session of its own, so not in torchrun's group):
+    SIGTERM torchrun (it stops its ranks), then SIGKILL whatever of the tree is left."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        tree = [psutil.Process(proc.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.Error:
+        return
+    try:
+        tree[0].send_signal(signal.SIGTERM)
+    except psutil.Error:
         pass
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 class HarnessError(RuntimeError):
@@ -63,10 +77,14 @@ def distributed_part(procs: int, quick: bool, timeout_s: float, log=print) -> di
         repo = Path(__file__).resolve().parents[2]  # workers.calibrate importable from there
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
         # its output is read as it comes (progress lines logged live, the rest kept for an
-        # error); a timer kills it at the timeout (start_new_session: torchrun and its ranks)
-        proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        timer = threading.Timer(timeout_s, _kill_group, args=(proc,))
+        # error); a timer takes torchrun and its ranks down at the timeout
+        proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        fired = threading.Event()
+
+        def on_timeout() -> None:
+            fired.set()
+            _kill_tree(proc)
+        timer = threading.Timer(timeout_s, on_timeout)
         timer.start()
         kept: collections.deque[str] = collections.deque(maxlen=200)
         try:
@@ -76,12 +94,12 @@ def distributed_part(procs: int, quick: bool, timeout_s: float, log=print) -> di
                 kept.append(line)
             rc = proc.wait()
         finally:
-            timed_out = not timer.is_alive() and proc.returncode != 0
             timer.cancel()
+            timer.join()  # a kill under way completes first
             if proc.poll() is None:  # the reading failed: take torchrun and its ranks down too
-                _kill_group(proc)
+                _kill_tree(proc)
                 proc.wait()
-        if timed_out:
+        if fired.is_set():
             raise HarnessError(f"torchrun did not finish in {timeout_s:.0f} s\n{''.join(kept)[-2000:]}")
         if rc != 0 or not out.exists():
             raise HarnessError(f"torchrun exited {rc}\n{''.join(kept)[-4000:]}")
