@@ -31,6 +31,21 @@ def test_every_row_has_a_source_and_train_and_held_out_are_disjoint():
     assert 1920 * 2048 / measured_tokens_per_s(mtnlg) == pytest.approx(60.1, rel=0.01)
 
 
+def test_the_shapes_written_reproduce_the_parameter_counts_the_sources_state():
+    # A typo in a layer count or width would show here: Megatron-LM's Table 1 names each model by
+    # its parameters (its formula: 12*l*h^2*(1 + 13/(12h) + (V + s)/(12*l*h)); "1.7B" is 1.65B
+    # rounded), BLOOM states 176B, Llama 3 405B.
+    stated = {r["id"]: float(r["id"].split("-")[1].rstrip("B")) for r in ROWS if r["id"].startswith("megatron21-")
+              and not r["id"].startswith("megatron21-t2")}
+    stated.update({"bloom-176B": 176.2, "llama3-405B-8192": 405.0, "mtnlg-530B-2240": 530.0})
+    for r in ROWS:
+        if r["id"] in stated:
+            m = r["request"]["model"]
+            n, h = m["layers"], m["hidden"]
+            params = 12 * n * h * h * (1 + 13 / (12 * h) + (m["vocab"] + m["seq_len"]) / (12 * n * h))
+            assert params / 1e9 == pytest.approx(stated[r["id"]], rel=0.03), r["id"]
+
+
 def test_default_gpu_is_the_fit_on_the_training_rows_alone():
     train, _, _ = split()
     refit = fit(train, FIT_START)

@@ -33,7 +33,7 @@ def test_plans_best_first_with_every_field_and_rejections_with_reasons():
     overs = [r["memory_gb_per_device"] for r in rejected]
     assert overs == sorted(overs)                                   # the nearest miss first
     slower = next(p for p in plans if p["step_time_s"] > plans[0]["step_time_s"] * 1.01)
-    assert "slower than the best, mostly more" in slower["explain"] and "slower" not in plans[0]["explain"]
+    assert "slower than the best, mostly from" in slower["explain"] and "slower" not in plans[0]["explain"]
     assert set(plans[0]["comm_bytes"]) == {"tp", "pp", "dp"}
     # tflops_per_device counts what the hardware executes: recompute included.
     s, h, n, v = 2048, 5120, 40, 51200
@@ -80,7 +80,8 @@ def test_a_model_given_by_size_plans_data_parallel_only():
     out = plan_dict({"model": {"params": 7_000_000_000, "seq_len": 2048}, "cluster": GPT_13B["cluster"],
                      "global_batch": 64})
     assert out["plans"] and {(p["tp"], p["pp"]) for p in out["plans"]} == {(1, 1)}
-    assert any(p["fsdp"] for p in out["plans"])
+    assert any(p["fsdp"] for p in out["plans"]) and {p["recompute"] for p in out["plans"]} == {"none"}
+    assert "activations not counted" in out["plans"][0]["explain"]
 
 
 def test_a_trillion_parameter_gpt_on_3072_devices_plans_in_under_100_ms():
@@ -109,3 +110,40 @@ def test_plan_for_job_plans_what_our_runtime_runs():
             assert p["schedule"] == "gpipe" or par["microbatches"] >= p["pp"]
         else:
             assert accum * p["micro_batch"] * p["dp"] == 32
+
+
+def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
+    import pytest as _pytest
+
+    from jobs.policy.plan import PlanInputError
+
+    small = {"model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 256},
+             "cluster": {"nodes": 2, "devices_per_node": 8, "device": A100, "intra_node_gbs": 300, "inter_node_gbs": 25},
+             "global_batch": 1}
+    with _pytest.raises(PlanInputError) as exc:   # tp*pp <= 8 < 16 devices, so dp >= 2 > batch 1
+        plan_dict(small)
+    assert "global_batch" in exc.value.errors
+    with _pytest.raises(PlanInputError) as exc:   # tp 4 x pp 2 x dp 2 exists, micro-batch 3 divides 8/2 = 4 nowhere
+        plan_dict(small | {"global_batch": 8, "fix": {"micro_batch": 3}})
+    assert "fix.micro_batch" in exc.value.errors
+    with _pytest.raises(PlanInputError) as exc:   # one layer: no stages to schedule
+        plan_dict(small | {"model": {**small["model"], "layers": 1}, "global_batch": 8, "fix": {"schedule": "gpipe"}})
+    assert "fix.schedule" in exc.value.errors
+
+
+def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():
+    import pytest as _pytest
+
+    from jobs.policy.plan import PlanInputError
+    from trainyard.spec import parse_job_spec
+
+    spec = parse_job_spec({"name": "x", "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 2},
+                           "train": {"global_batch": 16}}).to_json()
+    assert plan_for_job(spec, None)["plans"]
+    mlp = parse_job_spec({"name": "m", "model": {"kind": "mlp", "hidden": 96, "heads": 5},
+                          "resources": {"nodes": 1, "procs_per_node": 2}}).to_json()
+    assert {(p["tp"], p["pp"]) for p in plan_for_job(mlp, None)["plans"]} == {(1, 1)}
+    script = {"resources": {"nodes": 1, "procs_per_node": 2}, "train": {"global_batch": 8}, "model": None}
+    with _pytest.raises(PlanInputError) as exc:
+        plan_for_job(script, None)
+    assert "model" in exc.value.errors

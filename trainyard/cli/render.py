@@ -106,5 +106,5 @@ def plans_view(result: dict, top: int) -> list:
                   f"{p['step_time_s']:.3g} s", f"{p['tflops_per_device']:.3g}", f"{p['memory_gb_per_device']:.1f} GB",
                   f"{p['bubble_fraction']:.0%}")
     return [t, f"best: {plans[0]['explain']}",
-            f"{len(plans)} plans fit ({min(top, len(plans))} shown); {len(rejected)} rejected"
+            f"{len(plans)} plans fit ({min(top, len(plans))} shown); {len(rejected)} rejected listed"
             + (f", nearest: {rejected[0]['reason']}" if rejected else "")]

@@ -8,8 +8,8 @@ from .constants import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants
 from .cost import Candidate, MemoryBreakdown, TimeBreakdown, memory, step_time
 from .inputs import PlanInputError, PlanRequest, parse_plan_request
 from .search import plan, plan_dict
-from .job import plan_for_job
+from .job import plan_for_job, spec_parallel
 
 __all__ = ["DEFAULT_CPU", "DEFAULT_GPU", "Candidate", "DeviceConstants", "MemoryBreakdown", "PlanInputError",
            "PlanRequest", "TimeBreakdown", "memory", "parse_plan_request", "plan", "plan_dict", "plan_for_job",
-           "step_time"]
+           "spec_parallel", "step_time"]

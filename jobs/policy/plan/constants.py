@@ -28,7 +28,8 @@ class DeviceConstants:
     comm_eff: float = 0.7
     """fraction of the link bandwidth a collective achieves"""
     overlap: float = 0.0
-    """fraction of the last micro-batch's backward under which the dp reduction hides (DDP/FSDP)"""
+    """fraction of the dp reduction hidden under backward (DDP/FSDP/ZeRO-1), at most the last
+    micro-batch's backward (FSDP: all the compute of the step)"""
     step_overhead_s: float = 0.0
     """fixed time per optimizer step (data loading, logging, launch)"""
     layer_overhead_s: float = 0.0
@@ -79,20 +80,23 @@ class DeviceConstants:
 # errors in tests/policy/test_plan_published.py. Re-fit: `bench/planner_published.py --fit`.
 DEFAULT_GPU = DeviceConstants(
     name="gpu",
-    matmul_eff=((1024.0, 0.384), (4096.0, 0.5317937349812498), (16384.0, 0.6185199999999998)),
-    comm_eff=0.8195389999999999,
-    overlap=0.5,
-    layer_overhead_s=3.7778931862957223e-07,
+    matmul_eff=((1024.0, 0.384), (4096.0, 0.6489920622500002), (16384.0, 0.6579999999999999)),
+    comm_eff=0.6162933279999998,
+    overlap=0.47,
+    layer_overhead_s=5.005708471841831e-07,
     elementwise_gbs=2000.0,
-    elementwise_bytes=584.1892178892749,
-    attention_bytes=5.049907840000001,
-    source='published-fit on megatron21-1.7B, megatron21-18.4B, megatron21-145.6B, megatron21-1008.0B, mtnlg-530B-2240 (loss 0.0668)',
+    elementwise_bytes=594.2915393575277,
+    attention_bytes=6.553707270903999,
+    source='published-fit on megatron21-1.7B, megatron21-18.4B, megatron21-145.6B, megatron21-1008.0B, mtnlg-530B-2240 (loss 0.0468)',
 )
 
-# This machine's CPUs (2-rank fp32 runs), order of magnitude, until `manage.py calibrate` runs.
+# This machine's CPUs (one training thread per rank, fp32), order of magnitude until `manage.py
+# calibrate` measures them: a 1-thread fp32 matmul reached ~0.04 / 0.15 / 0.19 / 0.10 / 0.075
+# TFLOP/s at n = 64 / 128 / 256 / 512 / 1024 (torch, loaded machine, 2026-12-01), against the
+# 0.2 TFLOP/s peak jobs/policy/plan/job.py assumes for a "cpu" process.
 DEFAULT_CPU = DeviceConstants(
     name="cpu",
-    matmul_eff=((64.0, 0.05), (256.0, 0.2), (1024.0, 0.4)),
+    matmul_eff=((64.0, 0.2), (128.0, 0.6), (256.0, 0.8), (1024.0, 0.4)),
     intra_alpha_s=50e-6,
     inter_alpha_s=200e-6,
     comm_eff=0.5,

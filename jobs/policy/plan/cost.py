@@ -214,10 +214,10 @@ def _dp_time(x: Ctx, c: Candidate, k: DeviceConstants, m: int, t_mb: float, t_bw
     if c.fsdp:  # all-gather for forward and backward of every micro-batch, one reduce-scatter
         sent = (2 * m + 1) * (d - 1) / d * grad_bytes
         busy = sent / bw + (2 * m + 1) * calls * alpha / 2
-        return max(0.0, busy - k.overlap * m * t_mb), sent
+        return busy - min(k.overlap * busy, m * t_mb), sent  # hidden under all the compute at most
     sent = 2 * (d - 1) / d * grad_bytes  # all-reduce (ZeRO-1: reduce-scatter + all-gather)
     busy = sent / bw + calls * alpha
-    return max(0.0, busy - k.overlap * t_bwd), sent
+    return busy - min(k.overlap * busy, t_bwd), sent  # hidden under the last micro-batch's backward at most
 
 
 def step_time_ctx(x: Ctx, c: Candidate, k: DeviceConstants) -> TimeBreakdown:

@@ -21,6 +21,10 @@ def _layout(x: Ctx, c: Candidate) -> str:
     return " x ".join(bits)
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}" if n >= 1e9 else f"{n / 1e9:.2g}"
+
+
 def explain(x: Ctx, c: Candidate, t: TimeBreakdown, m: MemoryBreakdown, best: TimeBreakdown | None) -> str:
     mbs = x.batch // c.dp // c.micro_batch
     sched = (f"{c.schedule.upper() if c.schedule == 'gpipe' else '1F1B'} over {mbs} micro-batches of "
@@ -29,8 +33,10 @@ def explain(x: Ctx, c: Candidate, t: TimeBreakdown, m: MemoryBreakdown, best: Ti
     shares = sorted(((getattr(t, k) / t.total_s, name) for k, name in PARTS), reverse=True)
     where = ", ".join(f"{name} {share:.0%}" for share, name in shares[:3] if share >= 0.01)
     text = (f"{_layout(x, c)}; {sched}; {'full recompute; ' if c.recompute == 'full' else ''}"
-            f"{m.total / 1e9:.1f} of {x.memory / 1e9:g} GB per device; step {t.total_s:.3g} s ({where})")
+            f"{_gb(m.total)} of {x.memory / 1e9:g} GB per device"
+            f"{' (activations not counted: the model is given only by its size)' if x.sized_only else ''}; "
+            f"step {t.total_s:.3g} s ({where})")
     if best is not None and t.total_s > best.total_s * 1.0005:
         deltas = sorted(((getattr(t, k) - getattr(best, k), name) for k, name in PARTS), reverse=True)
-        text += f"; {t.total_s / best.total_s - 1:.1%} slower than the best, mostly more {deltas[0][1]}"
+        text += f"; {t.total_s / best.total_s - 1:.1%} slower than the best, mostly from {deltas[0][1]}"
     return text

@@ -110,7 +110,7 @@ def _with(base: DeviceConstants, x: list[float]) -> DeviceConstants:
     e = sorted(min(0.95, max(0.02, v)) for v in x[:3])
     return dataclasses.replace(base, matmul_eff=tuple(zip(FIT_N, e)), comm_eff=min(1.0, max(0.05, x[3])),
                                layer_overhead_s=max(0.0, x[4]), elementwise_bytes=max(0.0, x[5]),
-                               attention_bytes=max(0.0, x[6]))
+                               attention_bytes=max(0.0, x[6]), overlap=min(1.0, max(0.0, x[7])))
 
 
 def _loss(rows: list[dict], k: DeviceConstants) -> float:
@@ -121,12 +121,13 @@ def _loss(rows: list[dict], k: DeviceConstants) -> float:
     return total / len(rows)
 
 
-def fit(rows: list[dict], base: DeviceConstants, *, rounds: int = 6) -> DeviceConstants:
+def fit(rows: list[dict], base: DeviceConstants, *, rounds: int = 12) -> DeviceConstants:
     """Coordinate descent on the mean |log(predicted / measured)| throughput of `rows` over the
-    GEMM efficiency at FIT_N, the collective efficiency, the per-layer overhead and the bytes of
-    non-GEMM work (at base.elementwise_gbs)."""
+    GEMM efficiency at FIT_N, the collective efficiency, the per-layer overhead, the bytes of
+    non-GEMM work (at base.elementwise_gbs) and the share of the dp reduction hidden (overlap)."""
     x = [base.efficiency(n) for n in FIT_N] + [base.comm_eff, base.layer_overhead_s or 1e-4,
-                                               base.elementwise_bytes or 8.0, base.attention_bytes or 4.0]
+                                               base.elementwise_bytes or 8.0, base.attention_bytes or 4.0,
+                                               base.overlap or 0.5]
     best = _loss(rows, _with(base, x))
     for _ in range(rounds):
         for i in range(len(x)):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from .constants import DeviceConstants
 from .cost import Candidate
-from .inputs import parse_plan_request
+from .inputs import PlanInputError, parse_plan_request
 from .search import plan
 
 # The device facts a JobSpec does not carry, per resources.device, until a calibration (or the
 # caller's `device=`) says better: memory and peak per process, links in GB/s one way.
 KIND_DEFAULTS = {
-    "cpu": {"memory_gb": 4.0, "peak_tflops": 0.05, "intra_node_gbs": 5.0, "inter_node_gbs": 1.0},
+    "cpu": {"memory_gb": 4.0, "peak_tflops": 0.2, "intra_node_gbs": 5.0, "inter_node_gbs": 1.0},
     "cuda": {"memory_gb": 80.0, "peak_tflops": 312.0, "intra_node_gbs": 300.0, "inter_node_gbs": 25.0},
 }
 
@@ -25,11 +25,15 @@ def runtime_supports(c: Candidate) -> bool:
 
 def job_request(spec: dict, *, device: dict | None = None) -> dict:
     """The planner request for a validated JobSpec's built-in model on its resources."""
-    m, res, train = spec["model"], spec["resources"], spec["train"]
+    m, res, train = spec.get("model"), spec["resources"], spec["train"]
+    if not m:
+        raise PlanInputError({"model": ["the planner plans the built-in models; a script's own model "
+                                        "(entrypoint) is planned by the script"]})
     kind = res.get("device", "cpu")
     facts = {**KIND_DEFAULTS.get(kind, KIND_DEFAULTS["cuda"]), **(device or {})}
     return {
-        "model": {k: int(m[k]) for k in ("layers", "hidden", "heads", "seq_len", "vocab")},
+        "model": {**{k: int(m[k]) for k in ("layers", "hidden", "seq_len", "vocab")},
+                  "heads": int(m["heads"]) if m.get("kind", "gpt") == "gpt" else 1},
         "cluster": {"nodes": int(res["nodes"]), "devices_per_node": int(res["procs_per_node"]),
                     "device": {"name": facts.get("name", kind), "memory_gb": float(facts["memory_gb"]),
                                "peak_tflops": float(facts["peak_tflops"])},
@@ -43,13 +47,15 @@ def job_request(spec: dict, *, device: dict | None = None) -> dict:
 def plan_for_job(spec: dict, constants: DeviceConstants | None, *, device: dict | None = None,
                  limit_rejected: int = 200) -> dict:
     """The planner's output for a validated JobSpec (spec.to_json()), restricted to plans our
-    runtime runs. `device` overrides {name, memory_gb, peak_tflops, intra_node_gbs,
+    runtime runs (an mlp is costed as a GPT of its size with one head, dp / fsdp only). `device` overrides {name, memory_gb, peak_tflops, intra_node_gbs,
     inter_node_gbs}; PlanInputError when the spec's shape is no GPT the planner can split."""
     req = parse_plan_request(job_request(spec, device=device))
-    per_replica = lambda c: req.global_batch // c.dp  # noqa: E731
+    mlp = spec["model"].get("kind", "gpt") == "mlp"
 
     def runnable(c: Candidate) -> bool:
-        m = per_replica(c) // c.micro_batch
+        if mlp and (c.tp > 1 or c.pp > 1):  # the residual MLP is only replicated or sharded
+            return False
+        m = req.global_batch // c.dp // c.micro_batch
         if c.pp > 1 and (m > 1024 or (c.schedule == "1f1b" and m < c.pp)):
             return False
         return runtime_supports(c)

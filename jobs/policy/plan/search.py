@@ -12,7 +12,7 @@ from __future__ import annotations
 from .constants import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants
 from .cost import Candidate, Ctx, MemoryBreakdown, TimeBreakdown, context, memory_ctx, step_time_ctx
 from .explain import explain
-from .inputs import PlanRequest, parse_plan_request
+from .inputs import PlanInputError, PlanRequest, parse_plan_request
 
 GB = 1e9
 STRATEGIES = ((False, False), (False, True), (True, False))  # (fsdp, shard_optimizer)
@@ -47,14 +47,16 @@ def layouts(req: PlanRequest, x: Ctx, *, cross_node_tp: bool) -> list[tuple[int,
 
 
 def families(req: PlanRequest, dp: int, pp: int):
-    """(fsdp, shard_optimizer, recompute, schedule) combinations the fix allows for a layout."""
+    """(fsdp, shard_optimizer, recompute, schedule) combinations the fix allows for a layout (a
+    model given only by size has no activations to recompute)."""
     f = req.fix
+    recomputes = ("none",) if req.model.sized_only and f.recompute is None else ("none", "full")
     for fsdp, shard in STRATEGIES:
         if (fsdp or shard) and dp == 1 and not (f.fsdp or f.shard_optimizer):
             continue
         if (f.fsdp is not None and fsdp != f.fsdp) or (f.shard_optimizer is not None and shard != f.shard_optimizer):
             continue
-        for rc in ("none", "full"):
+        for rc in recomputes:
             if f.recompute is not None and rc != f.recompute:
                 continue
             for sched in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
@@ -93,6 +95,28 @@ def _evaluate(req, x, k, found, rejected, *, cross_node_tp: bool, runnable) -> N
                 found.append((step_time_ctx(x, c, k), c, mem))
 
 
+def _no_candidate(req: PlanRequest, x: Ctx) -> dict[str, list[str]]:
+    """Why not one candidate exists (so the caller gets a field error, not an empty answer)."""
+    f = req.fix
+    rule = (f"no layout fills the {x.devices} devices: tp must divide the {x.heads} heads and tile the "
+            f"{x.per_node}-device nodes, pp be at most {x.layers} layers, and dp = devices / (tp*pp) divide "
+            f"global_batch {req.global_batch}")
+    found = list(_layouts_any(req, x))
+    if f.schedule is not None and found and all(pp == 1 for _, _, pp in found):
+        return {"fix.schedule": ["a pipeline schedule needs pp > 1, and no layout here has more than one stage"]}
+    if f.micro_batch is not None and found:
+        return {"fix.micro_batch": [f"micro_batch {f.micro_batch} divides no replica's batch "
+                                    f"(global_batch {req.global_batch} / dp)"]}
+    if any(getattr(f, k) is not None for k in ("dp", "tp", "pp")):
+        return {"fix": [rule + " with the fixed values"]}
+    return {"global_batch": [rule]}
+
+
+def _layouts_any(req: PlanRequest, x: Ctx):
+    yield from layouts(req, x, cross_node_tp=False)
+    yield from layouts(req, x, cross_node_tp=True)
+
+
 def search(req: PlanRequest, k: DeviceConstants, runnable=None) -> tuple[Ctx, list, list]:
     """(context, feasible [(time, cand, mem)] best first, rejected [(overshoot, cand, mem)] by
     smallest overshoot). `runnable(candidate) -> bool` drops what the caller cannot run."""
@@ -102,6 +126,8 @@ def search(req: PlanRequest, k: DeviceConstants, runnable=None) -> tuple[Ctx, li
     _evaluate(req, x, k, found, rejected, cross_node_tp=False, runnable=runnable)
     if not found and req.fix.tp is None:
         _evaluate(req, x, k, found, rejected, cross_node_tp=True, runnable=runnable)
+    if not found and not rejected and runnable is None:
+        raise PlanInputError(_no_candidate(req, x))
     found.sort(key=lambda e: (e[0].total_s, e[2].total))
     rejected.sort(key=lambda e: e[0])
     return x, found, rejected
@@ -131,7 +157,9 @@ def plan(req: PlanRequest, constants: DeviceConstants | None = None, *, limit_re
 
 
 def _mem_gb(m: MemoryBreakdown) -> dict:
-    return {k: round(getattr(m, k) / GB, 3) for k in ("params", "grads", "optimizer", "activations", "logits", "total")}
+    return {"params": round(m.params / GB, 3), "grads": round(m.grads / GB, 3), "optimizer": round(m.optimizer / GB, 3),
+            "activations": round(m.activations / GB, 3), "logits": round(m.logits / GB, 3),
+            "total": round(m.total / GB, 3)}
 
 
 def plan_entry(x: Ctx, t: TimeBreakdown, c: Candidate, m: MemoryBreakdown, best: TimeBreakdown | None) -> dict:
@@ -143,8 +171,9 @@ def plan_entry(x: Ctx, t: TimeBreakdown, c: Candidate, m: MemoryBreakdown, best:
         "bubble_fraction": round(t.bubble_fraction, 4),
         "comm_bytes": {"tp": int(t.comm_bytes[0]), "pp": int(t.comm_bytes[1]), "dp": int(t.comm_bytes[2])},
         "memory_breakdown_gb": _mem_gb(m),
-        "time_breakdown_s": {k: round(getattr(t, k), 6) for k in (
-            "compute_s", "tp_s", "pp_s", "dp_exposed_s", "optimizer_s", "overhead_s", "total_s")},
+        "time_breakdown_s": {"compute_s": round(t.compute_s, 6), "tp_s": round(t.tp_s, 6), "pp_s": round(t.pp_s, 6),
+                             "dp_exposed_s": round(t.dp_exposed_s, 6), "optimizer_s": round(t.optimizer_s, 6),
+                             "overhead_s": round(t.overhead_s, 6), "total_s": round(t.total_s, 6)},
     })
     row["explain"] = explain(x, c, t, m, best)
     return row
