@@ -25,7 +25,7 @@ from trainyard.spec import SpecError, parse_job_spec
 from . import selectors_knowledge
 from .models import Node
 from .policy import knowledge
-from .planning import constants_for
+from .planning import constants_for, peak_for
 from .policy.plan.inputs import PlanInputError
 from .policy.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
 
@@ -39,16 +39,17 @@ SCALE_BOUNDS = (0.2, 5.0)
 def device_facts(kind: str) -> dict:
     """What the planner needs to know of one device of `kind` on this cluster that the spec does
     not say: {name, memory_gb[, peak_tflops]}."""
+    facts = {"name": "cuda"} if kind == "cuda" else {
+        "name": "cpu", "memory_gb": float(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB)}
     if kind == "cuda":
         for devices in Node.objects.exclude(status=Node.Status.LOST).values_list("devices", flat=True):
             gpu = next((d for d in devices or () if d.get("kind") == "cuda" and d.get("memory_bytes")), None)
             if gpu:
-                return {"name": str(gpu.get("name") or "cuda"), "memory_gb": gpu["memory_bytes"] / 1e9}
-        return {"name": "cuda"}
-    facts = {"name": "cpu", "memory_gb": float(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB)}
-    peak = getattr(constants_for("cpu"), "peak_tflops", None)
+                facts = {"name": str(gpu.get("name") or "cuda"), "memory_gb": gpu["memory_bytes"] / 1e9}
+                break
+    peak = peak_for(facts["name"])  # the calibrated efficiencies are relative to the calibrated peak
     if peak:
-        facts["peak_tflops"] = float(peak)
+        facts["peak_tflops"] = peak
     return facts
 
 
@@ -86,7 +87,7 @@ def plan_spec(stored: dict) -> dict:
     With an explicit `parallel` section, `spec_plan` is the planner's view of that very plan."""
     kind = stored["resources"]["device"]
     facts = device_facts(kind)
-    constants = constants_for(facts["name"] if kind == "cuda" else "cpu")
+    constants = constants_for(facts["name"])
     doc = plan_for_job(stored, constants, device=facts)
     learned = prefer_measured(doc["plans"], stored, facts["name"])
     plans, rejected = doc["plans"], doc["rejected"]

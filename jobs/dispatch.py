@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from trainyard.keys import CONTROL_QUEUE, node_queue, preempt_key
-from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK, PreemptRequest, Stop
+from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
+                              CalibrateRequest, PreemptRequest, Stop)
 
 from .celery_app import app
 
@@ -23,6 +24,11 @@ def send_launch(node: str, payload: dict) -> None:
 def send_stop(node: str, job_id: int, attempt_id: int, reason: str) -> None:
     stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
     app.send_task(NODE_STOP_TASK, args=stop.args(), queue=node_queue(node))
+
+
+def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
+    req = CalibrateRequest(quick=quick, requested_by=requested_by)
+    app.send_task(NODE_CALIBRATE_TASK, args=[req.model_dump(mode="json")], queue=node_queue(node))
 
 
 def request_tick() -> None:

@@ -332,3 +332,26 @@ class KnowledgeRecord(models.Model):
     @property
     def world(self) -> int:
         return self.nodes * self.procs_per_node
+class Calibration(models.Model):
+    """One calibration of a device type on a node (`manage.py calibrate`, or a staff request run
+    by the node's agent): the measurements (trainyard/calibration.py's document), the cost-model
+    constants fit on them (jobs/policy/plan/calibration.py) and their evaluation on held-out runs
+    before (the default constants) and after. The newest row per device_name is what the planner
+    uses for that device (jobs.planning.constants_for, with the row's peak_tflops: peak_for)."""
+
+    device_name = models.CharField(max_length=200, db_index=True, help_text='"cpu" or the CUDA device name')
+    kind = models.CharField(max_length=8, help_text="cpu | cuda")
+    node = models.CharField(max_length=200, help_text="the node (host) it was measured on")
+    peak_tflops = models.FloatField(help_text="the peak the efficiencies are relative to (the best measured GEMM)")
+    constants = models.JSONField(help_text="DeviceConstants.to_dict() of the fit")
+    measurements = models.JSONField(help_text="the harness's document (trainyard.calibration)")
+    evaluation = models.JSONField(help_text='{"held_out": [...], "before": {...}, "after": {...}}')
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="calibrations")
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.device_name} on {self.node} ({self.created_at:%Y-%m-%d %H:%M})"

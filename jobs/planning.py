@@ -4,14 +4,31 @@ planned with, and one call from a parsed JSON request to the planner's output do
 """
 from __future__ import annotations
 
+from .models import Calibration
 from .policy.plan import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants, parse_plan_request, plan
 
 
+def latest_calibration(device_name: str) -> Calibration | None:
+    """The newest calibration of this device type (`python manage.py calibrate`, or the knowledge
+    page's staff button), None when it was never calibrated."""
+    return Calibration.objects.filter(device_name=device_name.strip()).order_by("-id").first()
+
+
 def constants_for(device_name: str) -> DeviceConstants:
-    """The constants to plan `device_name` with: for now DEFAULT_CPU for "cpu" and DEFAULT_GPU
-    (fit on published runs) for any other name. The one place to read the newest calibration of
-    that device type once one is stored."""
+    """The constants to plan `device_name` with: its newest calibration's, else DEFAULT_CPU for
+    "cpu" and DEFAULT_GPU (fit on published runs) for any other name."""
+    row = latest_calibration(device_name)
+    if row is not None:
+        return DeviceConstants.from_dict(row.constants)
     return DEFAULT_CPU if device_name.strip().lower() == "cpu" else DEFAULT_GPU
+
+
+def peak_for(device_name: str) -> float | None:
+    """The peak TFLOP/s a calibration's GEMM efficiencies are relative to (its best measured
+    GEMM), None without a calibration: a calibrated device must be planned with this peak, or
+    every compute time is off by the ratio of the peaks."""
+    row = latest_calibration(device_name)
+    return float(row.peak_tflops) if row is not None and row.peak_tflops else None
 
 
 def plan_document(data) -> dict:

@@ -3,8 +3,8 @@ control`): thin, each calls one jobs.services function. Node agents send the rep
 name (trainyard.launch); services validate them with the trainyard.launch models."""
 from __future__ import annotations
 
-from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK, HEARTBEAT_TASK,
-                              NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
+from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
+                              HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
 
 from . import dispatch, services
 from .celery_app import app
@@ -64,3 +64,10 @@ def attempt_ranks(attempt_id: int, node: str, ranks: list) -> None:
 @app.task(name=NODE_EXIT_TASK, shared=False, time_limit=30)
 def attempt_node_exit(attempt_id: int, node: str, result: dict) -> None:
     services.attempt_node_exit(int(attempt_id), node_name=str(node), result=result)
+
+
+@app.task(name=CALIBRATION_REPORT_TASK, shared=False, time_limit=120)
+def calibration_report(payload: dict) -> int | None:
+    """A node's calibration measurements: fit, evaluate, store (the new row's id, None if failed)."""
+    row = services.calibration_report(payload)
+    return row.pk if row is not None else None

@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from . import api, api_auth, api_code, api_knowledge, api_plan, views, views_knowledge
+from . import api, api_auth, api_calibration, api_code, api_knowledge, api_plan, views, views_knowledge
 
 router = DefaultRouter()
 router.register("jobs", api.JobViewSet, basename="api-job")
@@ -22,5 +22,6 @@ urlpatterns = [
     path("api/v1/code/", api_code.CodeUploadView.as_view(), name="api-code"),
     path("api/v1/plan/", api_plan.PlanView.as_view(), name="api-plan"),
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),
+    path("api/v1/calibrations/", api_calibration.CalibrationView.as_view(), name="api-calibrations"),
     path("api/v1/", include(router.urls)),
 ]

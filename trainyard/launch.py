@@ -7,9 +7,11 @@ validates what arrives with the same model instead of reading dict keys. The JSO
 format of the tasks below and did not change when these models were introduced.
 
     control plane --node.<name>--> agent     NODE_LAUNCH_TASK(Launch)   NODE_STOP_TASK(*Stop.args())
+                                             NODE_CALIBRATE_TASK(CalibrateRequest)  a staff request
     agent --control--> control plane         HEARTBEAT_TASK(Heartbeat)  every 2 s
                                              RANKS_TASK(attempt_id, node, [RankInfo])  all ranks up
                                              NODE_EXIT_TASK(attempt_id, node, NodeExit)  once per node
+                                             CALIBRATION_REPORT_TASK(CalibrationReport)  after a calibration
     control plane --Redis key--> ranks       keys.preempt_key(attempt) = PreemptRequest
 
 Task names and queues (`trainyard.keys.CONTROL_QUEUE`, `node_queue`) are the only other thing
@@ -46,6 +48,10 @@ RANKS_TASK = "jobs.tasks.attempt_ranks"
 """Control queue: every rank of an attempt on one node has started (args: [attempt_id, node, [RankInfo]])."""
 NODE_EXIT_TASK = "jobs.tasks.attempt_node_exit"
 """Control queue: an attempt's processes on one node have ended (args: [attempt_id, node, NodeExit])."""
+NODE_CALIBRATE_TASK = "workers.tasks.node_calibrate"
+"""Node queue: measure this node for the planner (args: [CalibrateRequest]); reports CALIBRATION_REPORT_TASK."""
+CALIBRATION_REPORT_TASK = "jobs.tasks.calibration_report"
+"""Control queue: a node's calibration measurements, or why there are none (args: [CalibrationReport])."""
 
 # ---------------------------------------------------------------- Celery settings
 
@@ -182,3 +188,21 @@ class NodeExit(_Message):
     def wire(self) -> dict[str, Any]:
         """The JSON sent and stored: only the keys the sender set."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+
+class CalibrateRequest(_Message):
+    """NODE_CALIBRATE_TASK: run `python -m workers.calibrate` on the node (trainyard.calibration)."""
+
+    quick: bool = False
+    requested_by: int | None = Field(None, description="the staff user's id, echoed in the report")
+
+
+class CalibrationReport(_Message):
+    """CALIBRATION_REPORT_TASK: the measurement document (trainyard.calibration, validated by the
+    control plane) or, when the harness failed, `error`."""
+
+    node: str = Field(min_length=1, max_length=64)
+    requested_by: int | None = None
+    measurements: dict | None = None
+    error: str | None = Field(None, max_length=4000)
+    wall_s: float | None = None

@@ -3,7 +3,9 @@ its trainyard.launch model and hand it to the agent, which owns the launcher. Re
 other way by task name (workers.agent), so this module knows nothing of the control plane."""
 from __future__ import annotations
 
-from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK, Launch, Stop
+from trainyard.calibration import HARNESS_TIMEOUT_S, HarnessFailed, run_harness
+from trainyard.launch import (CALIBRATION_REPORT_TASK, NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK,
+                              CalibrateRequest, CalibrationReport, Launch, Stop)
 
 from .celery_app import app
 
@@ -25,3 +27,30 @@ def node_stop(job_id: int, attempt_id: int, reason: str) -> None:
 
     stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
     agent.AGENT.stop(stop.attempt_id, stop.reason)
+
+
+@app.task(name=NODE_CALIBRATE_TASK, shared=False, time_limit=HARNESS_TIMEOUT_S[False] + 120, acks_late=False)
+def node_calibrate(payload: dict) -> bool:
+    """Run the calibration harness on this node (a subprocess with a timeout, in a worker thread:
+    launches and stops keep being served) and report its document, or its failure, to the
+    control queue. True when measurements were sent."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from trainyard.keys import CONTROL_QUEUE
+
+    from . import agent
+
+    req = CalibrateRequest.model_validate(payload)
+    node = agent.AGENT.name if agent.AGENT is not None else "unknown"
+    t0 = time.monotonic()
+    report = CalibrationReport(node=node, requested_by=req.requested_by)
+    try:
+        doc, _ = run_harness(quick=req.quick, python=sys.executable, cwd=str(Path(__file__).resolve().parents[1]))
+        report.measurements = doc
+    except HarnessFailed as e:
+        report.error = str(e)[-4000:]
+    report.wall_s = time.monotonic() - t0
+    app.send_task(CALIBRATION_REPORT_TASK, args=[report.model_dump(mode="json")], queue=CONTROL_QUEUE)
+    return report.measurements is not None

@@ -16,6 +16,7 @@ each importing only the ones below it:
     checkpoints  register, reconcile, retention, resume point, pin
     events       job events, the status compare-and-set, their publication
     bundles      code bundles: store, the submit check (bundle_files), garbage collection
+    calibration  calibrations: request one of a node, store a report's fit, the newest constants
 
 This module is the package's public API: `services.job_submit(user=..., spec=...)`.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from .attempts import attempt_preempt, attempts_check
 from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
+from .calibration import calibration_report, calibration_request, calibration_store
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
 from .ingest import telemetry_ingest
 from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
@@ -32,8 +34,10 @@ from .scheduling import eta_refresh, schedule_tick
 
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
-    "bundle_store", "bundles_gc", "checkpoint_pin",
-    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel", "job_rollback", "job_stream",
+    "bundle_store", "bundles_gc", "calibration_report", "calibration_request", "calibration_store",
+    "checkpoint_pin",
+    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
+    "job_rollback", "job_stream",
     "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
     "quotas_update", "schedule_tick", "telemetry_ingest",
 ]

@@ -1,5 +1,6 @@
 """`trainyard plan FILE|-` through CliRunner against a small HTTP server whose /api/v1/plan/
-answers with the real planner (jobs.planning.plan_document) and its 400 for bad input."""
+answers with the real planner (jobs.policy.plan.search.plan_dict, with the default constants: the
+server's calibration lookup is tested in tests/control) and its 400 for bad input."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from jobs.planning import plan_document
+from jobs.policy.plan.search import plan_dict
 from jobs.policy.plan import PlanInputError
 from trainyard.cli.app import cli
 
@@ -32,7 +33,7 @@ class Planner(BaseHTTPRequestHandler):
             status, out = 404, {"errors": {"detail": ["Not found."]}}
         else:
             try:
-                status, out = 200, plan_document(body)
+                status, out = 200, plan_dict(body)
             except PlanInputError as exc:
                 status, out = 400, {"errors": exc.errors}
         data = json.dumps(out).encode()
@@ -63,7 +64,7 @@ def test_plan_table_from_a_file_and_json_from_stdin(server, tmp_path):
     assert r.exit_code == 0, r.output
     assert "LAYOUT" in r.stdout and "best: " in r.stdout and "(3 shown)" in r.stdout and "rejected" in r.stdout
     r = CliRunner().invoke(cli, ["plan", "-", "--json"], input=json.dumps(REQUEST))
-    assert r.exit_code == 0 and json.loads(r.stdout) == plan_document(REQUEST)
+    assert r.exit_code == 0 and json.loads(r.stdout) == plan_dict(REQUEST)
 
 
 def test_plan_bad_input_is_one_line_naming_the_field(server, tmp_path):

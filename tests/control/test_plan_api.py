@@ -2,6 +2,7 @@
 `python manage.py plan` (stdin JSON -> one JSON document; bad input one line, exit code 2)."""
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ REQUEST = {"model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "voc
            "global_batch": 16, "fix": {"pp": 1}}
 
 
+@pytest.mark.django_db
 def test_constants_for_device_names():
     assert constants_for("cpu") is DEFAULT_CPU and constants_for(" CPU ") is DEFAULT_CPU
     assert constants_for("A100-80GB") is DEFAULT_GPU
@@ -55,6 +57,7 @@ def test_api_bad_input_is_a_400_naming_each_field(user, client_for):
     assert r.status_code == 400 and "request" in r.json()["errors"]
 
 
+@pytest.mark.django_db
 def test_plan_command_prints_one_json_document():
     out, err = io.StringIO(), io.StringIO()
     stdin = sys.stdin
@@ -81,13 +84,17 @@ def test_plan_command_bad_input_raises_exit_code_2():
 
 
 @pytest.mark.procs
-def test_manage_py_plan_process_bad_input_one_line_exit_2():
+def test_manage_py_plan_process_bad_input_one_line_exit_2(tmp_path):
+    # the command reads the newest calibration: a migrated database of its own
+    env = {**os.environ, "TRAINYARD_DB": str(tmp_path / "db.sqlite3")}
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO, env=env, check=True,
+                   capture_output=True, timeout=300)
     bad = json.dumps({**REQUEST, "model": {**REQUEST["model"], "heads": 3}})
     r = subprocess.run([sys.executable, "manage.py", "plan"], cwd=REPO, input=bad, capture_output=True, text=True,
-                       timeout=120)
+                       timeout=120, env=env)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.heads: 3 heads do not divide hidden 128" in lines[0]
     ok = subprocess.run([sys.executable, "manage.py", "plan"], cwd=REPO, input=json.dumps(REQUEST),
-                        capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["plans"]
