@@ -37,14 +37,19 @@ def test_tensor_parallel_recompute_zero1_and_fsdp_memory_by_hand():
     r = req()
     tp = memory(r, Candidate(dp=1, tp=2, pp=1, micro_batch=4), DEFAULT_GPU)
     assert tp.activations == L * S * 4 * H * (10 + 24 / 2) * 2          # s*b*h*(10 + 24/t)
-    assert tp.params == 4 * (L * LAYER + ENDS + HEAD) / 2
+    # tp 2: each block's LayerNorms and row-parallel biases (6h) and the position embedding stay
+    # whole; everything else (vocab 256 splits evenly) is halved
+    assert tp.params == 4 * (L * ((LAYER - 6 * H) / 2 + 6 * H) + V * H / 2 + S * H + HEAD / 2)
     full = memory(r, Candidate(dp=2, tp=1, pp=1, micro_batch=4, recompute="full"), DEFAULT_GPU)
     assert full.activations == L * 2 * S * 4 * H * 2 + S * 4 * H * 34 * 2  # 2sbh per layer + one working set
     p = L * LAYER + ENDS + HEAD
     zero1 = memory(r, Candidate(dp=2, tp=1, pp=1, micro_batch=4, shard_optimizer=True), DEFAULT_GPU)
     assert (zero1.params, zero1.grads, zero1.optimizer) == (4 * p, 4 * p, 8 * p / 2)
     fsdp = memory(r, Candidate(dp=2, tp=1, pp=1, micro_batch=4, fsdp=True), DEFAULT_GPU)
-    assert fsdp.params == 4 * p / 2 + 2 * LAYER * 4 and fsdp.optimizer == 8 * p / 2
+    # the shards a rank keeps, and beside them two layers gathered at a time (in the total)
+    assert fsdp.params == 4 * p / 2 and fsdp.gathered == 2 * LAYER * 4 and fsdp.optimizer == 8 * p / 2
+    assert fsdp.total == pytest.approx(fsdp.params + fsdp.grads + fsdp.optimizer + fsdp.gathered + fsdp.activations
+                                       + fsdp.logits)
     scores = memory(req(model={"layers": L, "hidden": H, "heads": 4, "seq_len": S, "vocab": V,
                                "attention": "materialized"}), Candidate(dp=2, tp=1, pp=1, micro_batch=4), DEFAULT_GPU)
     assert scores.activations == L * S * 4 * H * (34 + 5 * 4 * S / H) * 2   # + 5*a*s/h

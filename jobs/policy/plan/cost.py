@@ -49,6 +49,9 @@ class MemoryBreakdown:
     activations: float
     logits: float
     total: float
+    gathered: float = 0.0
+    """FSDP: the unsharded parameters of the layers computing now (transient; in `total`, not in
+    `params`, which is what a rank keeps between steps)"""
 
 
 @dataclass(frozen=True)
@@ -119,10 +122,16 @@ def stage_params(x: Ctx, c: Candidate) -> float:
     embedding or LM head a first or last stage holds."""
     if x.sized_only:
         return x.params
-    per_layer = x.layer_params / c.tp
-    ends = (x.vocab * x.hidden + x.seq * x.hidden) / c.tp
+    t, h = c.tp, x.hidden
+    # Under tp a block's two LayerNorms (4h) and its row-parallel Linears' biases (2h) stay whole
+    # on every rank; the token embedding and LM head split by vocab only when it divides evenly,
+    # and the position embedding is never split (workers/runtime/sharded.py tp_plan).
+    whole = 6.0 * h if t > 1 else 0.0
+    per_layer = (x.layer_params - whole) / t + whole
+    vocab_split = t if x.vocab % t == 0 else 1
+    ends = x.vocab * h / vocab_split + x.seq * h
     if c.pp == 1:
-        ends += x.vocab * x.hidden / c.tp
+        ends += x.vocab * h / vocab_split
     return stage_layers(x, c) * per_layer + ends
 
 
@@ -153,18 +162,21 @@ def memory_ctx(x: Ctx, c: Candidate, k: DeviceConstants) -> MemoryBreakdown:
     wb, gb, ob = STATE_BYTES[x.dtype]
     p = stage_params(x, c)
     params, grads, opt = p * wb, p * gb, p * ob
+    gathered = 0.0
     if c.fsdp:
+        # two layers' parameters unsharded at a time (the one computing, the next prefetched):
+        # transient, beside the shards every rank keeps between steps
         gathered = 2 * x.layer_params / c.tp * ACT_BYTES[x.dtype] if not x.sized_only else 0.0
-        params, grads, opt = params / c.dp + gathered, grads / c.dp, opt / c.dp
+        params, grads, opt = params / c.dp, grads / c.dp, opt / c.dp
     elif c.shard_optimizer:
         opt = opt / c.dp
     first, last = _activations(x, c, k)
     logits = 0.0 if x.sized_only else 8.0 * c.micro_batch * x.seq * x.vocab / c.tp
-    states = params + grads + opt
+    states = params + grads + opt + gathered
     activations = first if c.pp == 1 or first >= last + logits else last
     total = max(states + first + (logits if c.pp == 1 else 0.0), states + last + logits)
     return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=activations,
-                           logits=logits, total=total)
+                           logits=logits, total=total, gathered=gathered)
 
 
 def memory(req: PlanRequest, cand: Candidate, constants: DeviceConstants) -> MemoryBreakdown:

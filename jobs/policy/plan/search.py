@@ -158,7 +158,7 @@ def plan(req: PlanRequest, constants: DeviceConstants | None = None, *, limit_re
 
 def _mem_gb(m: MemoryBreakdown) -> dict:
     return {"params": round(m.params / GB, 3), "grads": round(m.grads / GB, 3), "optimizer": round(m.optimizer / GB, 3),
-            "activations": round(m.activations / GB, 3), "logits": round(m.logits / GB, 3),
+            "gathered": round(m.gathered / GB, 3), "activations": round(m.activations / GB, 3), "logits": round(m.logits / GB, 3),
             "total": round(m.total / GB, 3)}
 
 
