@@ -53,6 +53,8 @@ bench: venv deps
 	$(BIN)/python bench/hetero.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/localsgd.py
+	$(BIN)/python bench/planner_published.py
+	$(BIN)/python bench/recompute_zero.py
 
 clean:
 	rm -rf var .pytest_cache

@@ -212,17 +212,19 @@ def _lstsq(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
 # The step-time parameters the runs fit, each >= 0: step_overhead_s, layer_overhead_s,
 # 1 / optimizer_gbs, the collectives' extra per-call latency inside a step (over the sweep's
 # intra-node alpha: the runs are on one node), non-GEMM bytes per layer per token per hidden unit
-# at 1 GB/s, and the extra slowdown of the links inside a step (comm_eff / (1 + it)); with the
-# finite-difference step of each.
-THETA_STEPS = (1e-3, 1e-4, 0.1, 1e-4, 1.0, 0.1)
+# at 1 GB/s, the extra slowdown of the links inside a step (comm_eff / (1 + it)), and the per-layer
+# cost of tensor-parallel and FSDP modules beyond their bytes (DTensor dispatch, gather
+# bookkeeping: on gloo it dominates a small model's tp step); with the finite-difference step of each.
+THETA_STEPS = (1e-3, 1e-4, 0.1, 1e-4, 1.0, 0.1, 1e-4, 1e-4)
 GAUSS_NEWTON_ROUNDS = 6
 
 
 def _with_theta(k: DeviceConstants, theta: Sequence[float]) -> tuple[DeviceConstants, float]:
     """(the constants at `theta`, the bandwidth divisor) from the sweep's constants `k`."""
-    a, b, inv, alpha, elem, slower = theta
+    a, b, inv, alpha, elem, slower, tp_layer, fsdp_layer = theta
     return dataclasses.replace(
         k, step_overhead_s=a, layer_overhead_s=b, optimizer_gbs=1 / inv if inv > 0 else 1e30,
+        tp_layer_overhead_s=tp_layer, fsdp_layer_overhead_s=fsdp_layer,
         intra_alpha_s=k.intra_alpha_s + alpha,  # the runs are on one node: intra only
         elementwise_gbs=1.0 if elem > 0 else 0.0, elementwise_bytes=elem), 1 + slower
 

@@ -34,6 +34,12 @@ class DeviceConstants:
     """fixed time per optimizer step (data loading, logging, launch)"""
     layer_overhead_s: float = 0.0
     """per layer per micro-batch, forward + backward: kernel launches, Python"""
+    tp_layer_overhead_s: float = 0.0
+    """tp > 1: per layer per micro-batch, fwd+bwd, the sharded modules' own cost beyond their
+    collectives' bytes and latency (DTensor dispatch, redistributes): calibrated"""
+    fsdp_layer_overhead_s: float = 0.0
+    """fsdp: per layer per micro-batch, fwd+bwd, the unit's gather/free bookkeeping beyond its bytes:
+    calibrated"""
     activation_factor: float = 1.0
     """multiplies the Korthikanti activation bytes (calibrated for our GPT)"""
     optimizer_gbs: float = 1000.0

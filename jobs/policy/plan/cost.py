@@ -242,6 +242,9 @@ def step_time_ctx(x: Ctx, c: Candidate, k: DeviceConstants) -> TimeBreakdown:
         n, calls = (12.0, 6) if c.recompute == "full" else (8.0, 4)
         tp_bytes = n * c.micro_batch * x.seq * x.hidden * (c.tp - 1) / c.tp * act * (stage_layers(x, c))
         tp_s = tp_bytes / bw + calls * (stage_layers(x, c)) * (k.inter_alpha_s if crosses else k.intra_alpha_s)
+        tp_s += stage_layers(x, c) * k.tp_layer_overhead_s * calls / 4.0
+    if c.fsdp and not x.sized_only:
+        t_mb += stage_layers(x, c) * k.fsdp_layer_overhead_s
     pp_s = pp_bytes = 0.0
     if c.pp > 1:
         bw, crosses = _link(x, c.dp * c.tp + 1)
