@@ -6,19 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from .cluster import Cluster
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 def test_a_staff_request_calibrates_the_node_and_stores_the_fit(cluster):

@@ -11,19 +11,9 @@ import psutil
 import pytest
 from celery import Celery
 
-from .cluster import Cluster, attempt_processes
+from .cluster import attempt_processes
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 def small(name: str, steps: int, **extra) -> dict:

@@ -12,7 +12,6 @@ import pytest
 
 from jobs.policy.profiling import COMM, ENTER, LEAVE, MIN_GAIN
 
-from .cluster import Cluster
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
 
@@ -21,16 +20,6 @@ pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
 COMM_HEAVY = {"name": "comm-heavy", "model": {"kind": "gpt", "layers": 2, "hidden": 512, "heads": 8, "seq_len": 16},
               "train": {"steps": 200, "global_batch": 2}, "resources": {"nodes": 2, "procs_per_node": 1},
               "checkpoint": {"every_steps": 20}, "max_restarts": 0}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 def test_communication_bound_job_is_profiled_and_apply_restarts_it_with_compression(cluster):
