@@ -64,7 +64,10 @@ def test_a_finished_job_leaves_one_record_with_its_measured_step_time(cluster):
     assert measured["mem_bytes"] > 50e6  # the ranks' resident memory: python + torch
     assert measured["mem_bytes"] == max(m["mem_bytes"] for m in metrics)
     assert 0 < measured["tflops_per_device"] < 1.0
-    assert rec["predicted"]["step_time_s"] is None  # the spec chose the plan, not the planner
+    # the spec chose the plan; the planner predicted it at submit (the job's plan["planner"])
+    planner = job["plan"]["planner"]
+    assert rec["predicted"] == {"step_time_s": planner["step_time_s"], "memory_gb": planner["memory_gb_per_device"]}
+    assert rec["error"]["step_time"] == pytest.approx((planner["step_time_s"] - expected) / expected, abs=1e-3)
     assert any(b["model"]["layers"] == 4 and b["plan"]["dp"] == 2 for b in cluster.get("/api/v1/knowledge/")["best"])
 
     # the next job of the same shape but twice the batch has no run of its own: the record predicts it

@@ -140,10 +140,15 @@ def test_training_rides_out_a_redis_outage_without_losing_a_sample(tmp_path, red
 
     samples, events, _ = read_stream(redis_server.url, "trainyard:job:7")
     dropped = sum(e["count"] for e in events if e["kind"] == "telemetry_dropped")
-    assert len(samples) + dropped == steps * 2
-    assert dropped == 0 and len(samples) == steps * 2  # the default buffer holds a 10 s outage
+    assert dropped == 0  # the default buffer holds a 10 s outage
     for rank, rs in by_rank(samples).items():
-        assert sorted(s["step"] for s in rs) == list(range(1, steps + 1)), rank
+        assert sorted(set(s["step"] for s in rs)) == list(range(1, steps + 1)), rank  # nothing lost
+    # At least once, not exactly once: a MULTI/EXEC that Redis executed (and kept in its AOF) as it
+    # stopped never got its reply to the rank, which sends the chunk again (seen once in a full run:
+    # 1,501 entries for 1,500 samples); the relay keeps one row per (attempt, rank, step).
+    first: dict = {}
+    for s in samples:  # a second entry for a step is a re-send of the same sample, never a new one
+        assert first.setdefault((s["rank"], s["step"]), s) == s
     assert sorted(e["rank"] for e in events if e["kind"] == "rank_finished") == [0, 1]
 
 
