@@ -10,7 +10,7 @@ from jobs.policy.plan import DEFAULT_GPU, Candidate, memory, parse_plan_request,
 H, S, V, L = 128, 64, 256, 4
 LAYER = 12 * H * H + 13 * H                      # 198,272: q/k/v, proj, 4h MLP, biases, 2 LayerNorms
 ENDS = V * H + S * H                              # token + position embeddings (first stage)
-HEAD = V * H                                      # the untied LM head (last stage)
+HEAD = V * H + 2 * H                              # the untied LM head and the final LayerNorm (last stage)
 
 
 def req(devices=2, nodes=1, **over):
@@ -25,12 +25,12 @@ def req(devices=2, nodes=1, **over):
 
 def test_ddp_memory_by_hand():
     m = memory(req(), Candidate(dp=2, tp=1, pp=1, micro_batch=4), DEFAULT_GPU)
-    p = L * LAYER + ENDS + HEAD                   # 866,816 parameters on every rank
+    p = L * LAYER + ENDS + HEAD                   # 867,072 parameters on every rank
     assert (m.params, m.grads, m.optimizer) == (4 * p, 4 * p, 8 * p)   # fp32 weights, grads, Adam m+v
     # Korthikanti at t=1, fused attention: s*b*h*34 bytes (16-bit) per layer, x2 for fp32, 1 in flight.
     assert m.activations == L * S * 4 * H * 34 * 2 == 8_912_896
     assert m.logits == 8 * 4 * S * V              # fp32 logits and their gradient, micro-batch 4
-    assert m.total == 16 * p + 8_912_896 + 524_288 == 23_306_240
+    assert m.total == 16 * p + 8_912_896 + 524_288 == 23_310_336
 
 
 def test_tensor_parallel_recompute_zero1_and_fsdp_memory_by_hand():
@@ -39,7 +39,10 @@ def test_tensor_parallel_recompute_zero1_and_fsdp_memory_by_hand():
     assert tp.activations == L * S * 4 * H * (10 + 24 / 2) * 2          # s*b*h*(10 + 24/t)
     # tp 2: each block's LayerNorms and row-parallel biases (6h) and the position embedding stay
     # whole; everything else (vocab 256 splits evenly) is halved
-    assert tp.params == 4 * (L * ((LAYER - 6 * H) / 2 + 6 * H) + V * H / 2 + S * H + HEAD / 2)
+    held = L * ((LAYER - 6 * H) / 2 + 6 * H) + V * H / 2 + S * H + V * H / 2 + 2 * H
+    assert tp.params == 4 * held
+    # ... and the vocab-split token embedding's gradient is materialized whole (measured)
+    assert tp.grads == 4 * (held + V * H / 2)
     full = memory(r, Candidate(dp=2, tp=1, pp=1, micro_batch=4, recompute="full"), DEFAULT_GPU)
     assert full.activations == L * 2 * S * 4 * H * 2 + S * 4 * H * 34 * 2  # 2sbh per layer + one working set
     p = L * LAYER + ENDS + HEAD

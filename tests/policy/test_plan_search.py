@@ -57,9 +57,9 @@ def test_fix_restricts_to_the_best_plan_with_those_values():
 
 def test_tp_stays_inside_a_node_unless_nothing_else_fits():
     # One layer (no pp), 2 sequences on 2 nodes x 2 devices: (dp 2, tp 2) stays inside a node but
-    # its activations and logits miss 4 GB; only (dp 1, tp 4) across the nodes fits.
+    # its activations and logits miss 4.5 GB; only (dp 1, tp 4) across the nodes fits.
     one_layer = {"model": {"layers": 1, "hidden": 4096, "heads": 32, "seq_len": 8192, "vocab": 32000},
-                 "cluster": {"nodes": 2, "devices_per_node": 2, "device": {"name": "g", "memory_gb": 4.0,
+                 "cluster": {"nodes": 2, "devices_per_node": 2, "device": {"name": "g", "memory_gb": 4.5,
                                                                             "peak_tflops": 100},
                              "intra_node_gbs": 100, "inter_node_gbs": 10},
                  "global_batch": 2}

@@ -102,7 +102,7 @@ def context(req: PlanRequest, k: DeviceConstants) -> Ctx:
     else:
         h, layers, heads = m.hidden, m.layers, m.heads
         layer_params = 12.0 * h * h + 13.0 * h
-        params = layers * layer_params + 2.0 * m.vocab * h + m.seq_len * h
+        params = layers * layer_params + 2.0 * m.vocab * h + m.seq_len * h + 2.0 * h  # + the final LayerNorm
     intra = (k.intra_gbs or c.intra_node_gbs) * 1e9 * k.comm_eff
     inter = (k.inter_gbs or c.inter_node_gbs) * 1e9 * k.comm_eff
     return Ctx(layers=layers, hidden=h, heads=heads, seq=m.seq_len, vocab=m.vocab, params=params,
@@ -131,8 +131,17 @@ def stage_params(x: Ctx, c: Candidate) -> float:
     vocab_split = t if x.vocab % t == 0 else 1
     ends = x.vocab * h / vocab_split + x.seq * h
     if c.pp == 1:
-        ends += x.vocab * h / vocab_split
+        ends += x.vocab * h / vocab_split + 2.0 * h  # the LM head and the final LayerNorm
     return stage_layers(x, c) * per_layer + ends
+
+
+def embedding_grad_extra(x: Ctx, c: Candidate) -> float:
+    """Elements of gradient beyond the parameters a rank holds: under tp the vocab-split token
+    embedding's gradient is materialized whole (its input is replicated, so the backward of the
+    row-wise lookup produces every row), measured by the calibration harness."""
+    if x.sized_only or c.tp == 1 or x.vocab % c.tp:
+        return 0.0
+    return x.vocab * x.hidden * (1.0 - 1.0 / c.tp)
 
 
 def layer_activation_bytes(x: Ctx, c: Candidate, k: DeviceConstants) -> float:
@@ -161,7 +170,7 @@ def _activations(x: Ctx, c: Candidate, k: DeviceConstants) -> tuple[float, float
 def memory_ctx(x: Ctx, c: Candidate, k: DeviceConstants) -> MemoryBreakdown:
     wb, gb, ob = STATE_BYTES[x.dtype]
     p = stage_params(x, c)
-    params, grads, opt = p * wb, p * gb, p * ob
+    params, grads, opt = p * wb, (p + embedding_grad_extra(x, c)) * gb, p * ob
     gathered = 0.0
     if c.fsdp:
         # two layers' parameters unsharded at a time (the one computing, the next prefetched):
