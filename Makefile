@@ -54,6 +54,7 @@ bench: venv deps
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/localsgd.py
 	$(BIN)/python bench/planner_published.py
+	$(BIN)/python bench/calibration.py
 	$(BIN)/python bench/recompute_zero.py
 
 clean:

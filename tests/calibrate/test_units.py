@@ -2,6 +2,8 @@
 document's validation (trainyard.calibration)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -83,3 +85,27 @@ def test_the_document_is_validated_field_by_field():
         assert path in e.value.errors
     with pytest.raises(MeasurementsError):
         parse_measurements([doc])
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_grid_point_is_runnable_at_any_world_size(world):
+    """`--procs 4` on a 2-core machine (the oversubscribed report): every point keeps at least one
+    micro-batch per replica and 1F1B at least as many micro-batches as stages."""
+    from workers.calibrate.runs import GLOBAL_BATCH, grid
+
+    points = grid(world, False, False)
+    assert points and len({json.dumps(p, sort_keys=True) for p in points}) == len(points)
+    for p in points:
+        plan = p["plan"]
+        per_replica = GLOBAL_BATCH // plan["dp"]
+        assert plan["dp"] * plan["tp"] * plan["pp"] == world and per_replica // plan["micro_batch"] >= 1
+        if plan["pp"] > 1 and plan["schedule"] == "1f1b":
+            assert per_replica // plan["micro_batch"] >= plan["pp"]
+
+
+def test_procs_out_of_range_is_a_usage_error(capsys):
+    from workers.calibrate.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--out", "/tmp/x.json", "--procs", "0"])
+    assert exc.value.code == 2 and "--procs must be between 1 and 64" in capsys.readouterr().err

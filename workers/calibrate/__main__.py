@@ -20,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="where to write the measurement JSON")
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the distributed part")
+    ap.add_argument("--procs", type=int, default=None,
+                    help="ranks of the distributed part (default: the node's devices; on CPU 2). More ranks "
+                         "than cores oversubscribes the node: for reporting, not for fitting")
     args = ap.parse_args(argv)
+    if args.procs is not None and not 1 <= args.procs <= 64:
+        ap.error("--procs must be between 1 and 64")
     if args.timeout is not None and args.timeout <= 0:
         ap.error("--timeout must be positive")
     if not args.out.parent.is_dir():
@@ -28,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     from .harness import HarnessError, measure
     t0 = time.perf_counter()
     try:
-        doc, walls = measure(args.quick, args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True))
+        doc, walls = measure(args.quick, args.timeout, log=lambda s: print(s, file=sys.stderr, flush=True),
+                             procs=args.procs)
     except HarnessError as e:
         print(f"calibration failed: {e}", file=sys.stderr)
         return 1

@@ -106,12 +106,15 @@ def distributed_part(procs: int, quick: bool, timeout_s: float, log=print) -> di
         return json.loads(out.read_text())
 
 
-def measure(quick: bool, timeout_s: float | None = None, log=print) -> tuple[dict, dict]:
+def measure(quick: bool, timeout_s: float | None = None, log=print, procs: int | None = None) -> tuple[dict, dict]:
     """The validated measurement document and the wall time of each part (seconds). The default
     sweep measures the GEMMs before and again after the distributed part and keeps each
-    shape's better median (as the run grid keeps each point's faster pass)."""
+    shape's better median (as the run grid keeps each point's faster pass). `procs`: ranks of the
+    distributed part instead of the node's devices (more than its cores oversubscribes it)."""
     torch.set_num_threads(THREADS_PER_PROC)
     info = device_info()
+    if procs:
+        info["procs"] = procs
     device = torch.device("cuda", 0) if info["kind"] == "cuda" else torch.device("cpu")
     walls = {"matmul_s": 0.0}
 

@@ -60,14 +60,18 @@ def grid(world: int, cuda: bool, quick: bool) -> list[dict]:
     for name in names:
         model = models[name]
         for mb in micro:
-            plans = [_plan(dp=world, micro_batch=mb)]
+            dp_mb = min(mb, GLOBAL_BATCH // world)  # a replica's batch holds at least one micro-batch
+            plans = [_plan(dp=world, micro_batch=dp_mb)]
             if world > 1:
-                plans.append(_plan(dp=world, micro_batch=mb, fsdp=True))
+                plans.append(_plan(dp=world, micro_batch=dp_mb, fsdp=True))
                 if model["heads"] % world == 0:
                     plans.append(_plan(tp=world, micro_batch=mb))
                 if model["layers"] >= world:
-                    plans += [_plan(pp=world, micro_batch=mb, schedule=s) for s in ("gpipe", "1f1b")]
-            points += [{"model": model, "global_batch": GLOBAL_BATCH, "plan": p} for p in plans]
+                    # 1F1B needs at least as many micro-batches as stages
+                    plans += [_plan(pp=world, micro_batch=mb, schedule=s) for s in ("gpipe", "1f1b")
+                              if s == "gpipe" or GLOBAL_BATCH // mb >= world]
+            points += [{"model": model, "global_batch": GLOBAL_BATCH, "plan": p} for p in plans
+                       if {"model": model, "global_batch": GLOBAL_BATCH, "plan": p} not in points]
     return points
 
 
