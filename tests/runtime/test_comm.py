@@ -3,8 +3,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.runtime.comm import (CommCounter, CpuClock, GradCompression, RunComm, StepComm, _union,
-                                  compression_hook, counting_allreduce_hook, topk_count, topk_select)
+from workers.runtime.comm import (CommCounter, CpuClock, GradCompression, RunComm, StepComm, _pack, _union,
+                                  _unpack, compression_hook, counting_allreduce_hook, topk_count,
+                                  topk_select)
 
 
 @pytest.mark.parametrize("spans, total", [
@@ -175,3 +176,81 @@ def test_run_totals_give_the_compression_ratio_over_the_run_and_the_compressed_s
                              "compression_ratio": round(4000 / 1060, 3),
                              "compression_ratio_compressed_steps": 50.0}
     assert RunComm("none").summary()["compression_ratio"] is None
+
+
+class _DeviceOrderedFuture(torch.futures.Future):
+    """What NCCL's `work.get_future()` is to the CPU: complete as soon as the collective is
+    enqueued, its output landing only later on the collective's stream. Callbacks chained on this
+    future itself are ordered after the data (NCCL's future carries the device and makes the
+    callback's stream wait); anything else (collect_all, reading the tensor) sees the buffer as
+    it was at enqueue."""
+
+    def __init__(self, land):
+        super().__init__()
+        self._land = land
+
+    def then(self, callback):
+        def ordered(f):
+            self._land()
+            return callback(f)
+
+        return super().then(ordered)
+
+
+class _EnqueuedWork:
+    def __init__(self, output, staged):
+        self.output, self.staged, self.landed = output, staged, False
+        self._fut = _DeviceOrderedFuture(self.land)
+        self._fut.set_result([output])  # NCCL: done at enqueue
+
+    def land(self):
+        if not self.landed:
+            self.output.copy_(self.staged)
+            self.landed = True
+
+    def wait(self, timeout=None):
+        self.land()
+        return True
+
+    def get_future(self):
+        return self._fut
+
+
+def test_topk_decompresses_only_data_the_collective_has_delivered(gloo_world_of_one, monkeypatch):
+    # Finding 1 of issue 14: the gathered buffers hold garbage (zeros here) until the collective's
+    # data lands; a hook that decompresses before that averages zeros instead of the gradients.
+    works = []
+
+    def enqueue_only(real):
+        def gather(output, input, group=None, async_op=False):
+            staged = torch.empty_like(output)
+            real(staged, input, group=group)  # the data that will arrive
+            output.zero_()                    # what the buffer holds at enqueue
+            works.append(_EnqueuedWork(output, staged))
+            return works[-1] if async_op else works[-1].wait()
+        return gather
+
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, enqueue_only(getattr(dist, name)))
+    flags = []
+    for step, compressing, _, grads, local in _compressed_steps("topk", range(1, 4), start_step=1,
+                                                                ratio=1.0):
+        flags.append(compressing)
+        assert all(torch.equal(g, h) for g, h in zip(grads, local)), f"step {step}: read before landing"
+    assert flags == [False, True, True] and len(works) == 2 and all(w.landed for w in works)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 7, 64])
+def test_topk_packing_round_trips_every_rank_row(dtype, k):
+    # Rows of several ranks side by side, as all_gather lays them out: an odd k of 16-bit values
+    # or 8-byte values would misalign the next part or row without the padding.
+    rows = [[torch.randperm(1000)[:k].to(torch.int32), torch.randn(k).to(dtype)] for _ in range(3)]
+    packed = [_pack(r) for r in rows]
+    assert len({p.numel() for p in packed}) == 1
+    if dtype == torch.float32:
+        assert packed[0].numel() == 8 * k  # index + value, no padding
+    gathered = torch.cat(packed)
+    for row, parts in zip(gathered.view(3, -1), rows):
+        got = _unpack(row, parts)
+        assert all(g.dtype == p.dtype and torch.equal(g, p) for g, p in zip(got, parts))

@@ -29,7 +29,7 @@ Compression (`comm.compression`, `GradCompression` + `compression_hook`):
 - powersgd: torch's PowerSGD hook (rank-r factors P, Q per matrix with error feedback and warm
   start; 1-D tensors such as biases are all-reduced uncompressed).
 - topk: `topk_hook`, ours: error feedback + the ceil(ratio x numel) largest |values| per bucket,
-  exchanged as int32 indices + values with all_gather. `comm.ratio: auto` sets the ratio from
+  exchanged as int32 indices + values packed into one all_gather. `comm.ratio: auto` sets the ratio from
   the measured link bandwidth and backward time (autoratio.py, driven by sync.py).
 Measured on the 2-layer, hidden-64 test GPT (548 KB of fp32 gradients a step, 2 gloo ranks,
 tests/runtime/test_accum_compression.py), bytes sent per compressed step relative to none:
@@ -340,10 +340,43 @@ def _after_previous(prev: Any, launch: Any) -> torch.futures.Future:
     return out
 
 
+def _alignment(parts: list[torch.Tensor]) -> int:
+    """Bytes each packed part is padded to, so every part of every rank's row views back as its
+    dtype (a view's byte offset must divide by its element size): the largest element size."""
+    return max(p.element_size() for p in parts)
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The 1-D contiguous `parts`' bytes in one uint8 tensor, each padded to `_alignment`."""
+    align, chunks = _alignment(parts), []
+    for p in parts:
+        raw = p.view(torch.uint8)
+        chunks.append(raw)
+        if pad := -raw.numel() % align:
+            chunks.append(raw.new_zeros(pad))
+    return torch.cat(chunks)
+
+
+def _unpack(row: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of one `_pack`ed row as tensors of `like`'s dtypes and sizes."""
+    align, out, off = _alignment(like), [], 0
+    for p in like:
+        nbytes = p.numel() * p.element_size()
+        out.append(row[off:off + nbytes].view(p.dtype))
+        off += nbytes + (-nbytes % align)
+    return out
+
+
 def topk_hook(state: GradCompression, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Sparse averaging with error feedback: every rank sends its k largest |grad + residual|
     entries as (int32 index, value) pairs; each rank adds all of them into a dense bucket and
-    divides by the world size. k is fixed per bucket, so all_gather's equal sizes hold."""
+    divides by the world size. k is fixed per bucket, so all_gather's equal sizes hold.
+
+    Indices and values travel packed in ONE all-gather, and decompression is chained on that
+    work's own future. On NCCL the future completes when the collective is *enqueued*; only its
+    own `then` (the future carries the device) orders the callback after the data has landed.
+    Combining several such futures (torch.futures.collect_all) drops the devices, and the
+    callback would read the gather buffers before NCCL has written them (issue 14, finding 1)."""
     group = _group(state.group)
     world = dist.get_world_size(group)
     buf = bucket.buffer()
@@ -355,24 +388,23 @@ def topk_hook(state: GradCompression, bucket: dist.GradBucket) -> torch.futures.
         raise RuntimeError(f"top-k: bucket {bucket.index()} has {n} elements but its residual "
                            f"{residual.numel()}: DDP changed its buckets after compression began")
     idx, values = topk_select(residual, buf, topk_count(state.ratio, n))
-    idx = idx.to(torch.int32)
-    all_idx = idx.new_empty(world * idx.numel())
-    all_values = values.new_empty(world * values.numel())
-    futs = []
-    for out, mine in ((all_idx, idx), (all_values, values)):
-        state.counter.count(mine)
-        futs.append(dist.all_gather_single(out, mine, group=group, async_op=True).get_future())
+    parts = [idx.to(torch.int32), values]
+    mine = _pack(parts)
+    gathered = mine.new_empty(world * mine.numel())
+    state.counter.count(mine)
+    work = dist.all_gather_single(gathered, mine, group=group, async_op=True)
 
     def decompress(_: torch.futures.Future) -> torch.Tensor:
         # One index_add_ per rank: a rank's indices are distinct, so no two additions race
         # (CUDA's index_add_ uses atomics) and every rank sums in the same order: the replicas
         # stay bit-identical.
         buf.zero_()
-        for i, v in zip(all_idx.view(world, -1), all_values.view(world, -1)):
+        for row in gathered.view(world, -1):
+            i, v = _unpack(row, parts)
             buf.index_add_(0, i.long(), v)
         return buf.div_(world)
 
-    return torch.futures.collect_all(futs).then(decompress)
+    return work.get_future().then(decompress)
 
 
 @dataclass
