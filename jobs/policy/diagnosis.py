@@ -2,12 +2,15 @@
 detection (all pure: evidence in, decision out).
 
 Evidence is the agents' exit reports: per node, the exit code/signal of torchrun and the failures
-read from the ranks' error files, each with a timestamp. The cause is the earliest failure across
+read from the ranks' error files, each with a timestamp, and each rank's last log lines (log_tail:
+what a rank that NCCL's watchdog or an asynchronous CUDA error aborted, with no error file, printed
+last). The cause is the earliest failure across
 nodes: when one rank dies, its peers fail later with "connection closed" errors, which are
 consequences, not causes.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 
@@ -19,6 +22,20 @@ USER_ERROR_TYPES = ("ValueError", "TypeError", "KeyError", "IndexError", "Attrib
                     # the node agent's (workers.entrypoint), before launching user code: a `python`
                     # that is missing or cannot run torchrun, a bundle missing or corrupt on the node
                     "EntrypointError", "BundleError")
+# GPU failure texts (torch 2.x, the CUDA runtime's cudaGetErrorString, cuBLAS/cuDNN, NCCL), checked in
+# this order before the generic COMM_MARKERS: an NCCL or watchdog error often only wraps the CUDA
+# error that caused it ("NCCL error ... Cuda failure 'out of memory'", "Process group watchdog thread
+# terminated with exception: CUDA error: device-side assert triggered"), and the wrapped error decides.
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cuda failure 'out of memory'",
+               "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+# An out-of-bounds index in the job's own kernels (embedding, loss, index_add_): not retried.
+DEVICE_ASSERT_MARKERS = ("device-side assert triggered", "CUDA error: device-side assert", "cudaErrorAssert")
+# The GPU or its node failed: retried elsewhere, and it counts toward the node's quarantine.
+HARDWARE_MARKERS = ("uncorrectable ECC error", "ECC error", "cudaErrorECCUncorrectable", "unspecified launch failure",
+                    "cudaErrorLaunchFailure", "GPU has fallen off the bus", "uncorrectable NVLink error", "Xid")
+# A rank that NCCL's watchdog aborted (SIGABRT, no error file): its stderr says why.
+WATCHDOG_MARKERS = ("Watchdog caught collective operation timeout", "ProcessGroupNCCL's watchdog",
+                    "Process group watchdog thread terminated", "NCCL error", "ncclRemoteError", "ncclSystemError")
 COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out", "Timeout",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 
@@ -30,12 +47,12 @@ OOM_SUGGESTION = ("reduce train.global_batch (the per-rank micro-batch) or model
                   "recompute; retrying the same configuration would run out of memory again")
 # Classes that say something about the node the failing rank ran on (user errors and OOM say
 # something about the job). Two of these on one node within the quarantine window quarantine it.
-NODE_FAULT_CLASSES = frozenset({"signal", "comm", "lost", "launch_timeout", "unknown"})
+NODE_FAULT_CLASSES = frozenset({"signal", "comm", "lost", "launch_timeout", "unknown", "hardware"})
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    failure_class: str      # user_error | oom | signal | comm | lost | unknown
+    failure_class: str      # user_error | oom | hardware | signal | comm | lost | unknown
     retry: bool
     rank: int | None
     node: str | None
@@ -69,18 +86,24 @@ def diagnose(reports: list[dict], *, node_lost: str | None = None,
         if sig:
             return Diagnosis("signal", True, None, None, f"torchrun ended by {sig}")
         return Diagnosis("unknown", True, None, None, f"exit codes {codes or 'unknown'} with no error report")
-    text = f"{failure.get('message', '')}\n{failure.get('traceback', '')}"
     rank = failure.get("rank")
-    if "CUDA out of memory" in text or "OutOfMemoryError" in text:
-        return Diagnosis("oom", False, rank, node, failure.get("message", ""), failure.get("traceback", ""),
-                         suggestion=OOM_SUGGESTION)
+    text = f"{failure.get('message', '')}\n{failure.get('traceback') or ''}"
+    gpu = _gpu_class(text, failure, rank, node)
+    if gpu is not None:
+        return gpu
     if failure.get("signal"):
         if failure["signal"] == "SIGKILL" and mem.get(node or "", 0.0) >= OOM_KILL_MEM_PERCENT:
             return Diagnosis("oom", False, rank, node,
                              f"rank {rank} was SIGKILLed while {node} used {mem[node]:.0f}% of its memory: "
                              "most likely the kernel's OOM killer", suggestion=OOM_SUGGESTION)
+        # No error file: an asynchronous CUDA error or NCCL's watchdog aborted the rank, and only
+        # what it printed last says which.
+        tail = _rank_tail(reports, node, rank)
+        found = _gpu_class("\n".join(tail), failure, rank, node, tail=tail, watchdog=True)
+        if found is not None:
+            return found
         return Diagnosis("signal", True, rank, node, f"rank {rank} killed by {failure['signal']}",
-                         failure.get("traceback", ""))
+                         failure.get("traceback") or "")
     exc_type = (failure.get("message") or "").split(":", 1)[0].strip()
     if any(m in text for m in COMM_MARKERS):
         exclude = tuple(not_joined)
@@ -90,6 +113,43 @@ def diagnose(reports: list[dict], *, node_lost: str | None = None,
     if exc_type.endswith(USER_ERROR_TYPES) or any(f"{t}:" in text for t in USER_ERROR_TYPES):
         return Diagnosis("user_error", False, rank, node, failure.get("message", ""), failure.get("traceback", ""))
     return Diagnosis("unknown", True, rank, node, failure.get("message", ""), failure.get("traceback", ""))
+
+
+def _rank_tail(reports: list[dict], node: str | None, rank: int | None) -> list[str]:
+    """The failed rank's last stdout/stderr lines from its node's report (NodeExit.log_tail)."""
+    rep = next((r for r in reports if r.get("node") == node), {})
+    return list((rep.get("log_tail") or {}).get(str(rank)) or [])
+
+
+def _marker_line(text: str, markers: tuple[str, ...]) -> str | None:
+    """The first line of `text` holding one of `markers` ("Xid" only as a word), or None."""
+    for line in text.splitlines():
+        for m in markers:
+            if (re.search(r"\bXid\b", line) if m == "Xid" else m in line):
+                return line.strip()
+    return None
+
+
+def _gpu_class(text: str, failure: dict, rank, node, *, tail: list[str] | None = None,
+               watchdog: bool = False) -> Diagnosis | None:
+    """OOM, a device-side assert or a hardware fault named in `text`, in that order; with
+    `watchdog` (a rank's log tail), also NCCL's watchdog. None when it names none of them."""
+    where = f"rank {rank} killed by {failure.get('signal')}: " if tail is not None else ""
+    tb = "\n".join(tail) if tail is not None else failure.get("traceback") or ""
+    msg = failure.get("message", "")
+    if line := _marker_line(text, OOM_MARKERS):
+        return Diagnosis("oom", False, rank, node, where + line if where else msg, tb, suggestion=OOM_SUGGESTION)
+    if line := _marker_line(text, DEVICE_ASSERT_MARKERS):
+        return Diagnosis("user_error", False, rank, node, where + line if where else msg, tb,
+                         suggestion="a CUDA kernel's assert (often an index out of range, e.g. a token id >= "
+                                    "the vocabulary): rerun with CUDA_LAUNCH_BLOCKING=1 to see where")
+    if line := _marker_line(text, HARDWARE_MARKERS):
+        excl = (node,) if node else ()
+        return Diagnosis("hardware", True, rank, node, (where + line if where else msg) +
+                         (f" (a GPU fault on {node}; the retry avoids it)" if node else ""), tb, exclude=excl)
+    if watchdog and (line := _marker_line(text, WATCHDOG_MARKERS)):
+        return Diagnosis("comm", True, rank, node, where + line, tb)
+    return None
 
 
 # ---------------------------------------------------------------- hangs

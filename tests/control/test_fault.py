@@ -336,3 +336,31 @@ def test_events_timeline_api_lists_decisions_with_evidence(user, other, nodes):
     assert ended["data"]["evidence"]["class"] == "signal" and ended["data"]["evidence"]["node"] == "node-b"
     c.force_authenticate(other)
     assert c.get(f"/api/v1/jobs/{job.pk}/events/").status_code == 404
+
+
+def abort(attempt, node, rank, tail):
+    """A rank aborted (SIGABRT, no error file): only its log tail in the node's exit report says why."""
+    for n in ("node-a", "node-b"):
+        services.attempt_node_exit(attempt.pk, node_name=n, result={
+            "node": n, "exit_code": -6 if n == node else 1, "stopped": n != node, "failures": [
+                {"rank": rank, "timestamp": 1.0, "message": "Signal 6 (SIGABRT) received by PID 7", "traceback": None,
+                 "signal": "SIGABRT"}] if n == node else [],
+            "log_tail": {str(rank): tail} if n == node else {}})
+
+
+def test_a_gpu_fault_in_a_ranks_log_tail_avoids_and_quarantines_its_node_and_an_assert_fails_the_job(user, nodes):
+    job = submit(user, max_restarts=5)
+    attempt = start(job)
+    abort(attempt, "node-b", 1, ["  what():  CUDA error: uncorrectable ECC error encountered"])
+    attempt.refresh_from_db()
+    job.refresh_from_db()
+    assert (attempt.failure["class"], attempt.failure["node"], job.avoid_nodes) == ("hardware", "node-b", ["node-b"])
+    abort(start(job), "node-b", 1, ["NVRM: Xid (PCI:0000:3b:00): 79, pid=7, GPU has fallen off the bus."])
+    assert Node.objects.get(name="node-b").status == "QUARANTINED"
+    Node.objects.filter(name="node-b").update(status="READY", quarantined_at=None)
+    job = submit(user, max_restarts=5)
+    attempt = start(job)
+    abort(attempt, "node-a", 0, ["  what():  [PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread "
+                                 "terminated with exception: CUDA error: device-side assert triggered"])
+    attempt.refresh_from_db()
+    assert attempt.failure["class"] == "user_error" and Job.objects.get(pk=job.pk).status == "FAILED"
