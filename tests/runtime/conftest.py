@@ -58,12 +58,13 @@ def write_launch_config(tmp_path: Path, cfg: dict) -> Path:
     return path
 
 
-def torchrun_argv(config_path: Path, nproc: int = 2, log_dir: Path | None = None) -> list[str]:
+def torchrun_argv(config_path: Path, nproc: int = 2, log_dir: Path | None = None,
+                  module: str = "workers.runtime") -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc)]
     if log_dir is not None:
         argv += ["--log-dir", str(log_dir)]
-    return argv + ["-m", "workers.runtime", "--config", str(config_path)]
+    return argv + ["-m", module, "--config", str(config_path)]
 
 
 def start_torchrun(config_path: Path, env: dict, **kw) -> subprocess.Popen:

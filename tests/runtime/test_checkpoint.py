@@ -160,8 +160,8 @@ class Fired(Exception):
     pass
 
 
-@pytest.mark.parametrize("knob", ["exit", "hang"])
-def test_exit_and_hang_fire_once_per_job_on_the_named_rank_only(tmp_path, monkeypatch, knob):
+@pytest.mark.parametrize("knob", ["exit", "hang", "raise"])
+def test_exit_hang_and_raise_fire_once_per_job_on_the_named_rank_only(tmp_path, monkeypatch, knob):
     (tmp_path / "job-8.json").write_text(json.dumps({f"{knob}_at_step": 7, f"{knob}_rank": 1}))
 
     def fire(*_):
@@ -175,10 +175,11 @@ def test_exit_and_hang_fire_once_per_job_on_the_named_rank_only(tmp_path, monkey
         c.refresh()
         c.after_step(6)
     ranks[0].after_step(7)
-    with pytest.raises(Fired):
+    with pytest.raises(chaos_mod.ChaosError if knob == "raise" else Fired):
         ranks[1].after_step(7)
     assert (tmp_path / f"job-8.{knob}-fired").exists()
-    assert lines == [f"rank 1 chaos: {'exiting with 137' if knob == 'exit' else 'hanging'} after step 7"]
+    said = {"exit": "exiting with 137", "hang": "hanging", "raise": "raising"}[knob]
+    assert lines == [f"rank 1 chaos: {said} after step 7"]
     restarted = Chaos(tmp_path, 8, 1)  # the next attempt passes step 7
     restarted.refresh()
     restarted.after_step(7)

@@ -3,13 +3,15 @@ sets TRAINYARD_CHAOS_DIR; then the runtime reads `<dir>/job-<job_id>.json` if it
 
     {"hang_at_step": 7,    "hang_rank": 0,    # after reporting step 7, that rank sleeps forever
      "slow_rank": 1,       "slow_s": 0.2,     # that rank sleeps 0.2 s per step in its compute phase
-     "exit_at_step": 9,    "exit_rank": 0}    # after step 9, that rank calls os._exit(137)
+     "exit_at_step": 9,    "exit_rank": 0,    # after step 9, that rank calls os._exit(137)
+     "raise_at_step": 4,   "raise_rank": 1}   # after step 4, that rank raises ChaosError (an
+                                              # uncaught error while its peers enter a collective)
 
 Every key is optional (null or absent: off). The file is re-read when it changes (one os.stat
 per step, ~2 us), so a test can turn slowness off mid-run and watch the job recover; write it
 with os.replace so a half-written file is never seen (an unparsable one is retried next step).
-A hang or an exit fires once per job: before firing, the rank creates `<dir>/job-<id>.hang-fired`
-(or `.exit-fired`) with O_CREAT|O_EXCL, and if that file exists it does not fire, so the
+A hang, an exit or a raise fires once per job: before firing, the rank creates `<dir>/job-<id>.hang-fired`
+(`.exit-fired`, `.raise-fired`) with O_CREAT|O_EXCL, and if that file exists it does not fire, so the
 attempt that restarts the job runs through the same step.
 
 Where the effects land in the telemetry: the slow sleep sits between fetching the batch and the
@@ -53,6 +55,8 @@ class ChaosPlan:
     slow_factor: float | None = None  # the slow knob for slow_rank (None: the environment's)
     exit_at_step: int | None = None
     exit_rank: int = 0
+    raise_at_step: int | None = None
+    raise_rank: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ChaosPlan":
@@ -63,6 +67,10 @@ class ChaosPlan:
         defaults = cls()
         # null means "off" (or the default rank), as if the key were absent
         return cls(**{k: (getattr(defaults, k) if v is None else v) for k, v in raw.items()})
+
+
+class ChaosError(RuntimeError):
+    """The error `raise_at_step` raises: an ordinary exception from inside training."""
 
 
 class Chaos:
@@ -104,6 +112,9 @@ class Chaos:
         if plan.exit_at_step == step and plan.exit_rank == self.rank and self._fire("exit"):
             self.say(f"rank {self.rank} chaos: exiting with {EXIT_CODE} after step {step}")
             os._exit(EXIT_CODE)
+        if plan.raise_at_step == step and plan.raise_rank == self.rank and self._fire("raise"):
+            self.say(f"rank {self.rank} chaos: raising after step {step}")
+            raise ChaosError(f"chaos: rank {self.rank} raised after step {step}")
         if plan.hang_at_step == step and plan.hang_rank == self.rank and self._fire("hang"):
             self.say(f"rank {self.rank} chaos: hanging after step {step}")
             while True:  # peers block in the next collective; only a kill ends this

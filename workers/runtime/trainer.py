@@ -60,13 +60,14 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from trainyard.keys import preempt_key
 from trainyard.mesh import Mesh
 from trainyard.sdk.checkpoint import trainer_state
 from trainyard.sdk.layout import resume_manifest
 from trainyard.sdk.reporter import Reporter
-from trainyard.sdk.run import DistEnv, Preempted, Run, init_process_group, write_rank_file  # noqa: F401
+from trainyard.sdk.run import DistEnv, Preempted, Run, init_process_group, write_rank_file
 from trainyard.sdk.run import say as _say
 from trainyard.spec import TrainSpec
 
@@ -141,11 +142,41 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
                                      balance=cfg.train.balance == "auto")
         init_process_group(env, device)  # NCCL on CUDA, gloo on CPU (the SDK's, as for user code)
         try:
-            return Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
-        finally:
+            summary = Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
+        except Preempted:  # every rank agreed to stop and saved: a clean, collective exit
             dist.destroy_process_group()
+            raise
+        except BaseException as e:
+            fail_fast(e, env.rank)
+            raise
+        dist.destroy_process_group()
+        return summary
     finally:
         reporter.close()
+
+
+def fail_fast(error: BaseException, rank: int) -> None:
+    """This rank raised: write its error file first, then abort (never destroy) every process
+    group, so it exits at once. destroy_process_group is collective in effect: on NCCL it waits
+    for work its peers never finish while they sit in a collective this rank will not join, so a
+    rank that destroyed after an error (a CUDA OOM in backward, a save error on rank 0 alone)
+    hung with no error file and its job was recorded as a hang and retried. The error file is
+    written here, before the abort, so the cause is on disk even if the abort were to stall;
+    @record (__main__.py) writes it again, the same, as the exception leaves the process (like
+    @record, a SystemExit or KeyboardInterrupt is not written up, but still aborts)."""
+    if isinstance(error, Exception):
+        get_error_handler().record_exception(error)
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None:  # an older torch: leave the groups to the process's exit
+        _say(f"rank {rank} failed: exiting without destroying the process group")
+        return
+    try:
+        abort()  # every group, the default one included (NCCL: ncclCommAbort, no waiting)
+    except Exception as e:  # noqa: BLE001 - the rank's own error is the one to report
+        _say(f"rank {rank} failed and could not abort its process group ({e!r}): exiting without "
+             "destroying it")
 
 
 class Trainer:
