@@ -98,6 +98,11 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,
          lambda s: f"tp ({s.plan.tp}) must divide model.heads ({s.model.heads}): each tensor-parallel "
                    f"rank computes whole attention heads"),
+    Rule("submit", "parallel.tp", lambda s: s.resources.nodes > 1 and s.resources.procs_per_node % s.plan.tp,
+         lambda s: f"tp ({s.plan.tp}) must divide resources.procs_per_node ({s.resources.procs_per_node}) "
+                   f"on {s.resources.nodes} nodes: a tensor-parallel group's consecutive ranks must sit on "
+                   f"one node (its per-layer collectives cross no node link, and its replicated "
+                   f"parameters get bitwise-equal gradients)"),
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "mlp" and s.plan.tp > 1,
          lambda s: "tensor parallelism splits attention heads and MLP columns of the GPT; "
                    "model.kind mlp has no heads: use tp 1"),

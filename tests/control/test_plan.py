@@ -51,5 +51,6 @@ def test_the_submit_form_offers_the_strategies_and_explains_an_impossible_one(us
                                            '"comm": {"compression": "topk"}}'})
     assert r.status_code == 400 and "gradient compression is a DDP comm hook" in r.content.decode()
     assert Job.objects.count() == 0
-    r = client.post("/jobs/new/", {"spec": '{"name": "y", "parallel": {"tp": 2, "dp": 1}}'})
+    r = client.post("/jobs/new/", {"spec": '{"name": "y", "parallel": {"tp": 2, "dp": 1}, '
+                                           '"resources": {"nodes": 1, "procs_per_node": 2}}'})
     assert r.status_code == 302 and Job.objects.get().plan["strategy"] == "tp 2"

@@ -54,7 +54,7 @@ FOUR = {"resources": {"nodes": 2, "procs_per_node": 2}}
 
 
 @pytest.mark.parametrize("spec", [
-    {"parallel": {"tp": 2, "dp": 1}},
+    {"parallel": {"tp": 2, "dp": 1}, "resources": {"nodes": 1, "procs_per_node": 2}},
     {"parallel": {"pp": 2, "dp": 1, "microbatches": 4, "schedule": "gpipe"}},
     {"parallel": {"pp": 2, "dp": 1, "microbatches": 2, "schedule": "1f1b"}},
     {"parallel": {"fsdp": True}},
@@ -115,7 +115,8 @@ def test_the_stored_plan_describes_the_mesh_and_every_rank():
         {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 1, "tp": 0},
         {"pp": 1, "dp": 0, "tp": 0}, {"pp": 1, "dp": 1, "tp": 0}]
     assert plan["roles"][3]["role"] == "replica 1/2, stage 1/2: blocks 2-3"
-    tp = planner.describe(parse_job_spec({"name": "x", "parallel": {"dp": 1, "tp": 2}}).to_json())
+    tp = planner.describe(parse_job_spec({"name": "x", "parallel": {"dp": 1, "tp": 2},
+                                                  "resources": {"nodes": 1, "procs_per_node": 2}}).to_json())
     assert tp["roles"][1]["role"] == "replica 0/1, tp 1/2: heads 2-3" and tp["strategy"] == "tp 2"
     assert [(r.start, r.stop - 1) for r in stage_layers(5, 2)] == [(0, 2), (3, 4)]
     auto = planner.describe(parse_job_spec({"name": "x", "parallel": "auto"}).to_json())
@@ -139,3 +140,23 @@ def test_grad_accum_needs_the_global_batch_to_split_into_equal_micro_batches():
     assert list(errors) == ["train.global_batch"]
     assert "divisible by dp x grad_accum = 6" in errors["train.global_batch"][0]
     assert "train.grad_accum" in errors_of({"name": "x", "train": {"grad_accum": 0}})
+
+
+@pytest.mark.parametrize("resources, tp, refused", [
+    ({"nodes": 2, "procs_per_node": 1}, 2, True),    # the tp pair is one rank on each node
+    ({"nodes": 2, "procs_per_node": 2}, 4, True),    # one group of 4 over both nodes
+    ({"nodes": 2, "procs_per_node": 6}, 4, True),    # ranks 4-7 straddle the node boundary at 6
+    ({"nodes": 2, "procs_per_node": 2}, 2, False),
+    ({"nodes": 2, "procs_per_node": 4}, 2, False),
+    ({"nodes": 1, "procs_per_node": 4}, 4, False),   # one node: every group is on it
+])
+def test_a_tensor_parallel_group_must_fit_on_one_node(resources, tp, refused):
+    spec = {"name": "x", "model": {"kind": "gpt", "heads": 4}, "resources": resources,
+            "parallel": {"tp": tp}, "train": {"global_batch": 48}}
+    if not refused:
+        assert parse_job_spec(spec).plan.tp == tp
+        return
+    with pytest.raises(SpecError) as exc:
+        parse_job_spec(spec)
+    assert any(f"tp ({tp}) must divide resources.procs_per_node ({resources['procs_per_node']})" in m
+               for m in exc.value.errors["parallel.tp"]), exc.value.errors

@@ -170,7 +170,8 @@ def test_tensor_and_pipeline_parallel_jobs_train_through_submit_and_launch(clust
     """Two sharded plans at once, through the API and the node agents: each rank reports its
     mesh coordinates and holds about half the parameters, and both jobs finish."""
     steps = 12
-    tp = cluster.submit(small("tp2", steps, parallel={"dp": 1, "tp": 2}, checkpoint={"every_steps": 6}))
+    tp = cluster.submit(small("tp2", steps, parallel={"dp": 1, "tp": 2}, checkpoint={"every_steps": 6},
+                                 resources={"nodes": 1, "procs_per_node": 2}))
     pp = cluster.submit(small("pp2", steps, parallel={"dp": 1, "pp": 2, "microbatches": 4, "schedule": "1f1b"},
                               checkpoint={"every_steps": 6}))
     assert tp["plan"]["strategy"] == "tp 2" and pp["plan"]["strategy"] == "pp 2"

@@ -151,3 +151,19 @@ def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():
     with _pytest.raises(PlanInputError) as exc:
         plan_for_job(script, None)
     assert "model" in exc.value.errors
+
+
+def test_plan_for_job_never_splits_a_tp_group_across_nodes():
+    """2 nodes x 2 processes, 4 heads: tp 4 divides the heads and tiles the nodes, and with memory
+    so tight that tp 1 and 2 do not fit the search falls back to cross-node tp; trainyard.spec's
+    rule (tp must divide procs_per_node on several nodes) keeps it out of the answer."""
+    from trainyard.spec import parse_job_spec
+
+    spec = parse_job_spec({"name": "t", "model": {"kind": "gpt", "layers": 1, "hidden": 1024, "heads": 4,
+                                                  "seq_len": 512, "vocab": 256},
+                           "resources": {"nodes": 2, "procs_per_node": 2, "device": "cpu"},
+                           "train": {"global_batch": 4}}).to_json()
+    roomy = plan_for_job(spec, None, device={"memory_gb": 4.0})["plans"]
+    assert {p["tp"] for p in roomy} == {1, 2}
+    tight = plan_for_job(spec, None, device={"memory_gb": 0.1})["plans"]
+    assert all(2 % p["tp"] == 0 for p in roomy + tight), tight

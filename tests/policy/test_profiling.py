@@ -159,7 +159,8 @@ def test_communication_bound_with_local_sgd_doubles_the_period():
 
 
 def test_communication_bound_without_a_valid_change_says_so():
-    spec = _spec(parallel={"tp": 2, "dp": 1}, model={"heads": 4})  # compression needs plain DDP
+    spec = _spec(parallel={"tp": 2, "dp": 1}, model={"heads": 4},  # compression needs plain DDP
+                 resources={"nodes": 1, "procs_per_node": 2})
     p = prof.profile(_samples(compute=0.02, comm=0.04, exposed=0.04), spec)
     assert p["class"] == "communication"
     rec = p["recommendation"]
@@ -203,7 +204,7 @@ def test_matmul_eff_interpolates_and_clamps():
 
 
 def test_spec_with_change_validates_like_a_submit():
-    spec = _spec(parallel={"tp": 2, "dp": 1})
+    spec = _spec(parallel={"tp": 2, "dp": 1}, resources={"nodes": 1, "procs_per_node": 2})
     with pytest.raises(SpecError) as e:
         prof.spec_with_change(spec, {"comm.compression": "powersgd"})
     assert "comm.compression" in e.value.errors

@@ -69,8 +69,13 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def replicated_grad_diff(strategy: ShardedStrategy, mesh: Mesh, rank: int) -> float:
-    """Largest |grad - grad on tp rank 0| over the parameters every tp rank holds whole."""
+def _local(t):
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def replicated_diff(strategy: ShardedStrategy, mesh: Mesh, rank: int, of=lambda p: p.grad) -> float:
+    """Largest |of(p) - of(p) on tp rank 0| over the parameters every tp rank holds whole
+    (their gradient by default; `of=lambda p: p` compares the parameters themselves)."""
     if mesh.tp == 1:
         return 0.0
     model, group = strategy.module, strategy.device_mesh["tp"].get_group()
@@ -79,7 +84,7 @@ def replicated_grad_diff(strategy: ShardedStrategy, mesh: Mesh, rank: int) -> fl
     for p in model.parameters():
         if hasattr(p, "placements") and not all(pl.is_replicate() for pl in p.placements):
             continue
-        g = (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+        g = _local(of(p))
         src = g.clone()
         dist.broadcast(src, first, group=group)
         worst = max(worst, (g - src).abs().max().item())
@@ -108,17 +113,18 @@ def run_case(case: str, x, y, ref_losses, ref_state, rank: int, world: int) -> d
     for step in range(STEPS):
         loss = strategy.forward_backward(xs, ys, int(accum), weight).clone()
         if step == STEPS - 1:
-            grad_diff = replicated_grad_diff(strategy, mesh, rank)
+            grad_diff = replicated_diff(strategy, mesh, rank)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(loss)  # every rank of a dp coordinate holds its dp share's mean loss
         losses.append(loss.item() / world)
+    param_diff = replicated_diff(strategy, mesh, rank, of=lambda p: p)  # after every step
     state = {k: full(v) for k, v in strategy.module.state_dict().items()}
     weight_diff, worst = max(((state[k] - v).abs().max().item(), k) for k, v in ref_state.items())
     eval_loss = strategy.eval_loss(x, y)
     mine = {"rank": rank, "info": strategy.info(), "optim_bytes": optim_bytes(opt),
             "weight_diff": weight_diff, "worst": worst, "grad_diff": grad_diff,
-            "eval_loss": eval_loss, "keys": sorted(state)}
+            "param_diff": param_diff, "eval_loss": eval_loss, "keys": sorted(state)}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     return {"losses": losses, "ref_losses": ref_losses, "ranks": ranks}

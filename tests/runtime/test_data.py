@@ -5,7 +5,7 @@ import torch
 from trainyard.spec import DataSpec, ModelSpec
 from workers.runtime.config import ConfigError
 from workers.runtime.data import (DEMO_CORPUS, MAX_WINDOWS, TokenWindows, build_batches,
-                                  load_tokens, split, train_loader, val_batches)
+                                  load_tokens, pin_batch, split, to_device, train_loader, val_batches)
 
 MODEL = ModelSpec(seq_len=16, vocab=256)
 
@@ -98,3 +98,58 @@ def test_token_file_errors_are_clear(tmp_path):
     with pytest.raises(ConfigError, match="fewer than one per-rank batch"):
         build_batches(DataSpec(kind="tokens", path="short.bin"), m, tmp_path, rank=0, world_size=2,
                       batch=16, seed=0)
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """Tensor.pin_memory faked at the torch boundary (no CUDA here): records the layout of what
+    would be page-locked and returns a fresh contiguous copy, like the real call."""
+    calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def fake_pin(self, device=None):
+        calls.append((tuple(self.shape), self.is_contiguous()))
+        return self.clone(memory_format=torch.contiguous_format)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # so a DataLoader would pin too
+    return calls
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_a_pinned_batch_pins_and_copies_its_contiguous_window(tmp_path, pinned, balance):
+    """Finding 8: pinning x = window[:, :-1] and y = window[:, 1:] pins strided views, and a CUDA
+    non_blocking copy of a strided view goes through a pageable contiguous copy (synchronous).
+    Only the contiguous (batch, seq_len + 1) window is pinned and copied; the shift is taken after."""
+    (tmp_path / "t.bin").write_bytes(np.arange(200, dtype=np.uint16).tobytes())
+    spec, model = DataSpec(kind="tokens", path="t.bin"), ModelSpec(seq_len=8, vocab=300)
+    plain, _ = build_batches(spec, model, tmp_path, rank=1, world_size=2, batch=4, seed=0,
+                             prefetch=False, balance=balance)
+    it, _ = build_batches(spec, model, tmp_path, rank=1, world_size=2, batch=4, seed=0,
+                          pin_memory=True, prefetch=False, balance=balance)
+    copied: list[tuple[tuple[int, ...], bool]] = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        copied.append((tuple(self.shape), self.is_contiguous()))
+        return real_to(self, *args, **kwargs)
+
+    for _ in range(3):
+        batch, want = next(it), next(plain)
+        assert pinned[-1] == ((4, 9), True)
+        copied.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "to", recording_to)
+            x, y = to_device(batch, "cpu")
+        assert copied == [((4, 9), True)]
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1]) and torch.equal(x[:, 1:], y[:, :-1])
+    assert pinned == [((4, 9), True)] * 3
+
+
+def test_on_the_cpu_a_batch_is_the_same_views_without_pinning(pinned):
+    windows = TokenWindows(np.arange(50, dtype=np.uint16), seq_len=8)
+    batch = windows.__getitems__([0, 3])
+    x, y = to_device(batch, "cpu")
+    assert x.data_ptr() == batch[0].data_ptr() and y.data_ptr() == batch[1].data_ptr()
+    assert x.shape == y.shape == (2, 8) and torch.equal(x + 1, y)
+    assert to_device((x, y), "cpu")[0] is x and not pinned
+    assert pin_batch((x, y))[0].is_contiguous() and pinned == [((2, 8), True)] * 2  # a plain pair

@@ -108,6 +108,8 @@ def _check_equivalence(results: dict, case: str, nproc: int) -> dict:
         # lr x steps = 6e-3 is what a wrong gradient would move
         assert k["weight_diff"] < 2e-4, (case, k["worst"], k["weight_diff"])
         assert k["grad_diff"] == 0.0, case  # replicated params: identical grads on all tp ranks
+        # so the replicated parameters stay bitwise equal on every tp rank after all the steps
+        assert k["param_diff"] == 0.0, case
         assert k["eval_loss"] == pytest.approx(r["ranks"][0]["eval_loss"], rel=1e-6)
     return r
 

@@ -21,6 +21,11 @@ gathering inline costs ~0.05-0.2 ms per batch; a forked DataLoader worker (num_w
 made the wait 1.7-3.6 ms (pickling the batch through a pipe); a prefetch thread made it
 ~0.1 ms and, unlike inline gathering, hides page faults when a large `tokens` memmap is not in
 the page cache. So: num_workers=0 behind a one-thread prefetcher.
+
+Pinned batches (CUDA): a batch is a `WindowBatch`, (x, y) viewing one contiguous (B, seq_len+1)
+window. `pin_batch` pins that window, never the shifted views, and `to_device` copies the window
+and shifts on the device: a CUDA copy of a non-contiguous view first makes a contiguous copy in
+pageable memory, which turns `non_blocking=True` into a synchronous copy.
 """
 from __future__ import annotations
 
@@ -77,8 +82,39 @@ class TokenWindows(Dataset):
     def __getitems__(self, indices: list[int]) -> Batch:
         # One fancy-index gather for the whole batch instead of B slices + a collate.
         rows = np.asarray(indices, dtype=np.int64)[:, None] * self.stride + self._offsets
-        w = torch.from_numpy(self.tokens[rows].astype(np.int64))
-        return w[:, :-1], w[:, 1:]
+        return WindowBatch(torch.from_numpy(self.tokens[rows].astype(np.int64)))
+
+
+class WindowBatch(tuple):
+    """(x, y) = (window[:, :-1], window[:, 1:]), keeping the contiguous window both view as
+    `.window`, so pinning and the host-to-device copy move one contiguous block."""
+
+    window: torch.Tensor
+
+    def __new__(cls, window: torch.Tensor) -> "WindowBatch":
+        batch = super().__new__(cls, (window[:, :-1], window[:, 1:]))
+        batch.window = window
+        return batch
+
+
+def pin_batch(batch: Batch) -> Batch:
+    """The batch in page-locked memory: a WindowBatch's contiguous window, pinned once (x and y
+    stay views of it); a plain (x, y) pins a contiguous copy of each."""
+    window = getattr(batch, "window", None)
+    if window is None:
+        return tuple(t.contiguous().pin_memory() for t in batch)
+    return WindowBatch(window.contiguous().pin_memory())
+
+
+def to_device(batch: Batch, device: torch.device | str) -> Batch:
+    """(x, y) on `device`: a WindowBatch copies its contiguous window (asynchronously when pinned)
+    and takes the shifted views there; on the CPU that is the same views as before."""
+    window = getattr(batch, "window", None)
+    if window is None:
+        x, y = batch
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    w = window.to(device, non_blocking=True)
+    return w[:, :-1], w[:, 1:]
 
 
 def _already_batched(batch: Batch) -> Batch:
@@ -151,7 +187,7 @@ def train_loader(windows: TokenWindows, *, rank: int, world_size: int, batch: in
             f"the training split has {len(windows)} windows, {len(sampler)} per rank: fewer than "
             f"one per-rank batch of {batch}; use more data or a smaller batch / seq_len")
     loader = DataLoader(windows, batch_size=batch, sampler=sampler, drop_last=True,
-                        num_workers=0, collate_fn=_already_batched, pin_memory=pin_memory)
+                        num_workers=0, collate_fn=pin_batch if pin_memory else _already_batched)
     return loader, sampler
 
 
@@ -290,8 +326,8 @@ class SliceBatches:
         offset, count = sl
         if offset + count > len(order):
             raise ValueError(f"slice [{offset}, {offset + count}) outside a global batch of {len(order)}")
-        x, y = self.windows.__getitems__(order[offset:offset + count].tolist())
-        return (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+        batch = self.windows.__getitems__(order[offset:offset + count].tolist())
+        return pin_batch(batch) if self.pin_memory else batch
 
     def _fetch(self, orders: Iterator[np.ndarray]):
         for order in orders:

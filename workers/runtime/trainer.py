@@ -75,7 +75,7 @@ from .balance import Balance
 from .chaos import Chaos, SlowKnob
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig
-from .data import Batch, build_batches, val_batches
+from .data import Batch, build_batches, to_device, val_batches
 from .model import build_model
 from .optim import build_optimizer, state_optimizer
 from .parallel import optim_bytes
@@ -241,8 +241,7 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
         t0 = time.perf_counter()
-        x, y = next(self.batches)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        x, y = to_device(next(self.batches), self.device)
         t1 = time.perf_counter()
         if self.chaos is not None:
             self.chaos.before_compute(step)
