@@ -39,7 +39,7 @@ SCALE_BOUNDS = (0.2, 5.0)
 def device_facts(kind: str) -> dict:
     """What the planner needs to know of one device of `kind` on this cluster that the spec does
     not say: {name, memory_gb[, peak_tflops]}."""
-    facts = {"name": "cuda"} if kind == "cuda" else {
+    facts = {"name": "cuda", "memory_gb": float(KIND_DEFAULTS["cuda"]["memory_gb"])} if kind == "cuda" else {
         "name": "cpu", "memory_gb": float(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB)}
     if kind == "cuda":
         for devices in Node.objects.exclude(status=Node.Status.LOST).values_list("devices", flat=True):
@@ -91,7 +91,7 @@ def plan_spec(stored: dict) -> dict:
     doc = plan_for_job(stored, constants, device=facts)
     learned = prefer_measured(doc["plans"], stored, facts["name"])
     plans, rejected = doc["plans"], doc["rejected"]
-    memory_gb = _device_memory(stored, facts)
+    memory_gb = facts["memory_gb"]
     out = {"plans": plans, "rejected": rejected[:20], "rejected_count": len(rejected),
            "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None,
            "knowledge": learned}
@@ -106,11 +106,6 @@ def plan_spec(stored: dict) -> dict:
     if isinstance(par, dict):
         out["spec_plan"] = _spec_plan(stored, par, plans)
     return out
-
-
-def _device_memory(stored: dict, facts: dict) -> float:
-    kind = stored["resources"]["device"]
-    return float(facts.get("memory_gb") or KIND_DEFAULTS.get(kind, KIND_DEFAULTS["cuda"])["memory_gb"])
 
 
 def _spec_plan(stored: dict, par: dict, plans: list[dict]) -> dict | None:
@@ -153,6 +148,11 @@ def resolve_auto(stored: dict) -> tuple[dict, dict]:
 PREDICTED = ("step_time_s", "memory_gb_per_device", "tflops_per_device", "bubble_fraction")
 
 
+def predicted(p: dict, constants_source: str) -> dict:
+    """The figures of plan row `p` a job keeps as plan["planner"]."""
+    return {**{k: p[k] for k in PREDICTED}, "constants_source": constants_source}
+
+
 def predict_spec(stored: dict) -> dict | None:
     """The planner's figures for the plan a concrete GPT spec runs (the job's plan["planner"];
     the knowledge base compares them with what the attempt measured), None when the planner does
@@ -164,7 +164,7 @@ def predict_spec(stored: dict) -> dict | None:
     mine = doc.get("spec_plan")
     if not mine:
         return None
-    return {**{k: mine[k] for k in PREDICTED}, "constants_source": doc["constants_source"]}
+    return predicted(mine, doc["constants_source"])
 
 
 def _same_plan(record, p: dict) -> bool:

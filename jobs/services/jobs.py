@@ -53,8 +53,10 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
                       f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
     if auto is not None:
         plan["auto"] = auto
-    if parsed.model is not None and parsed.model.kind == "gpt":
-        plan["planner"] = autoplan.predict_spec(stored)  # what the planner expects of this plan
+    if auto is not None:  # what the planner expects of the plan the job runs (searched once)
+        plan["planner"] = autoplan.predicted(auto["chosen"], auto["constants_source"])
+    elif parsed.model is not None and parsed.model.kind == "gpt":
+        plan["planner"] = autoplan.predict_spec(stored)
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
     prediction = predictor.predict(shape, selectors.past_runs(),

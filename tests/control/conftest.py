@@ -70,3 +70,18 @@ def client_for():
         c.force_authenticate(user)
         return c
     return make
+
+
+@pytest.fixture
+def ckpt_root(settings, tmp_path):
+    """A checkpoint root of the test's own (modules that register checkpoints use it)."""
+    settings.TRAINYARD_CHECKPOINT_ROOT = tmp_path / "ckpt"
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def relay_alive(monkeypatch):
+    """The relay counts as alive, so the hang detector judges attempts (no relay runs here)."""
+    from jobs import selectors
+
+    monkeypatch.setattr(selectors, "relay_alive", lambda: True)

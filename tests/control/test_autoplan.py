@@ -28,6 +28,7 @@ def test_auto_writes_the_best_plan_into_the_spec_and_keeps_the_prediction(user, 
     parse_job_spec(job.spec)  # the stored spec is a valid concrete spec
     assert job.plan["source"].startswith("auto: the planner's best of") and auto["candidates"] >= 2
     assert chosen["step_time_s"] > 0 and chosen["memory_gb_per_device"] > 0 and auto["flops_per_step"] > 0
+    assert job.plan["planner"]["step_time_s"] == chosen["step_time_s"]  # the chosen plan's own figures
     others = auto["runners_up"]
     assert others and all(r["why"].startswith(("slower by", "does not fit")) for r in others)
     slower = [r for r in others if r["step_time_s"] is not None]

@@ -11,20 +11,7 @@ from jobs.models import Attempt, Job, JobEvent
 from .test_fault import report_ckpt
 from .test_services import start, submit
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def ckpt_root(settings, tmp_path):
-    settings.TRAINYARD_CHECKPOINT_ROOT = tmp_path / "ckpt"
-    return tmp_path / "ckpt"
-
-
-@pytest.fixture(autouse=True)
-def relay_alive(monkeypatch):
-    from jobs import selectors
-
-    monkeypatch.setattr(selectors, "relay_alive", lambda: True)
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("ckpt_root", "relay_alive")]
 
 
 def api(user):
