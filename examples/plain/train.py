@@ -56,6 +56,9 @@ def main() -> None:
         if args.sleep:
             time.sleep(args.sleep)
     print(f"plain: rank {rank} done", flush=True)
+    # Drop DDP before the group: a DDP that outlives destroy_process_group destroys a gloo group
+    # in its own teardown while holding the GIL, which can hang the exit (pytorch#56297).
+    del ddp, opt
     dist.destroy_process_group()
 
 

@@ -279,6 +279,10 @@ def _equivalence_case(out_path: str) -> None:
         diff = max((a - b).abs().max().item() for a, b in
                    zip(strategy.inner.parameters(), single.parameters()))
         Path(out_path).write_text(json.dumps({"losses": losses, "ref": ref, "param_diff": diff}))
+    # Free DDP before the group: a Reducer outliving destroy_process_group destroys the gloo group
+    # in its own dealloc, which joins gloo's worker thread holding the GIL while that thread waits
+    # for the GIL to free the last all_reduce's tensor (pytorch#56297): a rare hang at exit.
+    del strategy, opt
     dist.destroy_process_group()
 
 

@@ -1,0 +1,1 @@
+"""GPU checks run by bench/gpu_checks.py (see its docstring)."""
