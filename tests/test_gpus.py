@@ -44,6 +44,8 @@ def test_discovery_reports_each_gpu_with_the_old_fields_and_nvml_figures(nvml):
     ("3,1", [3, 1]),
     (f"{fake_pynvml.node(4).gpus[3].uuid},{fake_pynvml.node(4).gpus[0].uuid}", [3, 0]),
     ("1,bogus,2", [1]),  # CUDA stops at the first invalid entry
+    ("0,9,1", [0]),  # ... and at a GPU that is not there
+    ("GPU-0,GPU-nothere", []),
     ("", []),
 ])
 def test_slots_are_the_agents_own_visible_gpus(nvml, monkeypatch, visible, nvml_indices):

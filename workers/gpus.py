@@ -104,11 +104,17 @@ class GpuMonitor:
             entries = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
         out = []
         for entry in entries:
-            if entry.isdigit():
-                handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-            else:
-                handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
-            out.append((int(pynvml.nvmlDeviceGetIndex(handle)), handle))
+            try:
+                if entry.isdigit():
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+                else:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(entry)
+                index = int(pynvml.nvmlDeviceGetIndex(handle))
+            except pynvml.NVMLError as exc:  # like CUDA: the GPUs before an unknown entry are visible
+                log.error("CUDA_VISIBLE_DEVICES=%s: no GPU %r here (%s); using the %s before it",
+                          self.agent_visible, entry, exc, len(out))
+                break
+            out.append((index, handle))
         return out
 
     def _register_xid(self, pynvml) -> None:
