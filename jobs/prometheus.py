@@ -125,6 +125,33 @@ def collect_nodes(exp: Exposition) -> None:
                 node=node.name)
         exp.add("trainyard_node_heartbeat_age_seconds", "gauge", "Seconds since the node's last heartbeat.",
                 now - node.last_heartbeat.timestamp() if node.last_heartbeat else None, node=node.name)
+        collect_gpus(exp, node)
+
+
+GPU_GAUGES = (  # (device field, metric, type, help): what the agent reads through NVML per GPU
+    ("utilization", "trainyard_node_gpu_utilization_percent", "gauge", "GPU utilisation (NVML), percent."),
+    ("memory_used_bytes", "trainyard_node_gpu_memory_used_bytes", "gauge", "GPU memory in use (NVML)."),
+    ("memory_bytes", "trainyard_node_gpu_memory_total_bytes", "gauge", "GPU memory in total (NVML)."),
+    ("temperature_c", "trainyard_node_gpu_temperature_celsius", "gauge", "GPU core temperature (NVML)."),
+    ("ecc_uncorrected", "trainyard_node_gpu_ecc_uncorrected_errors", "gauge",
+     "Volatile uncorrected ECC errors since the driver loaded (NVML); above 0 counts toward quarantine."),
+    ("xid_errors", "trainyard_node_gpu_xid_errors_total", "counter",
+     "Critical Xid events NVML reported since the agent started (resets when it restarts)."),
+)
+
+
+def collect_gpus(exp: Exposition, node: Node) -> None:
+    """One series per GPU and figure; a figure NVML does not offer on that GPU has no sample."""
+    for _, metric, kind, help_text in GPU_GAUGES:
+        exp.add(metric, kind, help_text, None)
+    for d in node.devices or []:
+        if not isinstance(d, dict) or d.get("kind") != "cuda":
+            continue
+        labels = {"node": node.name, "gpu": d.get("index", ""), "uuid": d.get("uuid", ""), "model": d.get("name", "")}
+        for field, metric, kind, help_text in GPU_GAUGES:
+            value = d.get(field)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                exp.add(metric, kind, help_text, value, **labels)
 
 
 RELAY_COUNTERS = (

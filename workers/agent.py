@@ -26,37 +26,45 @@ from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartb
 from .celery_app import REDIS_URL, app
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, prepare
+from .gpus import GpuMonitor, NvmlUnavailable
 
 log = logging.getLogger("trainyard.agent")
 HEARTBEAT_S = 2.0
 RDZV_WAIT_S = 60.0
 
 
-def discover_devices(device: str, slots: int) -> list[dict]:
+def discover_devices(device: str, slots: int, gpus: GpuMonitor | None = None) -> list[dict]:
+    """The heartbeat's devices. A cuda agent reads its GPUs through NVML (`gpus`), never through
+    torch.cuda (workers/gpus.py says why); without NVML it reports no GPUs."""
     if device == "cuda":
-        try:
-            import torch
-
-            out = []
-            for i in range(torch.cuda.device_count()):
-                p = torch.cuda.get_device_properties(i)
-                free, total = torch.cuda.mem_get_info(i)
-                try:
-                    util = torch.cuda.utilization(i)
-                except Exception:  # needs pynvml; absent is fine
-                    util = None
-                out.append({"kind": "cuda", "index": i, "name": p.name, "memory_bytes": total,
-                            "memory_used_bytes": total - free, "utilization": util})
-            return out
-        except Exception as exc:  # a broken driver must not kill the heartbeat
-            log.warning("CUDA discovery failed: %s", exc)
+        return gpus.devices() if gpus is not None else []
     cores = os.cpu_count() or 1
     return [{"kind": "cpu", "index": i, "cores": max(1, cores // slots)} for i in range(slots)]
 
 
+def start_gpu_monitor(device: str, slots: int) -> GpuMonitor | None:
+    """A cuda agent's NVML monitor; refuses more slots than visible GPUs. None without NVML
+    (said clearly: this node then reports no GPUs)."""
+    if device != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        gpus = GpuMonitor(visible).start()
+    except NvmlUnavailable as exc:
+        log.error("--device cuda but %s: this agent reports no GPUs and cannot check --slots %s", exc, slots)
+        return None
+    if slots > gpus.count:
+        raise SystemExit(f"--slots {slots} but this agent sees {gpus.count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{visible if visible is not None else 'unset'}): use --slots {gpus.count} or fewer")
+    log.info("NVML: %s visible GPU(s), NVML indices %s", gpus.count, [i for i, _ in gpus.handles])
+    return gpus
+
+
 class Agent:
-    def __init__(self, name: str, address: str, slots: int, labels: dict, device: str, run_base: Path):
+    def __init__(self, name: str, address: str, slots: int, labels: dict, device: str, run_base: Path,
+                 gpus: GpuMonitor | None = None):
         self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
+        self.gpus = gpus
         self.run_base = run_base
         self.run_base.mkdir(parents=True, exist_ok=True)
         self.agent_id = uuid.uuid4().hex[:12]
@@ -205,7 +213,7 @@ class Agent:
             attempts = sorted(self.supervisors)
         return Heartbeat(
             name=self.name, address=self.address, slots=self.slots, labels=self.labels,
-            devices=discover_devices(self.device, self.slots), cpu_percent=psutil.cpu_percent(None),
+            devices=discover_devices(self.device, self.slots, self.gpus), cpu_percent=psutil.cpu_percent(None),
             mem_percent=psutil.virtual_memory().percent, agent_id=self.agent_id, attempts=attempts)
 
     def stop_all(self) -> None:
@@ -256,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.slots < 1:
         raise SystemExit("--slots must be at least 1")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
+    gpus = start_gpu_monitor(args.device, args.slots)
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
-                  Path(args.run_dir).resolve() / args.name)
+                  Path(args.run_dir).resolve() / args.name, gpus)
     AGENT.adopt_running()
     from celery.signals import worker_shutting_down
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from .gpus import slot_devices
+
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 MONITOR_INTERVAL_S = 0.1  # torchrun's own worker check
 # After one local rank fails, torchrun SIGTERMs its local peers and SIGKILLs them after this;
@@ -152,6 +154,7 @@ def _loopback_ifname() -> str:
 
 def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    agent_visible = env.get("CUDA_VISIBLE_DEVICES")  # the agent's own, before the job's env
     # An agent started under torchrun would pass these on; torchrun would then dump its
     # root cause into someone else's error file and take defaults from PET_* variables.
     for key in [k for k in env if k.startswith(("TORCHELASTIC_", "PET_"))]:
@@ -173,7 +176,10 @@ def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
     env["TRAINYARD_ATTEMPT_ID"] = str(req.attempt_id)
     env["TRAINYARD_LOCAL_ADDR"] = req.local_addr  # for a runtime that binds gloo/NCCL to it
     if req.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in req.slots)
+        # Slot i is the agent's i-th visible GPU (its own CUDA_VISIBLE_DEVICES: Slurm, containers),
+        # numbered in PCI bus order as NVML numbers them, which is how the agent counted them.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_devices(req.slots, agent_visible))
     try:
         loopback = ipaddress.ip_address(req.local_addr).is_loopback
     except ValueError:

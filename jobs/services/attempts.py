@@ -2,7 +2,8 @@
 
 An attempt ends once no node still runs it; its outcome then moves the job on (succeeded,
 cancelled, back to the queue, or failed) as jobs/policy/diagnosis.py classifies the evidence.
-A node implicated in TRAINYARD_QUARANTINE_FAILURES failures within the window is quarantined.
+A node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window (failed attempts blamed on
+it, GPU Xid/ECC errors its agent reported) is quarantined.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from django.utils import timezone
 
 from .. import dispatch, selectors
 from ..models import Attempt, Job, Node
-from ..policy import diagnosis
+from ..policy import diagnosis, gpu_health
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_publish_status, job_set_status
 from .knowledge import knowledge_record
@@ -51,7 +52,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
            outcome=outcome, **({"evidence": failure} if failure else {}))
     knowledge_record(attempt)  # whatever the outcome: its warm steps measured the configuration
     if failure.get("node") and failure.get("class") in diagnosis.NODE_FAULT_CLASSES:
-        _node_maybe_quarantine(failure["node"], job, attempt)
+        node_maybe_quarantine(failure["node"], job=job, attempt=attempt)
     if outcome == "succeeded":
         job_set_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
         job_event(job, "succeeded", _success_text(job, attempt), attempt=attempt)
@@ -121,24 +122,34 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
                      "exclude": list(d.exclude)}
 
 
-def _node_maybe_quarantine(name: str, job: Job, attempt: Attempt) -> None:
-    """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES failures within the window."""
-    cutoff = timezone.now() - timedelta(seconds=settings.TRAINYARD_QUARANTINE_WINDOW_S)
+def node_maybe_quarantine(name: str, *, job: Job | None = None, attempt: Attempt | None = None) -> bool:
+    """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window: the
+    attempt failures blamed on it plus the GPU faults (Xid, uncorrected ECC) its agent reported
+    (jobs/policy/gpu_health.py). Called when an attempt fails on the node and when a heartbeat
+    brings a GPU fault. True if it quarantined the node now."""
+    window = settings.TRAINYARD_QUARANTINE_WINDOW_S
+    cutoff = timezone.now() - timedelta(seconds=window)
+    node = Node.objects.filter(name=name).only("devices", "quarantined_at").first()
+    if node is None or node.quarantined_at is not None:
+        return False
     recent = Attempt.objects.filter(ended_at__gte=cutoff, status=Attempt.Status.ENDED).exclude(failure={})
     hits = [a for a in recent.only("id", "failure")
             if a.failure.get("node") == name and a.failure.get("class") in diagnosis.NODE_FAULT_CLASSES]
-    if len(hits) < settings.TRAINYARD_QUARANTINE_FAILURES:
-        return
-    window_min = settings.TRAINYARD_QUARANTINE_WINDOW_S / 60
-    reason = (f"implicated in {len(hits)} failures within {window_min:.0f} min (attempts "
-              + ", ".join(str(a.pk) for a in hits) + ")")
+    faults = gpu_health.gpu_faults(node.devices, since=cutoff.timestamp())
+    if not gpu_health.quarantine_due(len(hits), faults, settings.TRAINYARD_QUARANTINE_FAILURES):
+        return False
+    parts = ([f"attempts {', '.join(str(a.pk) for a in hits)}"] if hits else []) + [f.text() for f in faults]
+    reason = f"implicated in {len(hits) + len(faults)} failures within {window / 60:.0f} min (" + "; ".join(parts) + ")"
     if not Node.objects.filter(name=name, quarantined_at__isnull=True).update(
             quarantined_at=timezone.now(), quarantine_reason=reason[:500]):
-        return
+        return False
     Node.objects.filter(name=name).exclude(status=Node.Status.LOST).update(status=Node.Status.QUARANTINED)
-    job_event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
-           attempt=attempt, node=name, failures=[a.pk for a in hits])
+    log.warning("node %s quarantined: %s", name, reason)
+    if job is not None:
+        job_event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
+                  attempt=attempt, node=name, failures=[a.pk for a in hits], gpu_faults=[f.text() for f in faults])
     transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+    return True
 
 
 def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None) -> bool:

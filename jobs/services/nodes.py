@@ -20,7 +20,8 @@ from trainyard.launch import Heartbeat, NodeExit, RankInfo
 from .. import dispatch
 from ..errors import NodeActionError
 from ..models import Allocation, Attempt, Job, Node
-from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop
+from ..policy import gpu_health
+from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
 from .events import job_event, job_set_status
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
     }
     with transaction.atomic():
         node, created = Node.objects.get_or_create(name=name, defaults=fields)
+        before = [] if created else node.devices
         if not created:
             was_lost = node.status == Node.Status.LOST
             Node.objects.filter(pk=node.pk).update(**fields)
@@ -52,10 +54,18 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
                 Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
                 log.info("node %s is back (%s)", name, back)
             node.refresh_from_db()
+        if _new_gpu_faults(before, beat.devices) and node_maybe_quarantine(name):
+            node.refresh_from_db()
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
         running = set(beat.attempts)
         expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
         return node, sorted(running - expected)
+
+
+def _new_gpu_faults(before: list, after: list) -> bool:
+    """The heartbeat brings a GPU fault (Xid, uncorrected ECC) the previous one did not carry."""
+    since = timezone.now().timestamp() - settings.TRAINYARD_QUARANTINE_WINDOW_S
+    return bool(set(gpu_health.gpu_faults(after, since=since)) - set(gpu_health.gpu_faults(before, since=since)))
 
 
 def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None:

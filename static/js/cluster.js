@@ -63,6 +63,21 @@ function quarantineBox(n) {
       'Clear quarantine') : '');
 }
 
+// A GPU's NVML figures in one line (jobs/views.py gpu_detail renders the same on the server)
+function gpuDetail(g) {
+  const parts = [];
+  if (Number.isInteger(g.memory_bytes) && g.memory_bytes) {
+    parts.push(`${((g.memory_used_bytes || 0) / 2 ** 30).toFixed(1)}/${(g.memory_bytes / 2 ** 30).toFixed(1)} GiB`);
+  }
+  if (Number.isInteger(g.temperature_c)) parts.push(`${g.temperature_c} °C`);
+  if (Number.isInteger(g.ecc_uncorrected) && g.ecc_uncorrected > 0) parts.push(`${g.ecc_uncorrected} uncorrected ECC`);
+  const xids = (g.xid_events || []).filter((e) => e && typeof e === 'object').map((e) => String(e.xid));
+  if (xids.length) {
+    parts.push(`Xid ${xids.slice(-5).join(', ')}${xids.length > 5 ? ` (${g.xid_errors} in all)` : ''}`);
+  }
+  return parts.join(' · ');
+}
+
 function nodeCard(n) {
   const used = n.slots_used || 0;
   const slots = [];
@@ -81,11 +96,14 @@ function nodeCard(n) {
       el('span', { class: 'n' }, `${used}/${n.slots}`)),
     meter('CPU', 'cpu', n.cpu_percent, `${pct(n.cpu_percent).toFixed(0)}%`),
     meter('Memory', 'mem', n.mem_percent, `${pct(n.mem_percent).toFixed(0)}%`),
-    gpus.map((g) => {
+    gpus.flatMap((g) => {
       const memPct = g.memory_bytes ? (100 * (g.memory_used_bytes || 0)) / g.memory_bytes : null;
       const util = typeof g.utilization === 'number' ? g.utilization : null;
-      return meter(`GPU ${g.index}`, 'gpu', util ?? memPct ?? 0,
-        util !== null ? `${util.toFixed(0)}%` : memPct !== null ? `mem ${memPct.toFixed(0)}%` : '–');
+      const detail = gpuDetail(g);
+      const bad = (g.ecc_uncorrected || 0) > 0 || (g.xid_events || []).length > 0;
+      return [meter(`GPU ${g.index}`, 'gpu', util ?? memPct ?? 0,
+        util !== null ? `${util.toFixed(0)}%` : memPct !== null ? `mem ${memPct.toFixed(0)}%` : '–'),
+      detail ? el('div', { class: bad ? 'gpu-detail bad' : 'gpu-detail', title: g.uuid || '' }, detail) : ''];
     }),
     nodeControls(n));
 }
