@@ -605,10 +605,13 @@ def test_the_pinned_copy_stops_at_the_cap_and_the_rest_is_staged_pageable(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else torch's stager never pins
     flat = {"a": torch.randn(256), "b": torch.randn(512), "c": torch.randn(128)}  # 1, 2, 0.5 KiB
     stager = ShareStager(pin_memory=True, pin_limit_bytes=1536 + 100)
+    first = None
     for round_ in range(3):
         out = stager.stage(flat)
         assert out.keys() == flat.keys() and all(torch.equal(out[k], flat[k]) for k in flat)
         assert all(out[k].data_ptr() != flat[k].data_ptr() for k in flat)
+        first = first or {k: v.data_ptr() for k, v in out.items()}
+        assert {k: v.data_ptr() for k, v in out.items()} == first  # the same host memory, refilled
         # a (1 KiB) pinned; b (2 KiB) would pass the cap: pageable; c (0.5 KiB) still fits
         assert stager.pinned_bytes == 1536 == pins.bytes == sum(pins.live.values()), round_
         assert stager.staged_bytes == 3584

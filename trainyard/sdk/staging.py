@@ -18,13 +18,14 @@ out like plain tensors.
 The host copy. `ShareStager` copies the share (a flat dict fqn -> value) with torch's
 StateDictStager, which caches one host storage per source storage and refills it at the next
 save. On CUDA, entries are pinned in order until `pin_limit_bytes` is reached; the rest go to
-a pageable stager (a slower, synchronous copy, but memory the OS can page). The split is fixed
+a pageable stager (a slower copy, but memory the OS can page). The split is fixed
 for a given share, so the same tensors stay pinned from save to save; when the share changes
 both caches are dropped. Copies run on the Checkpointer's save thread, which is bound to the
 rank's device (`bind_device`), on a stream of that device.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -75,8 +76,7 @@ class ShareSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        self.plan = SavePlan([i for i in plan.items if i.index in self.share],
-                             planner_data=plan.planner_data, storage_data=plan.storage_data)
+        self.plan = dataclasses.replace(plan, items=[i for i in plan.items if i.index in self.share])
         return self.plan
 
 
@@ -117,15 +117,16 @@ class ShareStager:
         pinned = {k: v for k, v in flat.items() if k in self._pinned_keys}
         pageable = {k: v for k, v in flat.items() if k not in self._pinned_keys}
         cuda = next((v.device for v in flat.values() if v.device.type == "cuda"), None)
-        out = dict(self._pageable.stage(pageable, non_blocking=False))
-        if pinned and cuda is not None:  # non-blocking into pinned memory, on a stream of ours
+        if cuda is None:
+            out = dict(self._pageable.stage(pageable, non_blocking=False))
+            out.update(self._pinned.stage(pinned, non_blocking=False) if pinned else {})
+        else:  # on a stream of ours, so the copies do not queue behind the training's kernels
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=cuda)
             with torch.cuda.stream(self._stream):
-                out.update(self._pinned.stage(pinned, non_blocking=True))
+                out = dict(self._pinned.stage(pinned, non_blocking=True)) if pinned else {}
+                out.update(self._pageable.stage(pageable, non_blocking=False))
             self._stream.synchronize()
-        elif pinned:
-            out.update(self._pinned.stage(pinned, non_blocking=False))
         self.staged_bytes = sum(_storage_bytes(v) for v in flat.values())
         return {k: out[k] for k in flat}
 
