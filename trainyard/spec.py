@@ -277,6 +277,10 @@ class CheckpointSpec(_Strict):
     every_steps: int = Field(50, ge=1, description="save after every this many steps (and after the last)")
     async_: bool = Field(True, alias="async", description="save in the background while training goes on")
     keep: int = Field(3, ge=1, le=1000, description="complete checkpoints kept; older ones are deleted")
+    pinned_host_fraction: float = Field(
+        0.25, ge=0, le=0.9, description="async saves on CUDA: the share of a node's host RAM its ranks may keep "
+                                        "page-locked for the copy of the state they write (split evenly between "
+                                        "the node's ranks; beyond it the copy is pageable, slower; 0: never pinned)")
 
 
 def _parallel_tag(v: Any) -> str:

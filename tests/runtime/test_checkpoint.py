@@ -7,10 +7,13 @@ The process tests (marked procs) run three jobs of 12 steps with every_steps=5:
   C  a new attempt of B's job resuming from B's step-5 checkpoint, sync saves.
 C's losses at steps 6..12 must equal A's exactly (bit for bit, asserted with ==).
 """
+import gc
 import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +32,7 @@ from trainyard.spec import CheckpointSpec, DataSpec, ModelSpec
 from workers.runtime.config import ConfigError, parse_run_config
 from workers.runtime.data import TokenWindows, build_batches
 
-from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
+from .conftest import REPO, SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config
 from .test_torchrun import Output, by_rank, wait_for
 
 
@@ -312,7 +315,7 @@ def _assert_same_state(a, b):
 def test_the_state_copy_overlaps_the_next_forward_and_backward_and_saves_the_state_at_save_time(
         tmp_path, one_rank, monkeypatch):
     gate = threading.Event()
-    monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate))
+    monkeypatch.setattr(ck, "make_stager", lambda device, pin_limit: GatedStager(gate))
     reporter = Events()
     saver = ck.Checkpointer(CheckpointSpec(every_steps=1), tmp_path, job_id=8, attempt_id=21,
                             rank=0, world_size=1, device=torch.device("cpu"), reporter=reporter)
@@ -357,7 +360,7 @@ def test_a_failed_state_copy_fails_the_save_on_the_training_thread_and_publishes
         tmp_path, one_rank, monkeypatch):
     gate = threading.Event()
     gate.set()
-    monkeypatch.setattr(ck, "make_stager", lambda device: GatedStager(gate, MemoryError("no room")))
+    monkeypatch.setattr(ck, "make_stager", lambda device, pin_limit: GatedStager(gate, MemoryError("no room")))
     reporter = Events()
     saver = ck.Checkpointer(CheckpointSpec(), tmp_path, job_id=8, attempt_id=21, rank=0,
                             world_size=1, device=torch.device("cpu"), reporter=reporter)
@@ -555,3 +558,87 @@ def test_the_checkpointer_decides_which_steps_it_saves(tmp_path, one_rank):
     saver.save_if_due(5, model, opt, last_step=7, force=True)  # not due, but forced
     saver.close()
     assert [e[1]["step"] for e in reporter.events] == [3, 6, 7, 5]
+
+
+# ---------------------------------------------------------------- staging: share, cap, device
+
+@pytest.mark.procs
+def test_under_ddp_each_rank_stages_only_its_share_and_three_async_saves_reload_exactly(
+        tmp_path, repo_env):
+    """2 ranks on gloo (staging_cases.py): each rank copies about half the replicated state per
+    save (it copied all of it when every rank staged everything and DCP dropped half of it at
+    write), together they write all of it, and every save reloads bit for bit, RNG included."""
+    cases = Path(__file__).with_name("staging_cases.py")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(cases), str(tmp_path)]
+    done = subprocess.run(argv, cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    total = ranks[0]["state_bytes"]
+    for r in ranks:
+        assert r["state_bytes"] == total and len(r["staged_bytes"]) == 3
+        assert all(0.3 * total < staged < 0.7 * total for staged in r["staged_bytes"]), (r, total)
+        assert r["exact"] == [True] * 3 and r["rng"] == [True] * 3
+    assert all(sum(r["staged_bytes"][i] for r in ranks) >= total for i in range(3))
+
+
+class _Pins:
+    """torch's host-register calls, faked at the library boundary (no CUDA here)."""
+
+    def __init__(self):
+        self.bytes, self.live = 0, {}
+
+    def pin(self, ptr, size):
+        self.bytes += size
+        self.live[ptr] = size
+
+    def unpin(self, ptr):
+        self.live.pop(ptr)
+
+
+def test_the_pinned_copy_stops_at_the_cap_and_the_rest_is_staged_pageable(monkeypatch):
+    from torch.cuda import _pin_memory_utils
+    from trainyard.sdk.staging import ShareStager
+    pins = _Pins()
+    monkeypatch.setattr(_pin_memory_utils, "pin_memory", pins.pin)
+    monkeypatch.setattr(_pin_memory_utils, "unpin_memory", pins.unpin)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else torch's stager never pins
+    flat = {"a": torch.randn(256), "b": torch.randn(512), "c": torch.randn(128)}  # 1, 2, 0.5 KiB
+    stager = ShareStager(pin_memory=True, pin_limit_bytes=1536 + 100)
+    first = None
+    for round_ in range(3):
+        out = stager.stage(flat)
+        assert out.keys() == flat.keys() and all(torch.equal(out[k], flat[k]) for k in flat)
+        assert all(out[k].data_ptr() != flat[k].data_ptr() for k in flat)
+        first = first or {k: v.data_ptr() for k, v in out.items()}
+        assert {k: v.data_ptr() for k, v in out.items()} == first  # the same host memory, refilled
+        # a (1 KiB) pinned; b (2 KiB) would pass the cap: pageable; c (0.5 KiB) still fits
+        assert stager.pinned_bytes == 1536 == pins.bytes == sum(pins.live.values()), round_
+        assert stager.staged_bytes == 3584
+        for t in flat.values():
+            t.add_(1.0)  # the next save copies the new values into the same host memory
+    stager.close()
+    del out
+    gc.collect()
+    assert pins.live == {} and stager.pinned_bytes == 0
+    nothing = ShareStager(pin_memory=True, pin_limit_bytes=0)
+    assert torch.equal(nothing.stage(flat)["b"], flat["b"]) and nothing.pinned_bytes == 0
+    assert pins.bytes == 1536
+
+
+def test_the_cap_is_a_share_of_host_ram_per_local_rank():
+    from trainyard.sdk.staging import pin_limit_bytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert pin_limit_bytes(0.25, 8) == int(ram * 0.25) // 8
+    assert pin_limit_bytes(0.0, 8) == 0
+    assert CheckpointSpec().pinned_host_fraction == 0.25
+
+
+def test_the_save_thread_binds_the_ranks_device_before_any_cuda_call(tmp_path, one_rank, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread(), d)))
+    saver = ck.Checkpointer(CheckpointSpec(), tmp_path, job_id=8, attempt_id=21, rank=0, world_size=1,
+                            device=torch.device("cuda", 1), reporter=Events())
+    thread = saver._thread.submit(threading.current_thread).result()
+    saver.close()
+    assert calls == [(thread, torch.device("cuda", 1))]

@@ -23,10 +23,12 @@ ranks agreed to stop (preemption), never twice for one step; `Run.checkpoint` ca
    RNG states, and the state's structure (`_capture`: get_state_dict's dicts and lists rebuilt,
    non-tensor values such as param_groups' lr copied, tensors other than parameters and
    optimizer state, i.e. buffers, cloned). An async save() returns here;
-3. on the Checkpointer's save thread (async) or in save() (sync): writes rank-<r>.pt with fsync
-   (a few KB, so it is complete before this rank enters the save's collectives), copies the
-   parameter and optimizer tensors into a CPU copy of the state (`make_stager`; on the CPU a
-   memcpy that releases the GIL), then runs dcp.save on that copy.
+3. on the Checkpointer's save thread (async; bound to the rank's device) or in save() (sync):
+   writes rank-<r>.pt with fsync (a few KB, so it is complete before this rank enters the
+   save's collectives); async: agrees with the other ranks which entries each writes
+   (staging.py: DCP's own dedup, run first), copies only this rank's share of the parameter
+   and optimizer tensors to host memory (`make_stager`; on the CPU a memcpy that releases the
+   GIL), then runs dcp.save on that copy with a planner that writes only the share.
 Only the optimizer step changes the tensors the save thread copies (forward and backward read
 the parameters and write gradients, which are not saved; a forward that updates buffers, as
 BatchNorm's running statistics, updates tensors cloned in step 2). So the copy only has to be
@@ -37,11 +39,14 @@ backward. A state with a module that no optimizer in it updates is copied before
 `Run.checkpoint` returns. A save's
 `blocking_s` is the time the training thread was held for it: save() itself (including any
 wait for the previous save) plus any wait in `wait_for_staging()`.
-One stager serves the whole run and keeps its copy between saves, so after the first save
-staging copies into warm memory instead of faulting in fresh pages: 500 MB took 0.23 s instead
-of 0.6-2.0 s on the 2-core dev VM (bench/checkpoint.py). Reusing it is safe because the previous
-save, which reads that copy, has finished (step 1). The price is one CPU copy of the state held
-for the run (pinned host memory on CUDA) rather than only during a save.
+One stager serves the whole run and keeps its copy of the share between saves, so after the
+first save staging copies into warm memory instead of faulting in fresh pages: 500 MB took
+0.23 s instead of 0.6-2.0 s on the 2-core dev VM (bench/checkpoint.py). Reusing it is safe
+because the previous save, which reads that copy, has finished (step 1). The price is a host
+copy of this rank's share held for the run: under DDP 1/world of the state, not all of it (each
+rank used to copy and pin everything: about 190 GB page-locked per 8-GPU node at 1.5 B
+parameters). On CUDA it is pinned up to `CheckpointSpec.pinned_host_fraction` of the host's RAM
+split between the node's ranks, pageable beyond.
 DCP's save ends with an all_reduce on the checkpoint group: rank 0 gathers every rank's write
 results (each rank sends them after its writes finished, and after its rank file), runs the
 storage writer's finish (.metadata, fsynced), then broadcasts. So once rank 0's dcp.save returns,
@@ -73,11 +78,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
+from .staging import ShareSavePlanner, ShareStager, bind_device, pin_limit_bytes, plan_share
 from .layout import (FORMAT, MANIFEST_KEYS, PARTIAL, dir_size, final_name, fsync_dir, is_due,  # noqa: F401
                      latest_checkpoint, partial_name, publish, read_manifest, remove_stale_partials,
                      resume_manifest)
@@ -185,16 +191,12 @@ def seed_rng(seed: int, step: int, rank: int, device: torch.device) -> None:
     torch.manual_seed(derived)  # seeds CUDA generators too
 
 
-def make_stager(device: torch.device) -> DefaultStager:
-    """The stager the runtime reuses across saves, called on the Checkpointer's save thread.
-    CUDA: DefaultStager's async staging (non-blocking copies into pinned host memory on a stream
-    of its own, then a sync of that stream; `stage` returns a future), so the copy does not
-    queue behind the training's kernels. CPU: its synchronous copy (its async staging is made
-    for accelerators: it creates a device stream whenever one is available, which would start
-    CUDA in a CPU run on a GPU host)."""
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=cuda, use_non_blocking_copy=cuda))
+def make_stager(device: torch.device, pin_limit: int) -> ShareStager:
+    """The stager the runtime reuses across saves, called on the Checkpointer's save thread: it
+    copies this rank's share (a flat dict of tensors) to host memory, pinned on CUDA up to
+    `pin_limit` bytes (non-blocking copies on a stream of its own, so the copy does not queue
+    behind the training's kernels), pageable beyond; on the CPU a plain copy."""
+    return ShareStager(pin_memory=device.type == "cuda", pin_limit_bytes=pin_limit)
 
 
 def _live_storages(state: dict) -> set[int]:
@@ -280,9 +282,12 @@ class Checkpointer:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.reporter = reporter
         self.group = dist.new_group(backend="gloo")
-        self._stager = make_stager(device) if cfg.async_ else None
-        # async saves run here, one at a time: rank file, staging copy, dcp.save, publish
-        self._thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-ckpt")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self._stager = (make_stager(device, pin_limit_bytes(cfg.pinned_host_fraction, local_world))
+                        if cfg.async_ else None)
+        # async saves run here, one at a time: rank file, share, staging copy, dcp.save, publish
+        self._thread = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainyard-ckpt",
+                                           initializer=bind_device, initargs=(device,))
                         if cfg.async_ else None)
         self._pending: _Save | None = None
         self.saved_step: int | None = None  # the step of the last save started (one per step)
@@ -343,19 +348,25 @@ class Checkpointer:
 
     def _save_async(self, record: _Save, state: dict, rng: dict) -> None:
         """The save thread's part of an async save: step 3 of the module docstring, publish."""
-        staged = None
+        staged = share = None
         try:
             _save_file(rng, record.partial / f"rank-{self.rank}.pt")
-            staged = self._stager.stage(state)
-            if isinstance(staged, Future):  # CUDA: staged on the stager's stream
-                staged = staged.result()
+            flat, mappings, share = plan_share(state, self.group, self.rank)
+            fqns = {index.fqn for index in share}
+            copy_ = self._stager.stage({k: v for k, v in flat.items()
+                                        if k in fqns and isinstance(v, torch.Tensor)})
+            if isinstance(copy_, Future):  # a stager that copies on a thread of its own
+                copy_ = copy_.result()
+            # entries outside the share stay as they are: the planner never reads them
+            staged = unflatten_state_dict({**flat, **copy_}, mappings)
         except BaseException as e:
             record.error = e
         finally:
             record.staged.set()  # from here on only the copy is read
         if record.error is None:
             try:
-                dcp.save(staged, checkpoint_id=record.partial, process_group=self.group)
+                dcp.save(staged, checkpoint_id=record.partial, process_group=self.group,
+                         planner=ShareSavePlanner(share))
             except BaseException as e:
                 record.error = e
         self._complete(record)
