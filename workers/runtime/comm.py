@@ -57,10 +57,14 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 
 class CpuClock:
-    """Marks are perf_counter floats; valid as soon as they are taken."""
+    """Marks are perf_counter floats; valid as soon as they are taken. One thread, no streams:
+    whatever a mark brackets, the step waited for."""
 
     def mark(self) -> Any:
         return time.perf_counter()
+
+    def on_step_stream(self) -> bool:
+        return True
 
     def seconds(self, ref: Any, mark: Any) -> float:
         return mark - ref
@@ -70,15 +74,24 @@ class CpuClock:
 
 
 class CudaClock:
-    """Marks are CUDA events on the current stream: GPU time, resolved after `sync()`."""
+    """Marks are CUDA events recorded on the current stream: the time the device reaches them,
+    so host stalls (waiting for data, a sleep, Python) count only where the device idled through
+    them. `seconds` is valid only after `sync()`: the trainer takes its marks through the step
+    and synchronises once, at its end. The step stream is the one current when the clock is
+    made (the trainer's); a mark taken on another stream (FSDP2's all-gather and
+    reduce-scatter streams) brackets work the step stream did not wait for."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.stream = torch.cuda.current_stream(device)
 
     def mark(self) -> Any:
         ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
+
+    def on_step_stream(self) -> bool:
+        return torch.cuda.current_stream(self.device) == self.stream
 
     def seconds(self, ref: Any, mark: Any) -> float:
         return ref.elapsed_time(mark) / 1000.0
@@ -97,6 +110,9 @@ class CommCounter:
     dense_bytes: int = 0
     launches: list = field(default_factory=list)
     intervals: list = field(default_factory=list)
+    # collectives a sharded or pipelined strategy waited for (parallel.CollectiveMeter):
+    # (start mark, end mark, whether the step stream waited for it, i.e. it was exposed)
+    blocking: list = field(default_factory=list)
 
     def count(self, tensor: torch.Tensor) -> None:
         """`tensor` is being handed to a gradient collective."""
@@ -120,8 +136,9 @@ class CommCounter:
         return fut.then(done)
 
     def take(self) -> "StepComm":
-        out = StepComm(self.bytes_sent, self.launches, self.intervals, self.dense_bytes)
+        out = StepComm(self.bytes_sent, self.launches, self.intervals, self.dense_bytes, self.blocking)
         self.bytes_sent, self.dense_bytes, self.launches, self.intervals = 0, 0, [], []
+        self.blocking = []
         return out
 
 
@@ -131,15 +148,23 @@ class StepComm:
     launches: list
     intervals: list
     dense_bytes: int = 0
+    blocking: list = field(default_factory=list)
 
     def measure(self, clock: Any, ref: Any, backward_end: Any) -> tuple[float, float]:
-        """(comm_s, exposed_s) in seconds; call after `clock.sync()`."""
-        if not self.intervals:
-            return 0.0, 0.0
-        spans = sorted((clock.seconds(ref, a), clock.seconds(ref, b)) for a, b in self.intervals)
-        last_launch = max(clock.seconds(ref, m) for m in self.launches)
-        end = clock.seconds(ref, backward_end)
-        return _union(spans), _union([(max(a, last_launch), min(b, end)) for a, b in spans])
+        """(comm_s, exposed_s) in seconds; call after `clock.sync()`. DDP's bucket intervals are
+        exposed after the last launch; a metered collective is exposed when the step stream
+        waited for it (on CPU always: the call blocked the thread)."""
+        def span(a: Any, b: Any) -> tuple[float, float]:
+            return clock.seconds(ref, a), clock.seconds(ref, b)
+
+        spans = [span(a, b) for a, b in self.intervals]
+        exposed = [span(a, b) for a, b, waited in self.blocking if waited]
+        if spans:
+            last_launch = max(clock.seconds(ref, m) for m in self.launches)
+            end = clock.seconds(ref, backward_end)
+            exposed += [(max(a, last_launch), min(b, end)) for a, b in spans]
+        spans += [span(a, b) for a, b, _ in self.blocking]
+        return _union(spans), _union(exposed)
 
 
 def _union(spans: list[tuple[float, float]]) -> float:

@@ -21,6 +21,7 @@ import contextlib
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -112,19 +113,45 @@ def _tensor_bytes(arg) -> int:
     return 0
 
 
-class CollectiveMeter(TorchDispatchMode):
-    """Counts the bytes this thread hands to collectives: every c10d op (FSDP2's all-gathers and
-    reduce-scatters, pipelining's sends, our all-reduces) and functional collective (DTensor's
-    tensor-parallel all-reduces and all-gathers) passes through the dispatcher, where this mode
-    sees its input tensors. Dispatch modes are per thread, so a background checkpoint's
-    collectives are not counted. It intercepts every op (about +35% on a tiny CPU model), which
-    is why MeteredStrategy turns it on only for the first steps of an attempt."""
+# point-to-point ops: the peer may post its side only later (pipelining batches them), so
+# the meter times their call but never waits for them
+_P2P = frozenset({"send", "recv_", "recv_any_source_"})
 
-    def __init__(self):
+
+def _wait(out) -> None:
+    """Wait for the collective that returned `out`: a c10d op returns its Work (alone or after
+    its tensors), a functional collective its output tensors. On CUDA the wait makes the current
+    stream wait for the collective (the host goes on); on CPU it blocks until it is done."""
+    work = out[-1] if isinstance(out, (tuple, list)) and out else out
+    if isinstance(work, torch.ScriptObject):
+        dist.Work.unbox(work).wait()
+        return
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(t)
+
+
+class CollectiveMeter(TorchDispatchMode):
+    """Counts the bytes this thread hands to collectives and times them: every c10d op (FSDP2's
+    all-gathers and reduce-scatters, pipelining's sends, our all-reduces) and functional
+    collective (DTensor's tensor-parallel all-reduces and all-gathers) passes through the
+    dispatcher, where this mode sees its input tensors. Dispatch modes are per thread, so a
+    background checkpoint's collectives are not counted. It intercepts every op (about +35% on
+    a tiny CPU model), which is why MeteredStrategy turns it on only for the first steps of an
+    attempt.
+
+    Timing: a collective's call only launches it (gloo runs it on its own threads, NCCL on its
+    stream), so the meter waits for each one before returning it (p2p ops excepted) and records
+    [clock mark before the call, clock mark after the wait] in `spans` as (start, end, exposed):
+    perf_counter floats on CPU, CUDA events on the current stream on CUDA (resolved after the
+    step's synchronisation; exposed when that stream is the step's, not a side stream)."""
+
+    def __init__(self, clock=None):
         super().__init__()
         self.bytes_sent = 0
         self.calls = 0
-        self.seconds = 0.0
+        self.clock = clock or _PERF_CLOCK
+        self.spans: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -134,22 +161,36 @@ class CollectiveMeter(TorchDispatchMode):
         if name not in _RECEIVE_ONLY and args:
             self.bytes_sent += _tensor_bytes(args[1] if name in _OUTPUT_FIRST and len(args) > 1 else args[0])
             self.calls += 1
-        t0 = time.perf_counter()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        start = self.clock.mark()
+        out = func(*args, **kwargs)
+        if name not in _P2P and name not in _RECEIVE_ONLY:
+            _wait(out)
+        self.spans.append((start, self.clock.mark(), self.clock.on_step_stream()))
+        return out
+
+
+class _PerfClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def on_step_stream(self) -> bool:
+        return True
+
+
+_PERF_CLOCK = _PerfClock()
 
 
 class MeteredStrategy:
-    """A sharded or pipelined strategy whose bytes_sent is measured at its collectives.
+    """A sharded or pipelined strategy whose bytes_sent and comm time are measured at its
+    collectives.
 
     A plan's collectives are the same every step (same shapes, same schedule), so the meter runs
     during the first METERED_STEPS forward/backward calls of the attempt (the first may add
     one-off setup traffic; the last measurement is kept) and each later step reports the bytes
-    measured then. comm_s of these steps is the time spent inside the collective calls when
-    measured (they block: gloo, and pipelining's waits), 0 afterwards: only DDP's comm hooks
-    time every step."""
+    measured then. comm_s of these steps is the time from each collective's call until it was
+    done (the meter waits for it, see CollectiveMeter), with the step clock (CUDA events on
+    CUDA); the part the step's stream waited for is exposed and left out of compute_s. Later
+    steps report comm_s 0: only DDP's comm hooks time every step."""
 
     METERED_STEPS = 2
 
@@ -162,14 +203,12 @@ class MeteredStrategy:
 
     def forward_backward(self, x, y, accum, weight: float = 1.0):
         if self._calls < self.METERED_STEPS:
-            meter = CollectiveMeter()
+            meter = CollectiveMeter(self.counter.clock if self.counter is not None else None)
             with meter:
                 loss = self.inner.forward_backward(x, y, accum, weight)
             self._bytes = meter.bytes_sent
-            end = self.counter.clock.mark() if self.counter is not None else None
-            if isinstance(end, float) and meter.calls:  # CPU clock: blocking calls, all exposed
-                self.counter.launches.append(end - meter.seconds)
-                self.counter.intervals.append((end - meter.seconds, end))
+            if self.counter is not None:
+                self.counter.blocking.extend(meter.spans)
         else:
             loss = self.inner.forward_backward(x, y, accum, weight)
         self._calls += 1

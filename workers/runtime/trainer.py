@@ -9,8 +9,10 @@ save (every_steps, the last step, an agreed stop), `run.should_stop` / `run.fini
 (exit 83 after a preemption). Only the build functions read the launch config.
 
 Per step every rank reports one sample (trainyard/sdk/reporter.py: transport). Timing fields, all
-wall-clock seconds on this rank, measured with perf_counter (CUDA: after synchronising, with
-CUDA events for the collectives, see comm.py):
+seconds on this rank. The phases are bracketed by marks of the step clock (comm.py): perf_counter
+on CPU; on CUDA events recorded on the current stream, resolved after the one synchronisation at
+the end of the step, so each phase holds the device time it took, host stalls included where the
+device idled through them (the previous step ended synchronised, so a step starts idle):
 - data_s: waiting for the next batch from the prefetcher plus starting its host->device copy.
 - compute_s: forward + loss + backward wall time (of all micro-steps, see below) minus the
   exposed part of gradient communication (the time backward() only waited for gradient
@@ -20,8 +22,7 @@ CUDA events for the collectives, see comm.py):
   forward+backward; the overlap is the comm hidden behind compute. With comm.sync local_sgd or
   hierarchical it also holds the model averaging inside the optimizer step (sync.py), which
   optim_s then leaves out.
-- optim_s: optimizer.step() + zero_grad() + loss.item() (on CUDA the item() waits for the
-  optimizer's kernels, so the time lands here rather than in the next step).
+- optim_s: optimizer.step() + zero_grad() (on CUDA up to the event after its last kernel).
 - step_s: from asking for the batch to the end of the optimizer step, plus the time
   checkpointing blocked this rank in the step: on a checkpoint step, the save call (the
   synchronous part, see trainyard/sdk/checkpoint.py); on the step after an async save, any wait before the
@@ -34,7 +35,12 @@ samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job'
 is their sum over ranks. With train.balance=auto (balance.py) the per-rank batch is this step's
 share of the global batch, and each sample also carries "share" (that share / global_batch).
 bytes_sent is what this rank handed to gradient collectives (compressed or not, see comm.py).
-mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA.
+mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA, where the
+sample's metrics (MetricSample.extra) also carry mem_allocated_bytes, mem_reserved_bytes (the
+caching allocator's) and mem_free_bytes (the device's free memory, cudaMemGetInfo) at the
+step's end.
+With a sharded or pipelined strategy comm_s is measured in the attempt's first steps only
+(parallel.MeteredStrategy), each collective waited for; 0 in later steps.
 
 Gradient accumulation (train.grad_accum = k): a step takes this rank's whole share of the
 global batch (global_batch / world) from the loader, as with k = 1, and runs it as k
@@ -237,37 +243,40 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (batch, forward/backward, optimizer, the checkpoint when due);
-        returns its telemetry sample (the module docstring defines the fields)."""
+        returns its telemetry sample (the module docstring defines the fields). Phases are
+        bracketed by clock marks (CUDA events on CUDA) and resolved after the step's one
+        synchronisation, at its end."""
         for group in self.opt.param_groups:
             group["lr"] = self.lr_at(step)
+        clock = self.clock
         t0 = time.perf_counter()
+        data_start = clock.mark()
         x, y = to_device(next(self.batches), self.device)
-        t1 = time.perf_counter()
+        ref = clock.mark()  # compute starts: chaos and the slow knob's sleeps are compute
         if self.chaos is not None:
             self.chaos.before_compute(step)
         n = self.balance.n if self.balance is not None else self.batch  # this step's share
         self.slow.before_compute(n)
         self.sync.begin_step(step)  # compression's step, local SGD's hook and averager counters
-        ref = self.clock.mark()
         loss = self.strategy.forward_backward(x, y, self.accum,
                                               weight=self.balance.weight if self.balance else 1.0)
-        backward_end = self.clock.mark()
-        self.clock.sync()
-        t2 = time.perf_counter()
+        backward_end = clock.mark()
         # An async save copies the weights and optimizer state in the background; that copy
         # must be complete before the optimizer changes them (checkpoint blocking, not optim_s).
-        staging_wait_s = self.run.wait_for_staging()
+        self.run.wait_for_staging()
+        optim_start = clock.mark()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss_v = loss.item()  # CUDA: waits for the optimizer's kernels, so optim_s is honest
-        t3 = time.perf_counter()
+        optim_end = clock.mark()
         # every_steps, the last step, or the ranks agreed to stop here (preemption)
         if self.run.should_checkpoint(step):
             self.run.checkpoint(step, trainer_state(self.model, self.state_opt, step))
+        clock.sync()  # the step's one synchronisation: every mark above is resolved after it
+        loss_v = loss.item()
         comm = self.counter.take()
         self.run_comm.add(comm, self.compression.compressing)
-        comm_s, exposed_s = comm.measure(self.clock, ref, backward_end)
-        compute_s = max(0.0, t2 - t1 - exposed_s)
+        comm_s, exposed_s = comm.measure(clock, ref, backward_end)
+        compute_s = max(0.0, clock.seconds(ref, backward_end) - exposed_s)
         # local SGD: the model averaging in opt.step() (seconds); ratio auto may decide (collective)
         avg_s, sync_fields = self.sync.end_step(step, comm, comm_s, compute_s)
         step_s = time.perf_counter() - t0
@@ -279,11 +288,21 @@ class Trainer:
             standard["share"] = self.balance.share
         return self.run.log(
             step, loss=loss_v, samples=n, tokens_per_s=n * self.seq_len / step_s,
-            step_s=step_s, data_s=t1 - t0, compute_s=compute_s, comm_s=comm_s + avg_s,
-            optim_s=t3 - t2 - staging_wait_s - avg_s, bytes_sent=comm.bytes_sent,
-            mem_bytes=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                       else self.proc.memory_info().rss),
-            extra=extra, **standard)
+            step_s=step_s, data_s=clock.seconds(data_start, ref), compute_s=compute_s,
+            comm_s=comm_s + avg_s, optim_s=max(0.0, clock.seconds(optim_start, optim_end) - avg_s),
+            bytes_sent=comm.bytes_sent, extra=extra, **standard, **self._memory())
+
+    def _memory(self) -> dict:
+        """mem_bytes (RSS on CPU; the peak allocated so far on CUDA) and on CUDA this step's
+        allocated, reserved (the caching allocator's) and device-free bytes (user metrics:
+        sample["metrics"], stored in MetricSample.extra)."""
+        if self.device.type != "cuda":
+            return {"mem_bytes": self.proc.memory_info().rss}
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return {"mem_bytes": torch.cuda.max_memory_allocated(self.device),
+                "mem_allocated_bytes": torch.cuda.memory_allocated(self.device),
+                "mem_reserved_bytes": torch.cuda.memory_reserved(self.device),
+                "mem_free_bytes": free}
 
     def train(self) -> dict:
         """Steps first..steps, then the held-out loss; returns this rank's summary."""
