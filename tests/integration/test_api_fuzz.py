@@ -76,7 +76,7 @@ def test_no_request_the_schema_allows_gets_a_5xx_or_an_undocumented_body(web):
             "--checks", "not_a_server_error,response_schema_conformance",
             "--phases", "coverage,fuzzing,stateful", "-n", "10", "--seed", "1", "--workers", "1",
             "--max-time", str(FUZZ_S), "--request-timeout", "20", "--no-color"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=FUZZ_S + 120)
+    proc = subprocess.run(argv, cwd=web.dir, capture_output=True, text=True, timeout=FUZZ_S + 120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-12000:] + "\n" + web.logs(40)
     m = re.search(r"(\d+) generated, (\d+) passed", out)
