@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps test-deps run test test-fast lint bench clean
+.PHONY: venv deps test-deps run test test-fast lint bench gpu-checks clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -39,6 +39,11 @@ lint: venv
 # Only tests that start no processes.
 test-fast: venv
 	$(PYTEST) -q -m "not procs"
+
+# The GPU checks of the CUDA/NCCL paths (bench/gpu_checks.py): one JSON line per check; checks
+# that need more GPUs than the machine has are printed as skipped. Not part of CI (no GPU there).
+gpu-checks: venv
+	$(BIN)/python bench/gpu_checks.py
 
 # Benchmarks print one JSON object each (BENCH_ARGS=--quick for a ~2 min telemetry run).
 # compression.py and localsgd.py rate-limit a veth pair between network namespaces (root,
