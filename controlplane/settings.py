@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 import psutil
 
+from controlplane import security
 from trainyard import keys
 from trainyard.bundle import BundleLimits
 
@@ -14,24 +14,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = keys.var_dir()  # TRAINYARD_VAR_DIR, else var/ in the repository
 
 
-def _secret_key() -> str:
-    key = os.environ.get("DJANGO_SECRET_KEY")
-    if key:
-        return key
-    # A per-checkout key persisted under var/ so sessions survive restarts without a committed secret.
-    path = VAR_DIR / "secret_key"
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_urlsafe(50)
-        path.write_text(key)
-        return key
-
-
-SECRET_KEY = _secret_key()
+# Secrets and sessions (issue 15, section 3; controlplane/security.py): the secret key 0600 in a
+# 0700 var/, the local host names plus DJANGO_ALLOWED_HOSTS (never "*" by default).
+SECRET_KEY = security.secret_key(os.environ, VAR_DIR)
 DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
-ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
+ALLOWED_HOSTS = security.allowed_hosts(os.environ)
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [
@@ -43,7 +30,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "channels",
     "jobs",
@@ -132,7 +118,7 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Token first, so a request without credentials gets 401 with WWW-Authenticate, not 403.
-        "rest_framework.authentication.TokenAuthentication",
+        "jobs.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/tokens.py)
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -193,6 +179,16 @@ TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 # POST /api/v1/auth/token/ (jobs/api_auth.py): token requests per client address (DRF rate syntax).
 TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
+
+# ---------------------------------------------------------------- secrets and sessions (issue 15, s3)
+# Websockets from browsers: the exact origins (scheme://host[:port]) allowed, TRAINYARD_WS_ORIGINS;
+# empty means the origin being served (jobs/ws_auth.py).
+TRAINYARD_WS_ORIGINS = security.ws_origins(os.environ)
+# Cookies: HttpOnly and SameSite=Lax always; TRAINYARD_TLS=1 adds Secure, HSTS (TRAINYARD_HSTS_SECONDS,
+# default a year) and SECURE_PROXY_SSL_HEADER (the TLS proxy sets X-Forwarded-Proto).
+globals().update(security.cookie_settings(os.environ))
+# SQLite database files are 0600 (jobs/signals.py tightens them on the first connection).
+# ---------------------------------------------------------------- end of secrets and sessions
 
 LOGGING = {
     "version": 1,

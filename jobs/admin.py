@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import (Allocation, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, Quota,
+from .models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, Quota,
                      QuotaChange)
 
 
@@ -128,3 +128,20 @@ class CodeBundleAdmin(admin.ModelAdmin):
 
         for bundle in queryset:
             services.bundle_delete(bundle)
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """Tokens are created by `manage.py api_token` or a login (the key is shown there, once); here
+    they can only be seen by prefix and revoked (deleting one closes its websockets)."""
+
+    list_display = ("prefix", "user", "created")
+    list_filter = ("user",)
+    readonly_fields = ("prefix", "user", "created")
+    exclude = ("digest",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False

@@ -255,12 +255,16 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
 class QuotaView(APIView):
     """GET: every team's (and quota'd user's) quota, in use, borrowed, queued demand and device-hours
-    used in the rolling window. PUT (staff): one quota object or a list; all or nothing; takes
+    used in the rolling window; staff see every row, anyone else only their own teams' and their own
+    (another team's usage is not theirs to read, as the staff-only quota page). PUT (staff): one quota object or a list; all or nothing; takes
     effect at the next scheduling tick and lands in the quota audit log."""
 
     @extend_schema(responses={200: {"type": "object"}})
     def get(self, request):
         rows = selectors.quota_table()
+        if not request.user.is_staff:
+            mine = set(request.user.groups.values_list("name", flat=True))
+            rows = [r for r in rows if r["team"] in mine or r["user"] == request.user.get_username()]
         return Response({"count": len(rows), "next": None, "previous": None, "results": rows})
 
     @extend_schema(request={"application/json": {"type": "array", "items": {"type": "object", "properties": {

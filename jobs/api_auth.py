@@ -1,5 +1,6 @@
-"""POST /api/v1/auth/token/: exchange a username and password for the user's API token (the one
-`manage.py api_token USER` prints), for non-browser clients such as `trainyard login`.
+"""POST /api/v1/auth/token/: exchange a username and password for a new API token (as
+`manage.py api_token USER` prints one), for non-browser clients such as `trainyard login`. The key
+is in this one answer only: the database keeps its SHA-256 (jobs/tokens.py).
 
 No session, so no CSRF: the view authenticates nothing but the credentials in the body, and a
 browser's cookies are ignored. Attempts are throttled per client address
@@ -11,12 +12,12 @@ from __future__ import annotations
 from django.conf import settings
 from django.contrib.auth import authenticate
 from drf_spectacular.utils import extend_schema
-from rest_framework.authtoken.models import Token
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
+from . import tokens
 from .errors import InvalidInput
 
 
@@ -50,5 +51,4 @@ class AuthTokenView(APIView):
         user = authenticate(request, username=data["username"], password=data["password"])
         if user is None or not user.is_active:
             raise InvalidInput({"credentials": ["wrong username or password"]})
-        token, _ = Token.objects.get_or_create(user=user)
-        return Response({"token": token.key, "username": user.get_username(), "is_staff": user.is_staff})
+        return Response({"token": tokens.issue(user), "username": user.get_username(), "is_staff": user.is_staff})

@@ -17,7 +17,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.consumer import get_handler_name
 
-from . import payloads, selectors
+from . import payloads, selectors, tokens
 
 MAX_INFLIGHT = 32
 WINDOW_POINTS = 4000
@@ -37,6 +37,7 @@ NO_DB_MESSAGES = frozenset({"websocket.receive", "job.telemetry", "job.log"})
 class _FlowControlled(AsyncJsonWebsocketConsumer):
     seq = 0
     acked = 0
+    auth_groups: tuple[str, ...] = ()
 
     async def dispatch(self, message):
         if message["type"] in NO_DB_MESSAGES:
@@ -83,6 +84,24 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
     async def caught_up(self) -> None:
         """Called after every ack; subclasses send what a congested client missed."""
 
+    async def join_auth_groups(self, user) -> bool:
+        """Join the groups that revoking this socket's credentials closes it through (jobs/signals.py):
+        its user's (deactivated or deleted) and, when a token opened it, its token's (deleted). False
+        if they were revoked already (between the handshake's check and the join)."""
+        token_id = self.scope.get("token_id")
+        groups = [tokens.user_group(user.pk)] + ([tokens.token_group(token_id)] if token_id is not None else [])
+        for group in groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+        self.auth_groups = tuple(groups)
+        return await database_sync_to_async(tokens.still_valid)(user.pk, token_id)
+
+    async def leave_auth_groups(self) -> None:
+        for group in self.auth_groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def auth_revoked(self, event):
+        await self.close(code=tokens.REVOKED_CLOSE_CODE, reason=str(event.get("reason", ""))[:100])
+
     async def _deny(self, code: int) -> None:
         await self.accept()
         await self.close(code=code)
@@ -105,6 +124,8 @@ class JobConsumer(_FlowControlled):
         # Join before reading the snapshot: whatever commits in between arrives twice at worst,
         # and clients merge by (attempt, rank, step), so there is never a gap.
         self.group = f"job.{self.job_id}"
+        if not await self.join_auth_groups(user):
+            return await self._deny(tokens.REVOKED_CLOSE_CODE)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         snapshot = await database_sync_to_async(payloads.job_snapshot)(self.job_id, max_points=WINDOW_POINTS)
@@ -121,6 +142,7 @@ class JobConsumer(_FlowControlled):
             await self.push({"type": rest_type, "samples": samples[i:i + CHUNK_SAMPLES], **extra})
 
     async def disconnect(self, code):
+        await self.leave_auth_groups()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -180,6 +202,8 @@ class ClusterConsumer(_FlowControlled):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             return await self._deny(4401)
+        if not await self.join_auth_groups(user):
+            return await self._deny(tokens.REVOKED_CLOSE_CODE)
         await self.channel_layer.group_add("cluster", self.channel_name)
         await self.accept()
         state = await database_sync_to_async(payloads.cluster_state)(user)
@@ -187,6 +211,7 @@ class ClusterConsumer(_FlowControlled):
         await self.push({"type": "snapshot", **state})
 
     async def disconnect(self, code):
+        await self.leave_auth_groups()
         await self.channel_layer.group_discard("cluster", self.channel_name)
 
     async def cluster_changed(self, event):

@@ -2,6 +2,9 @@
 # `make run`: everything for one machine under honcho (see Procfile). Ctrl-C stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Everything this starts writes its files for this user only: the database, the secret key, the admin
+# password, the agents' run directories (config.json holds REDIS_URL with any password), Redis's data.
+umask 077
 export WEB_PORT="${PORT:-8000}"
 export REDIS_PORT="${REDIS_PORT:-6390}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:${REDIS_PORT}/0}"
@@ -12,6 +15,8 @@ export TRAINYARD_RUN_DIR="${TRAINYARD_RUN_DIR:-$TRAINYARD_VAR_DIR/agents}"
 export NODE_SLOTS="${NODE_SLOTS:-2}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_DATA_ROOT" "$TRAINYARD_CHECKPOINT_ROOT" "$TRAINYARD_RUN_DIR"
+# ... and what an older version left readable by others is tightened (0700 directories).
+chmod go-rwx "$TRAINYARD_VAR_DIR" "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_RUN_DIR"
 for port in "$WEB_PORT" "$REDIS_PORT"; do
   if .venv/bin/python -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $port)) != 0)"; then
     echo "port $port on 127.0.0.1 is already in use; set PORT (web) or REDIS_PORT to a free one" >&2
@@ -21,12 +26,13 @@ done
 .venv/bin/python manage.py migrate --noinput -v 0
 .venv/bin/python manage.py collectstatic --noinput -v 0
 login=$(.venv/bin/python manage.py ensure_admin)
+redis_shown=$(.venv/bin/python -c "import os; from trainyard.private import redacted_url; print(redacted_url(os.environ['REDIS_URL']))")
 cat <<MSG
 
   Trainyard is starting:  http://127.0.0.1:${WEB_PORT}/
   Login:                  ${login}
-  API token:              .venv/bin/python manage.py api_token admin
-  Redis:                  ${REDIS_URL}   (Ctrl-C stops everything)
+  API token:              .venv/bin/python manage.py api_token admin   (a new one each time, shown once)
+  Redis:                  ${redis_shown}   (Ctrl-C stops everything)
 
 MSG
 exec .venv/bin/honcho start -f Procfile

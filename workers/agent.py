@@ -19,6 +19,7 @@ import psutil
 import redis
 
 from trainyard import keys
+from trainyard.private import private_dir, tighten
 from trainyard.keys import CONTROL_QUEUE, node_queue
 from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartbeat, Launch, NodeExit,
                               RankFailure, RankInfo)
@@ -66,7 +67,9 @@ class Agent:
         self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
         self.gpus = gpus
         self.run_base = run_base
-        self.run_base.mkdir(parents=True, exist_ok=True)
+        # 0700, tightened if older: run dirs hold config.json with the Redis URL and its password.
+        private_dir(run_base)
+        tighten(run_base.parent)  # the run root (TRAINYARD_RUN_DIR) every node's directory is under
         self.agent_id = uuid.uuid4().hex[:12]
         self.redis = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
         self.supervisors: dict[int, Supervisor] = {}
@@ -174,8 +177,7 @@ class Agent:
             with self._registry_lock:
                 sup = self.supervisors.get(attempt_id)
             if sup is None:
-                run_dir = self.run_dir(attempt_id)
-                run_dir.mkdir(parents=True, exist_ok=True)
+                run_dir = private_dir(self.run_dir(attempt_id))
                 try:
                     # Claim the launch marker so a launch message still in flight starts nothing.
                     os.close(os.open(run_dir / "launched", os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -46,6 +46,7 @@ from typing import Callable
 
 import psutil
 
+from trainyard.private import private_dir
 from workers.launch_spec import (  # noqa: F401 - the launcher's public API
     LaunchRequest, build_argv, build_env, pick_free_port, validate)
 from workers.launcher_logs import LogTailer, collect_failures, read_json, tail_lines
@@ -106,9 +107,9 @@ class Supervisor:
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> bool:
-        os.makedirs(self.run_dir, exist_ok=True)
+        private_dir(self.run_dir)  # 0700: config.json holds the Redis URL and its password
         try:
-            fd = os.open(self._path("launched"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(self._path("launched"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         except FileExistsError:
             return False  # redelivered message or restarted agent: never a second torchrun
         with os.fdopen(fd, "w") as f:

@@ -29,6 +29,8 @@ import time
 
 import psutil
 
+from trainyard.private import write_private
+
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 ORPHAN_REAP_S = 5.0  # SIGKILL cannot be ignored; 5 s covers a loaded 2-core machine
 
@@ -44,12 +46,8 @@ def become_subreaper() -> bool:
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Written 0600 (config.json holds the Redis URL with its password; issue 15, section 3)."""
+    write_private(path, json.dumps(data))
 
 
 # ---- helpers the launcher shares: finding and ending an attempt's processes ----------

@@ -22,7 +22,7 @@ def test_anonymous_is_refused(nodes):
 def test_token_auth_and_api_token_command(user, nodes, capsys):
     call_command("api_token", "alice")
     key = capsys.readouterr().out.strip()
-    assert len(key) == 40
+    assert len(key) == 43  # 32 random bytes, urlsafe base64
     c = APIClient()
     c.credentials(HTTP_AUTHORIZATION=f"Token {key}")
     r = c.post("/api/v1/jobs/", {"name": "demo"}, format="json")

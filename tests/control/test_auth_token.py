@@ -1,9 +1,12 @@
-"""POST /api/v1/auth/token/: username + password -> the user's API token (trainyard login)."""
+"""POST /api/v1/auth/token/: username + password -> a new API token (trainyard login)."""
+import hashlib
+
 import pytest
 from django.core.cache import cache
 from django.test import Client
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+
+from jobs.models import ApiToken
 
 pytestmark = pytest.mark.django_db
 URL = "/api/v1/auth/token/"
@@ -16,16 +19,18 @@ def _fresh_throttle():
     cache.clear()
 
 
-def test_password_gives_the_same_token_as_api_token(user, nodes):
+def test_password_gives_a_new_token_kept_only_as_its_hash(user, nodes):
     r = APIClient().post(URL, {"username": "alice", "password": "pw-alice-123"}, format="json")
     assert r.status_code == 200, r.content
     body = r.json()
-    assert body == {"token": Token.objects.get(user=user).key, "username": "alice", "is_staff": False}
+    assert body == {"token": body["token"], "username": "alice", "is_staff": False} and len(body["token"]) == 43
+    assert ApiToken.objects.get(user=user).digest == hashlib.sha256(body["token"].encode()).hexdigest()
     again = APIClient().post(URL, {"username": "alice", "password": "pw-alice-123"}, format="json").json()
-    assert again["token"] == body["token"]
-    c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Token {body['token']}")
-    assert c.get("/api/v1/jobs/").status_code == 200
+    assert again["token"] != body["token"]  # the key cannot be shown again: each login gets its own
+    for key in (body["token"], again["token"]):
+        c = APIClient()
+        c.credentials(HTTP_AUTHORIZATION=f"Token {key}")
+        assert c.get("/api/v1/jobs/").status_code == 200
 
 
 @pytest.mark.parametrize("payload, field", [
@@ -39,7 +44,7 @@ def test_bad_credentials_are_400_naming_the_field_and_create_no_token(user, payl
     r = APIClient().post(URL, payload, format="json")
     assert r.status_code == 400, r.content
     assert field in r.json()["errors"]
-    assert not Token.objects.exists()
+    assert not ApiToken.objects.exists()
 
 
 def test_inactive_user_gets_no_token(user):
@@ -68,4 +73,4 @@ def test_attempts_are_throttled_per_client(user, settings):
     r = c.post(URL, {"username": "alice", "password": "pw-alice-123"}, format="json")
     assert r.status_code == 429 and "throttled" in r.json()["errors"]["detail"][0]
     assert int(r["Retry-After"]) > 0
-    assert not Token.objects.exists()
+    assert not ApiToken.objects.exists()

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 from django.utils import timezone
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from jobs import services, tasks
+from jobs import services, tasks, tokens
 from jobs.api_code import MULTIPART_OVERHEAD, UploadSizeGuard
 from jobs.models import CodeBundle, Job
 from tests.test_bundle import GOOD, member, tar_bytes
@@ -38,7 +37,7 @@ def artifacts(settings, tmp_path):
 @pytest.fixture
 def client(user):
     c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=user).key}")
+    c.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(user)}")
     return c
 
 

@@ -8,9 +8,8 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.test import Client
-from rest_framework.authtoken.models import Token
 
-from jobs import consumers, services
+from jobs import consumers, services, tokens
 
 pytestmark = pytest.mark.django_db(transaction=True)  # database_sync_to_async closes connections
 
@@ -82,7 +81,7 @@ def test_job_socket_auth(app, job, user, other, staff, who, expect):
 
 
 def test_foreign_origin_is_refused_and_token_clients_need_no_origin(app, job, user):
-    token = Token.objects.create(user=user)
+    key = tokens.issue(user)
     evil, no_origin = session_headers(user, b"http://evil.example"), session_headers(user, origin=None)
 
     async def go():
@@ -91,7 +90,7 @@ def test_foreign_origin_is_refused_and_token_clients_need_no_origin(app, job, us
         # no Origin: the session cookie alone does not count, a token does
         comm, _ = await connect(app, f"/ws/jobs/{job.pk}/", no_origin)
         assert (await comm.receive_output(timeout=5))["code"] == 4401
-        comm, connected = await connect(app, f"/ws/jobs/{job.pk}/", [(b"authorization", f"Token {token.key}".encode())])
+        comm, connected = await connect(app, f"/ws/jobs/{job.pk}/", [(b"authorization", f"Token {key}".encode())])
         assert connected and (await comm.receive_json_from(timeout=5))["type"] == "snapshot"
         await comm.disconnect()
         comm, _ = await connect(app, f"/ws/jobs/{job.pk}/", [(b"authorization", b"Token nope")])

@@ -161,3 +161,16 @@ def test_job_finishing_during_its_grace_period_succeeds(user, nodes, monkeypatch
         services.attempt_node_exit(attempt.pk, node_name=n,
                                    result={"node": n, "exit_code": 0, "stopped": False, "failures": []})
     assert Job.objects.get(pk=job.pk).status == "SUCCEEDED"
+
+
+def test_non_staff_see_only_their_own_teams_quota_rows(user, other, staff, teams, client_for):
+    """GET /api/v1/quotas/ leaked every team's usage to any user (issue 15, section 3); staff see all."""
+    Quota.objects.create(team=teams[1], max_slots=2)  # nlp, bob's team
+    Quota.objects.create(user=other, max_slots=1)
+    Quota.objects.create(user=user, max_slots=3)
+    mine = client_for(user).get("/api/v1/quotas/").json()
+    assert [(r["team"], r["user"]) for r in mine["results"]] == [("vision", None), (None, "alice")]
+    assert mine["count"] == 2
+    everyone = client_for(staff).get("/api/v1/quotas/").json()["results"]
+    assert {(r["team"], r["user"]) for r in everyone} == {("vision", None), ("nlp", None), (None, "alice"),
+                                                          (None, "bob")}

@@ -1,18 +1,27 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
-from rest_framework.authtoken.models import Token
+
+from jobs import tokens
 
 
 class Command(BaseCommand):
-    help = "Print USERNAME's API token alone on stdout (created if needed)."
+    help = ("Create a new API token for USERNAME and print its key alone on stdout: the only time it is "
+            "shown (the database keeps its SHA-256). --revoke deletes all of USERNAME's tokens instead "
+            "(their open websockets close).")
 
     def add_arguments(self, parser):
         parser.add_argument("username")
+        parser.add_argument("--revoke", action="store_true", help="delete every token of USERNAME")
 
-    def handle(self, *args, username, **opts):
+    def handle(self, *args, username, revoke=False, **opts):
         try:
             user = get_user_model().objects.get(username=username)
         except get_user_model().DoesNotExist:
             raise CommandError(f"no user named {username!r}") from None
-        token, _ = Token.objects.get_or_create(user=user)
-        self.stdout.write(token.key)
+        if revoke:
+            count, _ = user.api_tokens.all().delete()
+            self.stderr.write(f"revoked {count} token(s) of {username!r}")
+            return
+        if not user.is_active:
+            raise CommandError(f"user {username!r} is inactive: a token would not authenticate")
+        self.stdout.write(tokens.issue(user))

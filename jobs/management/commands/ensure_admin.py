@@ -2,9 +2,10 @@ import os
 import secrets
 
 from django.conf import settings
-
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
+
+from trainyard.private import private_dir, tighten, write_private
 
 
 class Command(BaseCommand):
@@ -19,14 +20,14 @@ class Command(BaseCommand):
         wanted = os.environ.get("TRAINYARD_ADMIN_PASSWORD")
         user = User.objects.filter(username=username).first()
         saved = settings.VAR_DIR / "admin_password"
+        tighten(saved)  # an older version wrote it under the umask (0644)
         if user is None:
             password = wanted or secrets.token_urlsafe(12)
             User.objects.create_superuser(username, f"{username}@localhost", password)
             if not wanted:
-                # Kept (mode 0600) so `make run` can show the login again on the next start.
-                saved.parent.mkdir(parents=True, exist_ok=True)
-                saved.touch(mode=0o600)
-                saved.write_text(password)
+                # Kept (0600 in the 0700 var/) so `make run` can show the login again on the next start.
+                private_dir(saved.parent)
+                write_private(saved, password)
             shown = password if not wanted else "(from TRAINYARD_ADMIN_PASSWORD)"
             self.stdout.write(f"created superuser {username!r}, password: {shown}")
         elif wanted and not user.check_password(wanted):
