@@ -176,6 +176,17 @@ def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], f
     return max(floor_s, HANG_FACTOR * median), "auto"
 
 
+COLLECTIVE_TIMEOUT_FRACTION = 0.8  # of the shortest hang timeout the detector can apply
+
+
+def collective_timeout(spec_timeout: float | str | None, floor_s: float) -> float:
+    """The timeout the ranks give every process group (init_process_group, new_group): below
+    the shortest hang timeout this job can get (its number, or the auto floor), so that a
+    collective stuck on a dead or missing peer fails its rank with torch's timeout error (and,
+    on NCCL, a flight-recorder dump) before the control plane stops the attempt as hung."""
+    return round(COLLECTIVE_TIMEOUT_FRACTION * hang_timeout(spec_timeout, [], floor_s)[0], 3)
+
+
 def hang_armed(spec_timeout, *, user_code: bool, last_progress: float | None) -> bool:
     """Whether the hang detector judges this attempt now. An entrypoint job (user code) with
     hang_timeout_s auto is judged only from its first reported step: a script without the SDK

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config
 from .layout import latest_checkpoint, resume_manifest
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
+from .stacks import install_stack_dump
 
 PHASES = ("data", "compute", "comm", "optim")
 # Sample fields the control plane stores in columns of their own (jobs.models.MetricSample):
@@ -119,7 +121,7 @@ class StopVote:
     MAX_GAP = 64
 
     def __init__(self, world_size: int):
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.group = new_group(backend="gloo") if world_size > 1 else None
         self._flag: torch.Tensor | None = None
         self._work: Any = None
         self._calls = 0  # steps seen (one call per step, on every rank)
@@ -402,17 +404,36 @@ def _device(spec: JobSpec | None, env: DistEnv) -> torch.device:
     return device
 
 
-def init_process_group(env: DistEnv, device: torch.device) -> bool:
+_GROUP_TIMEOUT: timedelta | None = None  # what init_process_group was given; None: torch's default
+
+
+def group_timeout() -> timedelta | None:
+    """The timeout this rank's process groups get (the launch config's collective_timeout_s)."""
+    return _GROUP_TIMEOUT
+
+
+def new_group(*args, **kwargs):
+    """`dist.new_group` with the default group's timeout: torch gives a new group its own
+    default (10 or 30 minutes), not the timeout the default group was created with."""
+    kwargs.setdefault("timeout", _GROUP_TIMEOUT)
+    return dist.new_group(*args, **kwargs)
+
+
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> bool:
     """Initialise torch.distributed unless it is already (NCCL on CUDA, gloo on CPU; one
-    in-process rank when torchrun did not start this process). True if it created the group."""
+    in-process rank when torchrun did not start this process). True if it created the group.
+    timeout_s bounds every collective of the groups created here (None: torch's defaults)."""
+    global _GROUP_TIMEOUT
     if dist.is_initialized():
         return False
+    _GROUP_TIMEOUT = timedelta(seconds=timeout_s) if timeout_s else None
+    kw = {"timeout": _GROUP_TIMEOUT} if _GROUP_TIMEOUT else {}
     if device.type == "cuda":  # device_id binds the NCCL communicator to this rank's GPU up front
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, **kw)
     elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", **kw)
     else:
-        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
     return True
 
 
@@ -422,6 +443,7 @@ def init(config_path: str | Path | None = None) -> Run:
     resume point, preemption. Without one (a plain `python train.py`) it runs standalone: no
     telemetry, checkpoints under ./checkpoints, rank 0 of 1 unless torchrun started it.
     Initialises torch.distributed unless already done (NCCL on CUDA, gloo on CPU)."""
+    install_stack_dump()  # the agent asks a hung rank for its stacks before stopping it
     path = config_path or os.environ.get(RUN_CONFIG_ENV)
     launch = load_launch_config(path) if path else None
     spec = launch.job_spec() if launch else None
@@ -434,7 +456,7 @@ def init(config_path: str | Path | None = None) -> Run:
                             preempt_key=preempt_key(launch.attempt_id))
         reporter.event("rank_started", pid=os.getpid(), node=launch.node, world_size=env.world_size)
     try:
-        owns = init_process_group(env, device)
+        owns = init_process_group(env, device, launch.collective_timeout_s if launch else None)
         return Run(env=env, device=device, launch=launch, spec=spec, reporter=reporter,
                    owns_reporter=True, owns_process_group=owns)
     except BaseException:

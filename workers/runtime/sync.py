@@ -51,6 +51,8 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 )
 from torch.distributed.optim import PostLocalSGDOptimizer
 
+from trainyard.sdk.run import new_group
+
 from .autoratio import AutoRatio
 from .comm import CommCounter, GradCompression, StepComm, _counting, compression_hook
 
@@ -226,7 +228,7 @@ def build_sync(sync: str, *, rank: int, world: int, counter: CommCounter,
             def quiet(*a, **k):
                 return None
 
-            auto = AutoRatio(compression, world, dist.new_group(backend="gloo"),
+            auto = AutoRatio(compression, world, new_group(backend="gloo"),
                              event if rank == 0 else quiet, say if rank == 0 else quiet)
         return AllReduceSync(compression, auto)
     if sync == "local_sgd":
