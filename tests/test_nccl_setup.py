@@ -241,3 +241,15 @@ def test_every_group_the_run_makes_gets_the_collective_timeout(monkeypatch):
         dist.destroy_process_group()
         monkeypatch.setattr(run, "_GROUP_TIMEOUT", None)
     assert mesh_timeouts("cpu", ("dp", "tp")) is None  # no timeout given: torch's defaults
+
+
+def test_the_gpu_check_reads_which_interface_nccls_bootstrap_and_socket_transport_use():
+    from bench.gpu.nccl_setup import CHECKS, parse_nccl_interfaces
+
+    log = ("h:1:1 [0] NCCL INFO Bootstrap : Using lo:127.0.0.1<0>\n"
+           "h:1:1 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0> [1]eth0:10.0.0.2<0>\n"
+           "h:1:1 [0] NCCL INFO Bootstrap: Using ib0:fe80::1%ib0<0>\n"
+           "h:1:1 [0] NCCL INFO cudaDriverVersion 12080\n")
+    assert parse_nccl_interfaces(log) == {"Bootstrap": ["lo", "ib0"], "NET/Socket": ["lo", "eth0"]}
+    assert [(name, gpus) for name, gpus, _ in CHECKS] == [("nccl_bootstrap_interface", 1),
+                                                          ("nccl_timeout_flight_recorder", 2)]
