@@ -212,35 +212,40 @@ def test_a_collective_a_peer_never_joins_fails_within_the_collective_timeout(tmp
             s.stop()
 
 
-def test_every_group_the_run_makes_gets_the_collective_timeout(monkeypatch):
-    """torch gives dist.new_group (and a device mesh's sub-groups) its own default timeout, not
-    the one the default group was created with: the SDK's new_group and mesh_timeouts pass it."""
+def test_every_group_of_the_run_gets_the_collective_timeout_from_its_first_step(tmp_path, monkeypatch):
+    """torch gives dist.new_group (and a device mesh's sub-groups) its own default timeout, never
+    the run's: the SDK tracks its groups and tightens them all once the first step is logged
+    (start-up keeps torch's defaults, as the hang detector gives start-up longer too)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainyard.sdk import run
-    from workers.runtime.sharded import mesh_timeouts
+    from trainyard.sdk import groups, run
 
     def timeout_of(group):
         return group._get_backend(torch.device("cpu")).options._timeout
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     assert not dist.is_initialized()
     assert run.init_process_group(run.DistEnv.standalone(), torch.device("cpu"), 7)
     try:
-        assert timeout_of(dist.group.WORLD) == run.group_timeout() == timedelta(seconds=7)
-        assert timeout_of(run.new_group(backend="gloo")) == timedelta(seconds=7)
-        assert timeout_of(dist.new_group(backend="gloo")) == timedelta(minutes=30)  # torch's own
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"),
-                                backend_override=mesh_timeouts("cpu", ("dp", "tp")))
-        assert {timeout_of(mesh[d].get_group()) for d in ("dp", "tp")} == {timedelta(seconds=7)}
+        early = groups.new_group(backend="gloo")
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        groups.track_group(mesh.get_group("tp"))
+        assert timeout_of(early) == timeout_of(mesh.get_group("tp")) == timedelta(minutes=30)  # start-up
+        r = run.Run(env=run.DistEnv.standalone(), device=torch.device("cpu"), launch=None, spec=None,
+                    reporter=None)
+        r.log(1, loss=1.0)
+        late = groups.new_group(backend="gloo")
+        for group in (dist.group.WORLD, early, mesh.get_group("tp"), late):
+            assert timeout_of(group) == timedelta(seconds=7)
+        assert timeout_of(dist.new_group(backend="gloo")) == timedelta(minutes=30)  # untracked: torch's own
     finally:
         dist.destroy_process_group()
-        monkeypatch.setattr(run, "_GROUP_TIMEOUT", None)
-    assert mesh_timeouts("cpu", ("dp", "tp")) is None  # no timeout given: torch's defaults
+        groups.configure(None)
 
 
 def test_the_gpu_check_reads_which_interface_nccls_bootstrap_and_socket_transport_use():

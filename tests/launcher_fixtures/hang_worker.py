@@ -2,8 +2,9 @@
 
 Config (config.json): {"sleep_rank": 1, "collective_timeout_s": 3}. Every rank registers the
 SDK's stack dump and initialises torch.distributed through the SDK (with the launch config's
-collective timeout); then all ranks but `sleep_rank` all-reduce on a group made by the SDK's
-new_group while `sleep_rank` sleeps in `sleeping_rank_frame` and never joins.
+collective timeout, applied at once as after a first step); then all ranks but `sleep_rank`
+all-reduce on a group made by the SDK's new_group while `sleep_rank` sleeps in
+`sleeping_rank_frame` and never joins.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from tests.launcher_fixtures.fake_worker import write_rank_file
-from trainyard.sdk.run import DistEnv, init_process_group, new_group
+from trainyard.sdk.groups import apply_collective_timeout, new_group
+from trainyard.sdk.run import DistEnv, init_process_group
 from trainyard.sdk.stacks import install_stack_dump
 
 
@@ -36,6 +38,7 @@ def main() -> None:
     env = DistEnv.from_environ()
     init_process_group(env, torch.device("cpu"), cfg.get("collective_timeout_s"))
     group = new_group(backend="gloo")
+    apply_collective_timeout()  # as Run.log does after the first step
     write_rank_file(os.path.dirname(os.path.abspath(args.config)), env.rank, env.local_rank)
     if env.rank == cfg.get("sleep_rank", 1):
         print(f"rank {env.rank} sleeping", file=sys.stderr, flush=True)

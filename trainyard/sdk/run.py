@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from trainyard.keys import preempt_key
 from trainyard.spec import CheckpointSpec, JobSpec
 
+from . import groups
 from .checkpoint import Checkpointer
 from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config
 from .layout import latest_checkpoint, resume_manifest
@@ -121,7 +121,7 @@ class StopVote:
     MAX_GAP = 64
 
     def __init__(self, world_size: int):
-        self.group = new_group(backend="gloo") if world_size > 1 else None
+        self.group = groups.new_group(backend="gloo") if world_size > 1 else None
         self._flag: torch.Tensor | None = None
         self._work: Any = None
         self._calls = 0  # steps seen (one call per step, on every rank)
@@ -260,6 +260,7 @@ class Run:
         sample["metrics"] as a float. `extra`: fields put at the top level as they are (the
         built-in trainer's sync fields)."""
         now = time.perf_counter()
+        groups.apply_collective_timeout()  # a step is done: start-up is over (no-op after the first)
         start = self._t_last if self._logged or self._first_phase is None else self._first_phase
         sample: dict[str, Any] = {"rank": self.rank, "step": step, "ts": time.time(),
                                   "attempt": self.attempt_id}
@@ -404,36 +405,21 @@ def _device(spec: JobSpec | None, env: DistEnv) -> torch.device:
     return device
 
 
-_GROUP_TIMEOUT: timedelta | None = None  # what init_process_group was given; None: torch's default
-
-
-def group_timeout() -> timedelta | None:
-    """The timeout this rank's process groups get (the launch config's collective_timeout_s)."""
-    return _GROUP_TIMEOUT
-
-
-def new_group(*args, **kwargs):
-    """`dist.new_group` with the default group's timeout: torch gives a new group its own
-    default (10 or 30 minutes), not the timeout the default group was created with."""
-    kwargs.setdefault("timeout", _GROUP_TIMEOUT)
-    return dist.new_group(*args, **kwargs)
-
-
 def init_process_group(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> bool:
     """Initialise torch.distributed unless it is already (NCCL on CUDA, gloo on CPU; one
     in-process rank when torchrun did not start this process). True if it created the group.
-    timeout_s bounds every collective of the groups created here (None: torch's defaults)."""
-    global _GROUP_TIMEOUT
+    timeout_s: the collective timeout of every group of the run from its first step
+    (trainyard.sdk.groups); None: torch's defaults throughout."""
     if dist.is_initialized():
         return False
-    _GROUP_TIMEOUT = timedelta(seconds=timeout_s) if timeout_s else None
-    kw = {"timeout": _GROUP_TIMEOUT} if _GROUP_TIMEOUT else {}
+    groups.configure(timeout_s)
     if device.type == "cuda":  # device_id binds the NCCL communicator to this rank's GPU up front
-        dist.init_process_group(backend="nccl", device_id=device, **kw)
+        dist.init_process_group(backend="nccl", device_id=device)
     elif "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend="gloo", **kw)
+        dist.init_process_group(backend="gloo")
     else:
-        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1, **kw)
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    groups.track_group(dist.group.WORLD)
     return True
 
 

@@ -144,7 +144,7 @@ class Balance:
               say) -> "Balance":
         """The Balance of a train.balance=auto run, with its gloo group (a collective: every rank
         calls this at the same point)."""
-        from trainyard.sdk.run import new_group  # the run's collective timeout
+        from trainyard.sdk.groups import new_group  # the run's collective timeout
         return cls(world, rank, global_batch, unit, batches, reporter, say,
                    group=new_group(backend="gloo"))
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from trainyard.mesh import Mesh, stage_layers
-from trainyard.sdk.run import new_group
+from trainyard.sdk.groups import new_group
 
 from .model import GPT, lm_loss
 from .parallel import param_bytes

@@ -39,7 +39,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainyard.mesh import Mesh
-from trainyard.sdk.run import group_timeout
+from trainyard.sdk.groups import track_group
 
 from .model import GPT, lm_loss
 from .parallel import eval_loss_of, param_bytes
@@ -64,21 +64,6 @@ def _span(n: int, parts: int, i: int) -> str:
     return f"{i * size}-{(i + 1) * size - 1}"
 
 
-def mesh_timeouts(device_type: str, dims: tuple[str, ...]) -> dict | None:
-    """init_device_mesh's backend_override giving each dimension's groups the run's collective
-    timeout: the mesh makes its sub-groups with torch's default timeout otherwise. (A 1-D mesh
-    over the whole world is the default group itself, which has it already.)"""
-    timeout = group_timeout()
-    if timeout is None:
-        return None
-    if device_type == "cuda":
-        backend, options = "nccl", dist.ProcessGroupNCCL.Options()
-    else:
-        backend, options = "gloo", dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    return {dim: (backend, options) for dim in dims}
-
-
 class ShardedStrategy:
     """FSDP2 (mesh.fsdp), TP (mesh.tp > 1) or dp x tp; see the module docstring."""
 
@@ -99,8 +84,9 @@ class ShardedStrategy:
         else:
             self.name = "tp" if mesh.dp == 1 else "dp x tp"
             self.device_mesh = init_device_mesh(device.type, (mesh.dp, mesh.tp),
-                                                mesh_dim_names=("dp", "tp"),
-                                                backend_override=mesh_timeouts(device.type, ("dp", "tp")))
+                                                mesh_dim_names=("dp", "tp"))
+            for dim in ("dp", "tp"):  # the run's collective timeout from the first step
+                track_group(self.device_mesh.get_group(dim))
             self.dp_group = self.device_mesh["dp"].get_group() if mesh.dp > 1 else None
             parallelize_module(model, self.device_mesh["tp"],
                                tp_plan(model, mesh.tp, vocab))

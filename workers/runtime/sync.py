@@ -51,7 +51,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 )
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from trainyard.sdk.run import new_group
+from trainyard.sdk.groups import new_group
 
 from .autoratio import AutoRatio
 from .comm import CommCounter, GradCompression, StepComm, _counting, compression_hook
