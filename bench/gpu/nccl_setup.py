@@ -136,12 +136,14 @@ def _worker(kind: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from trainyard.sdk.groups import apply_collective_timeout
     from trainyard.sdk.run import DistEnv, init_process_group
 
     env = DistEnv.from_environ()
     device = torch.device("cuda", env.local_rank)
     torch.cuda.set_device(device)
     init_process_group(env, device, float(os.environ.get("CHECK_TIMEOUT_S", "60")))
+    apply_collective_timeout()  # as Run.log does after the first step
     t = torch.ones(1024, device=device)
     if kind == "init":
         dist.all_reduce(t)
