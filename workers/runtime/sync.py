@@ -51,8 +51,6 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 )
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from trainyard.sdk.groups import new_group
-
 from .autoratio import AutoRatio
 from .comm import CommCounter, GradCompression, StepComm, _counting, compression_hook
 
@@ -228,6 +226,7 @@ def build_sync(sync: str, *, rank: int, world: int, counter: CommCounter,
             def quiet(*a, **k):
                 return None
 
+            from trainyard.sdk.groups import new_group  # the run's collective timeout
             auto = AutoRatio(compression, world, new_group(backend="gloo"),
                              event if rank == 0 else quiet, say if rank == 0 else quiet)
         return AllReduceSync(compression, auto)
