@@ -16,7 +16,8 @@ from trainyard.launch import (CELERY_SETTINGS, HEARTBEAT_TASK, NODE_EXIT_TASK, N
 def launch_dict(resume):
     return {"job_id": 7, "attempt_id": 9, "node": "node-a", "node_rank": 0, "nnodes": 2, "nproc": 1,
             "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": "127.0.0.1",
-            "stream": "trainyard:job:7", "spec": {"name": "x", "train": {"steps": 3}}, "resume": resume}
+            "stream": "trainyard:job:7", "spec": {"name": "x", "train": {"steps": 3}}, "resume": resume,
+            "collective_timeout_s": None}
 
 
 @pytest.mark.parametrize("resume", [None, {"path": "/ck/job-7/step-00000005-a8", "step": 5, "checkpoint_id": 3}])
@@ -33,6 +34,8 @@ def test_launch_without_resume_key_and_unknown_keys():
     wire = launch_dict(None)
     del wire["resume"]  # hand-built launches (tests/integration) leave it out
     assert Launch.model_validate(wire).resume is None
+    del wire["collective_timeout_s"]  # from a control plane older than the key: torch's timeouts
+    assert Launch.model_validate(wire).collective_timeout_s is None
     with pytest.raises(ValueError):
         Launch.model_validate({**wire, "nporc": 1})
 

@@ -162,9 +162,10 @@ def test_env_per_process(tmp_path, monkeypatch):
     assert env["GLOO_SOCKET_IFNAME"] in psutil.net_if_addrs()
     assert "TORCHELASTIC_ERROR_FILE" not in env and env["PATH"] == os.environ["PATH"]
     assert launch_spec.REPO_ROOT in env["PYTHONPATH"].split(os.pathsep)
-    cpu_lan = launcher.build_env(dataclasses.replace(req, local_addr="10.1.2.3"))
-    assert cpu_lan.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
-    assert "GLOO_SOCKET_IFNAME" not in cpu_lan  # only loopback addresses pin gloo to lo
+    cpu = launcher.build_env(req)
+    assert cpu.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    # gloo and NCCL on the interface holding the node's address (tests/test_nccl_setup.py)
+    assert cpu["GLOO_SOCKET_IFNAME"] == cpu["NCCL_SOCKET_IFNAME"]
 
 
 def test_user_code_argv_runs_the_script_or_module_under_the_jobs_python(tmp_path):

@@ -106,6 +106,10 @@ class Launch(_Message):
     stream: str = Field(description="the job's telemetry stream (keys.job_stream)")
     spec: dict[str, Any] = Field(description="the job's validated JobSpec as stored")
     resume: Resume | None = None
+    collective_timeout_s: float | None = Field(
+        None, gt=0, description="timeout of every process group the ranks create: under the hang "
+                                "detector's, so a stuck collective fails the rank with a real error "
+                                "first; None: torch's defaults")
 
 
 class Stop(_Message):

@@ -25,6 +25,7 @@ from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartb
                               RankFailure, RankInfo)
 
 from .celery_app import REDIS_URL, app
+from .launch_spec import InterfaceError
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, prepare
 from .gpus import GpuMonitor, NvmlUnavailable
@@ -146,6 +147,7 @@ class Agent:
             "checkpoint_dir": str(keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)),
             "spec": msg.spec,
             "resume": msg.resume.model_dump(mode="json") if msg.resume else None,
+            "collective_timeout_s": msg.collective_timeout_s,
         }
         req = LaunchRequest(
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
@@ -154,7 +156,13 @@ class Agent:
             config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, **user_code)
         with self._lock(attempt_id):
             sup = Supervisor(req, **cbs)
-            if not sup.start():
+            try:
+                started = sup.start()
+            except InterfaceError as exc:  # gloo/NCCL would bind elsewhere and hang at init
+                log.error("attempt %s cannot start on %s: %s", attempt_id, self.name, exc)
+                self._report_failed_start(cbs, attempt_id, f"InterfaceError: {exc}")
+                return False
+            if not started:
                 log.info("attempt %s already launched on %s: not starting it again", attempt_id, self.name)
                 return False
             with self._registry_lock:
@@ -188,7 +196,7 @@ class Agent:
                 self._report_never_started(attempt_id, reason)
                 return
         log.info("stopping attempt %s on %s (%s)", attempt_id, self.name, reason)
-        sup.stop()
+        sup.stop(dump_stacks=reason == "hang")  # a hang: each rank's stack first, in its log
 
     def _report_never_started(self, attempt_id: int, reason: str) -> None:
         report = NodeExit(attempt_id=attempt_id, node=self.name, exit_code=None, signal=None, stopped=True,

@@ -145,11 +145,81 @@ def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
     ]
 
 
-def _loopback_ifname() -> str:
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+class InterfaceError(ValueError):
+    """No network interface of this node holds the address it advertises."""
+
+
+def interface_for(addr: str) -> str:
+    """The interface that carries `addr` (an IP address, or a host name resolved here).
+
+    gloo and NCCL pick an interface by their own heuristics (the hostname's address, the first
+    non-loopback one); a wrong pick leaves init_process_group connecting to nowhere, outside
+    NCCL's watchdog. Binding both to the interface that holds the node's advertised address
+    makes the transport use the path the rendezvous already proved."""
+    try:
+        wanted = {str(ipaddress.ip_address(addr.strip("[]")))}
+    except ValueError:  # a host name: every address it resolves to here
+        try:
+            wanted = {str(ipaddress.ip_address(info[4][0].split("%")[0]))
+                      for info in socket.getaddrinfo(addr, None)}
+        except (OSError, ValueError) as exc:
+            raise InterfaceError(f"cannot resolve local_addr {addr!r}: {exc}") from None
+    ifaces = sorted(psutil.net_if_addrs().items())
+    for name, addrs in ifaces:
+        if any(_ip(a) in wanted for a in addrs):
             return name
-    return "lo"
+    # Linux routes all of 127.0.0.0/8 to lo although lo lists only 127.0.0.1/8: a loopback
+    # address is on the interface whose loopback network holds it (two agents on one machine).
+    for name, addrs in ifaces:
+        nets = [_loopback_net(a) for a in addrs]
+        if any(net and ipaddress.ip_address(w) in net for net in nets for w in wanted):
+            return name
+    raise InterfaceError(
+        f"no network interface of this node has the address {addr!r} it advertises "
+        f"(local_addr); gloo and NCCL would bind elsewhere and hang at init. Start the agent "
+        f"with its address set to one of this node's addresses, or set GLOO_SOCKET_IFNAME and "
+        f"NCCL_SOCKET_IFNAME in its environment")
+
+
+def _ip(snic) -> str | None:
+    """An interface address as a canonical IP string; None for link-layer and odd entries."""
+    if snic.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        return str(ipaddress.ip_address(snic.address.split("%")[0]))
+    except ValueError:
+        return None
+
+
+def _loopback_net(snic):
+    ip = _ip(snic)
+    if ip is None or not snic.netmask or not ipaddress.ip_address(ip).is_loopback:
+        return None
+    try:
+        return ipaddress.ip_network(f"{ip}/{snic.netmask}", strict=False)
+    except ValueError:  # an IPv6 netmask psutil spells as an address
+        return None
+
+
+# NCCL's flight recorder: the last collectives of each process group, dumped when the watchdog
+# times a collective out. torch 2.13's names (TORCH_NCCL_TRACE_BUFFER_SIZE and
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE still work but are deprecated aliases).
+TRACE_BUFFER_ENTRIES = "2000"
+TRACE_FILE_PREFIX = "nccl_trace_rank_"  # in the run dir; torch appends the global rank
+
+
+def _comm_env(req: LaunchRequest, env: dict[str, str]) -> None:
+    """Interface binding and flight recorder; what the job or the agent's environment already
+    sets wins (an operator who knows the fabric, e.g. NCCL_SOCKET_IFNAME=ib0)."""
+    if not ("GLOO_SOCKET_IFNAME" in env and "NCCL_SOCKET_IFNAME" in env):
+        ifname = interface_for(req.local_addr)
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        env.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        env.setdefault("TORCH_FR_BUFFER_SIZE", TRACE_BUFFER_ENTRIES)
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
+        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(os.path.abspath(req.run_dir), TRACE_FILE_PREFIX))
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
 def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
@@ -180,14 +250,7 @@ def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
         # numbered in PCI bus order as NVML numbers them, which is how the agent counted them.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_devices(req.slots, agent_visible))
-    try:
-        loopback = ipaddress.ip_address(req.local_addr).is_loopback
-    except ValueError:
-        loopback = req.local_addr == "localhost"
-    if loopback and "GLOO_SOCKET_IFNAME" not in env:
-        # gloo binds to whatever the hostname resolves to; where that is a LAN address (or
-        # a stale /etc/hosts entry) loopback "nodes" would leave loopback or fail to bind.
-        env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+    _comm_env(req, env)
     return env
 
 

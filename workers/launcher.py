@@ -57,6 +57,18 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.15  # log/ranks poll: lines reach the UI within ~150 ms at ~7 wakeups/s
 TREE_SNAPSHOT_S = 1.0  # how often to remember the tree's pids, for cleanup if procwrap dies
+STACK_SIGNAL = signal.SIGUSR1  # faulthandler.register'ed by the runtime and the SDK
+DUMP_WAIT_S = 2.0  # for the ranks to write their stacks before a hung attempt is stopped
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler installed for `signum` (Linux: SigCgt in /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            caught = next((int(line.split()[1], 16) for line in f if line.startswith("SigCgt:")), 0)
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(caught >> (signum - 1) & 1)
 
 
 def launched_attempts(base_dir) -> list[str]:
@@ -169,11 +181,17 @@ class Supervisor:
         return (not self._finished.is_set() and self._wrap is not None
                 and self._wrap.process() is not None)
 
-    def stop(self, grace_s: float = 3.0) -> None:
-        """SIGTERM the attempt, SIGKILL what is left after grace_s; on_exit follows."""
+    def stop(self, grace_s: float = 3.0, *, dump_stacks: bool = False) -> None:
+        """SIGTERM the attempt, SIGKILL what is left after grace_s; on_exit follows.
+
+        dump_stacks (a hung attempt): first SIGUSR1 every rank that catches it (the runtime and
+        the SDK register faulthandler for it) and give them DUMP_WAIT_S to write every thread's
+        stack to their stderr, which reaches the job's log stream and the failure's log tail."""
         if self._wrap is None or self._finished.is_set():
             return
         Path(self._path("stop_requested")).touch()
+        if dump_stacks and self.dump_stacks():
+            time.sleep(DUMP_WAIT_S)
         try:  # procwrap forwards it to torchrun's group once; torchrun SIGTERMs each rank
             if self._wrap.process() is not None:
                 os.kill(self._wrap.pid, signal.SIGTERM)
@@ -186,6 +204,24 @@ class Supervisor:
                 kill_all(self._tree_pids() + [self._wrap.pid], timeout_s=1.0)
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)  # so on_exit has fired when stop() returns
+
+    def dump_stacks(self) -> list[int]:
+        """SIGUSR1 to each live rank whose handler table catches it; the pids signalled.
+
+        A rank that never registered a handler (user code without the SDK) is left alone:
+        SIGUSR1's default action would kill it before the stop could report anything."""
+        sent = []
+        for info in list(self._ranks.values()):
+            proc = live_process(info["pid"], None)
+            if proc is None or proc.create_time() < self._started_at - 1 \
+                    or not catches_signal(proc.pid, STACK_SIGNAL):
+                continue
+            try:
+                os.kill(proc.pid, STACK_SIGNAL)
+                sent.append(proc.pid)
+            except ProcessLookupError:
+                pass
+        return sent
 
     def _abandon(self) -> None:
         """Tests: behave like a dead agent (threads stop, processes and files stay)."""

@@ -36,6 +36,10 @@ HARDWARE_MARKERS = ("uncorrectable ECC error", "ECC error", "cudaErrorECCUncorre
 # A rank that NCCL's watchdog aborted (SIGABRT, no error file): its stderr says why.
 WATCHDOG_MARKERS = ("Watchdog caught collective operation timeout", "ProcessGroupNCCL's watchdog",
                     "Process group watchdog thread terminated", "NCCL error", "ncclRemoteError", "ncclSystemError")
+# A collective that timed out (the process groups' collective_timeout_s, below the hang detector's):
+# the rank that reports it waited for a peer that hung or died without a word. It is the hang, seen
+# from a healthy rank: retried, and it says nothing against that rank's node.
+COLLECTIVE_TIMEOUT_MARKERS = ("Watchdog caught collective operation timeout", "Timed out waiting")
 COMM_MARKERS = ("Connection closed by peer", "Connection reset", "Gloo", "NCCL", "timed out", "Timeout",
                 "rendezvous", "Rendezvous", "DistNetworkError", "DistStoreError")
 
@@ -52,7 +56,7 @@ NODE_FAULT_CLASSES = frozenset({"signal", "comm", "lost", "launch_timeout", "unk
 
 @dataclass(frozen=True)
 class Diagnosis:
-    failure_class: str      # user_error | oom | hardware | signal | comm | lost | unknown
+    failure_class: str      # user_error | oom | hardware | hang | signal | comm | lost | unknown
     retry: bool
     rank: int | None
     node: str | None
@@ -147,6 +151,9 @@ def _gpu_class(text: str, failure: dict, rank, node, *, tail: list[str] | None =
         excl = (node,) if node else ()
         return Diagnosis("hardware", True, rank, node, (where + line if where else msg) +
                          (f" (a GPU fault on {node}; the retry avoids it)" if node else ""), tb, exclude=excl)
+    if line := _marker_line(text, COLLECTIVE_TIMEOUT_MARKERS):
+        return Diagnosis("hang", True, None, None, f"{where or f'rank {rank}: '}timed out waiting in a "
+                         f"collective, for a peer that hung or died before joining it ({line})", tb)
     if watchdog and (line := _marker_line(text, WATCHDOG_MARKERS)):
         return Diagnosis("comm", True, rank, node, where + line, tb)
     return None
@@ -174,6 +181,25 @@ def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], f
         return float(spec_timeout), "spec"
     median = statistics.median(recent_step_s) if recent_step_s else 0.0
     return max(floor_s, HANG_FACTOR * median), "auto"
+
+
+COLLECTIVE_TIMEOUT_FRACTION = 0.8  # of the shortest hang timeout the detector can apply
+# What must fit between a collective's timeout and the hang verdict: torchrun tears the peers down
+# (workers.launch_spec.SHUTDOWN_TIMEOUT_S, 5 s), the agent reports the exit, the detector ticks.
+COLLECTIVE_REPORT_MARGIN_S = 15.0
+MIN_COLLECTIVE_TIMEOUT_S = 10.0  # shorter would fail slow but healthy collectives (a first NCCL call)
+
+
+def collective_timeout(spec_timeout: float | str | None, floor_s: float) -> float | None:
+    """The timeout the ranks give every process group (init_process_group, new_group): under
+    the shortest hang timeout this job can get (its number, or the auto floor) by enough for the
+    failure to be reported first, so that a collective stuck on a dead or missing peer fails its
+    rank with torch's timeout error (and, on NCCL, a flight-recorder dump) instead of racing the
+    hang verdict. None (torch's defaults; the detector, with every rank's stack, handles a hang)
+    when the hang timeout is too short to hold that margin above MIN_COLLECTIVE_TIMEOUT_S."""
+    hang = hang_timeout(spec_timeout, [], floor_s)[0]
+    timeout = min(COLLECTIVE_TIMEOUT_FRACTION * hang, hang - COLLECTIVE_REPORT_MARGIN_S)
+    return round(timeout, 3) if timeout >= MIN_COLLECTIVE_TIMEOUT_S else None
 
 
 def hang_armed(spec_timeout, *, user_code: bool, last_progress: float | None) -> bool:

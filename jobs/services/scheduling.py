@@ -11,6 +11,7 @@ from datetime import datetime
 from datetime import timezone as dt_timezone
 from functools import partial
 
+from django.conf import settings
 from django.db import transaction
 
 from trainyard import keys
@@ -18,7 +19,7 @@ from trainyard.launch import Launch, Resume
 
 from .. import dispatch, selectors
 from ..models import Allocation, Attempt, Job, Node, SchedulerLock
-from ..policy import scheduling
+from ..policy import diagnosis, scheduling
 from .attempts import attempt_preempt
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_set_status
@@ -95,6 +96,8 @@ def _start_attempt(placement: scheduling.Placement) -> bool:
             nnodes=len(placement.shares), nproc=len(share.slot_ids), slots=list(share.slot_ids),
             device=job.spec["resources"]["device"], rdzv_host=host.address, local_addr=share.address,
             stream=stream, spec=job.spec,
+            collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
+                                                              settings.TRAINYARD_HANG_FLOOR_S),
             resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
         ).model_dump(mode="json")
         transaction.on_commit(partial(dispatch.send_launch, share.node, payload))

@@ -25,9 +25,10 @@ Public names:
 
 Modules: config (the launch config, torch-free), reporter (telemetry to the job's Redis Stream),
 preempt (the preemption contract), layout (checkpoint directories and manifests, torch-free),
-checkpoint (async DCP saves and loads), run (Run and init). torch is imported when a name of
-run.py is first used, so the torch-free modules (config, layout, preempt, reporter) import
-without it.
+checkpoint (async DCP saves and loads), run (Run and init), groups (the run's process groups and
+their collective timeout; torch inside its functions), stacks (every thread's stack on SIGUSR1,
+torch-free). torch is imported when a name of run.py is first used, so the torch-free modules
+(config, layout, preempt, reporter, stacks) import without it.
 """
 from __future__ import annotations
 

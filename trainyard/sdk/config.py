@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainyard.spec import JobSpec, SpecError, validate_job_spec
 
@@ -54,6 +54,8 @@ class LaunchConfig(BaseModel):
     checkpoint_dir: Path
     spec: dict[str, Any]
     resume: ResumeConfig | None = None
+    # Every process group's timeout (the control plane's, under its hang detector); None: torch's.
+    collective_timeout_s: float | None = Field(None, gt=0)
 
     @field_validator("resume", mode="before")
     @classmethod

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from trainyard.keys import preempt_key
 from trainyard.spec import CheckpointSpec, JobSpec
 
+from . import groups
 from .checkpoint import Checkpointer
 from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config
 from .layout import latest_checkpoint, resume_manifest
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
+from .stacks import install_stack_dump
 
 PHASES = ("data", "compute", "comm", "optim")
 # Sample fields the control plane stores in columns of their own (jobs.models.MetricSample):
@@ -119,7 +121,7 @@ class StopVote:
     MAX_GAP = 64
 
     def __init__(self, world_size: int):
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.group = groups.new_group(backend="gloo") if world_size > 1 else None
         self._flag: torch.Tensor | None = None
         self._work: Any = None
         self._calls = 0  # steps seen (one call per step, on every rank)
@@ -258,6 +260,7 @@ class Run:
         sample["metrics"] as a float. `extra`: fields put at the top level as they are (the
         built-in trainer's sync fields)."""
         now = time.perf_counter()
+        groups.apply_collective_timeout()  # a step is done: start-up is over (no-op after the first)
         start = self._t_last if self._logged or self._first_phase is None else self._first_phase
         sample: dict[str, Any] = {"rank": self.rank, "step": step, "ts": time.time(),
                                   "attempt": self.attempt_id}
@@ -402,17 +405,21 @@ def _device(spec: JobSpec | None, env: DistEnv) -> torch.device:
     return device
 
 
-def init_process_group(env: DistEnv, device: torch.device) -> bool:
+def init_process_group(env: DistEnv, device: torch.device, timeout_s: float | None = None) -> bool:
     """Initialise torch.distributed unless it is already (NCCL on CUDA, gloo on CPU; one
-    in-process rank when torchrun did not start this process). True if it created the group."""
+    in-process rank when torchrun did not start this process). True if it created the group.
+    timeout_s: the collective timeout of every group of the run from its first step
+    (trainyard.sdk.groups); None: torch's defaults throughout."""
     if dist.is_initialized():
         return False
+    groups.configure(timeout_s)
     if device.type == "cuda":  # device_id binds the NCCL communicator to this rank's GPU up front
         dist.init_process_group(backend="nccl", device_id=device)
     elif "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend="gloo")
     else:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    groups.track_group(dist.group.WORLD)
     return True
 
 
@@ -422,6 +429,7 @@ def init(config_path: str | Path | None = None) -> Run:
     resume point, preemption. Without one (a plain `python train.py`) it runs standalone: no
     telemetry, checkpoints under ./checkpoints, rank 0 of 1 unless torchrun started it.
     Initialises torch.distributed unless already done (NCCL on CUDA, gloo on CPU)."""
+    install_stack_dump()  # the agent asks a hung rank for its stacks before stopping it
     path = config_path or os.environ.get(RUN_CONFIG_ENV)
     launch = load_launch_config(path) if path else None
     spec = launch.job_spec() if launch else None
@@ -434,7 +442,7 @@ def init(config_path: str | Path | None = None) -> Run:
                             preempt_key=preempt_key(launch.attempt_id))
         reporter.event("rank_started", pid=os.getpid(), node=launch.node, world_size=env.world_size)
     try:
-        owns = init_process_group(env, device)
+        owns = init_process_group(env, device, launch.collective_timeout_s if launch else None)
         return Run(env=env, device=device, launch=launch, spec=spec, reporter=reporter,
                    owns_reporter=True, owns_process_group=owns)
     except BaseException:

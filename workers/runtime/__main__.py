@@ -11,12 +11,15 @@ import os
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainyard.sdk.stacks import install_stack_dump
+
 from .config import load_run_config
 from .trainer import run
 
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    install_stack_dump()  # SIGUSR1 (the agent, before it stops a hung attempt): every thread's stack
     parser = argparse.ArgumentParser(prog="python -m workers.runtime")
     parser.add_argument("--config", required=True, help="<run_dir>/config.json written by the agent")
     args = parser.parse_args(argv)

@@ -144,9 +144,9 @@ class Balance:
               say) -> "Balance":
         """The Balance of a train.balance=auto run, with its gloo group (a collective: every rank
         calls this at the same point)."""
-        import torch.distributed as dist
+        from trainyard.sdk.groups import new_group  # the run's collective timeout
         return cls(world, rank, global_batch, unit, batches, reporter, say,
-                   group=dist.new_group(backend="gloo"))
+                   group=new_group(backend="gloo"))
 
     def _apply(self, counts: list[int]) -> None:
         self.counts = list(counts)

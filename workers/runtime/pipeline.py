@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from trainyard.mesh import Mesh, stage_layers
+from trainyard.sdk.groups import new_group
 
 from .model import GPT, lm_loss
 from .parallel import param_bytes
@@ -105,10 +106,10 @@ class PipelineStrategy:
         c = mesh.coords(rank)
         self.stage_index, self.dp_index = c["pp"], c["dp"]
         # Every rank creates every group, in the same order (new_group is collective).
-        pp_groups = [dist.new_group(pp_ranks(mesh, d)) for d in range(mesh.dp)]
+        pp_groups = [new_group(pp_ranks(mesh, d)) for d in range(mesh.dp)]
         self.pp_group = pp_groups[self.dp_index]
         self.pp_ranks = pp_ranks(mesh, self.dp_index)
-        dp_groups = [dist.new_group(dp_ranks(mesh, s)) for s in range(mesh.pp)] if mesh.dp > 1 else []
+        dp_groups = [new_group(dp_ranks(mesh, s)) for s in range(mesh.pp)] if mesh.dp > 1 else []
         self.dp_group = dp_groups[self.stage_index] if dp_groups else None
         self.first = self.stage_index == 0
         self.last = self.stage_index == mesh.pp - 1

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from trainyard.mesh import Mesh
+from trainyard.sdk.groups import track_group
 
 from .model import GPT, lm_loss
 from .parallel import eval_loss_of, param_bytes
@@ -84,6 +85,8 @@ class ShardedStrategy:
             self.name = "tp" if mesh.dp == 1 else "dp x tp"
             self.device_mesh = init_device_mesh(device.type, (mesh.dp, mesh.tp),
                                                 mesh_dim_names=("dp", "tp"))
+            for dim in ("dp", "tp"):  # the run's collective timeout from the first step
+                track_group(self.device_mesh.get_group(dim))
             self.dp_group = self.device_mesh["dp"].get_group() if mesh.dp > 1 else None
             parallelize_module(model, self.device_mesh["tp"],
                                tp_plan(model, mesh.tp, vocab))

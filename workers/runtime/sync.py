@@ -226,7 +226,8 @@ def build_sync(sync: str, *, rank: int, world: int, counter: CommCounter,
             def quiet(*a, **k):
                 return None
 
-            auto = AutoRatio(compression, world, dist.new_group(backend="gloo"),
+            from trainyard.sdk.groups import new_group  # the run's collective timeout
+            auto = AutoRatio(compression, world, new_group(backend="gloo"),
                              event if rank == 0 else quiet, say if rank == 0 else quiet)
         return AllReduceSync(compression, auto)
     if sync == "local_sgd":

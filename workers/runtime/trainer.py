@@ -146,7 +146,9 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
                                      world_size=mesh.dp, batch=batch, seed=cfg.train.seed,
                                      pin_memory=cuda, start_batch=start_batch,
                                      balance=cfg.train.balance == "auto")
-        init_process_group(env, device)  # NCCL on CUDA, gloo on CPU (the SDK's, as for user code)
+        # NCCL on CUDA, gloo on CPU (the SDK's, as for user code); every group under the control
+        # plane's collective timeout, so a stuck collective fails this rank before the hang verdict
+        init_process_group(env, device, cfg.launch.collective_timeout_s)
         try:
             summary = Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
         except Preempted:  # every rank agreed to stop and saved: a clean, collective exit
