@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from trainyard import keys
+from trainyard.textdoc import echo
 
 from . import keptlogs, selectors, services
 from .errors import Forbidden, InvalidInput, NotFound
@@ -38,17 +39,24 @@ def _require_staff(request, what: str) -> None:
         raise Forbidden(f"only staff may {what}")
 
 
-def _int_param(request, name: str, *, minimum: int = 0, maximum: int | None = None, default=None):
+# The database's integers are 64-bit: a larger parameter would raise OverflowError in the query (a 500).
+MAX_DB_INT = 2**63 - 1
+
+
+def _int_param(request, name: str, *, minimum: int = 0, maximum: int = MAX_DB_INT, default=None):
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValidationError({name: [f"must be an integer, got {raw!r}"]}) from None
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValidationError({name: [f"must be between {minimum} and {maximum}" if maximum is not None
-                                      else f"must be at least {minimum}"]})
+    value = None
+    if len(raw) <= 20:  # int() of a 100,000-digit string costs; 20 digits hold every valid value
+        try:
+            value = int(raw)
+        except ValueError:
+            pass
+    if value is None:
+        raise ValidationError({name: [f"must be a whole number from {minimum} to {maximum}, got {echo(raw)}"]})
+    if not minimum <= value <= maximum:
+        raise ValidationError({name: [f"must be between {minimum} and {maximum}"]})
     return value
 
 
@@ -179,7 +187,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         limit = _int_param(request, "limit", minimum=1, maximum=MAX_LOG_LIMIT, default=1000)
         download = request.query_params.get("download", "0")
         if download not in ("0", "1", "true", "false", ""):
-            raise ValidationError({"download": [f"must be 1 or 0, got {download!r}"]})
+            raise ValidationError({"download": [f"must be 1 or 0, got {echo(download)}"]})
         path = None if attempt is None else keys.rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt, rank)
         if download in ("1", "true"):
             return _log_download(job, attempt, rank, path)
@@ -214,7 +222,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     def get_object(self):
         node = self.get_queryset().filter(name=self.kwargs["name"]).first()
         if node is None:
-            raise NotFound({"node": [f"no node named {self.kwargs['name']!r}"]})
+            raise NotFound({"node": [f"no node named {echo(self.kwargs['name'])}"]})
         return node
 
     def _schedulable(self, request, action: str):
