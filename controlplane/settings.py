@@ -193,6 +193,9 @@ TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 # POST /api/v1/auth/token/ (jobs/api_auth.py): token requests per client address (DRF rate syntax).
 TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
+# A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
+# its `config` at most 64 KiB).
+TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
 
 LOGGING = {
     "version": 1,

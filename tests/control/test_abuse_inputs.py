@@ -139,3 +139,18 @@ def test_quota_numbers_past_64_bits_are_400(staff, teams, client_for):
     r = client_for(staff).put("/api/v1/quotas/", json.dumps([{"team": "vision", "max_slots": 10**20}]),
                               content_type="application/json")
     assert r.status_code == 400, r.content[:300]
+
+
+def test_an_oversized_json_body_is_413_and_read_no_further(user, nodes, client_for, settings):
+    settings.TRAINYARD_JSON_MAX_BYTES = 100_000
+    body = json.dumps({"name": "x", "config": {"blob": "x" * 500_000}})
+    r = client_for(user).post("/api/v1/jobs/", body, content_type="application/json")
+    assert r.status_code == 413 and "TRAINYARD_JSON_MAX_BYTES" in r.content.decode()
+    assert Job.objects.count() == 0
+
+
+def test_deep_json_to_every_json_endpoint_is_400(user, staff, client_for):
+    deep = "[" * 100 + "]" * 100
+    for path, method in (("/api/v1/plan/", "post"), ("/api/v1/quotas/", "put")):
+        r = getattr(client_for(staff), method)(path, deep, content_type="application/json")
+        assert r.status_code == 400 and "nests too deeply" in r.content.decode(), (path, r.content[:200])
