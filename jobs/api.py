@@ -23,6 +23,7 @@ from .errors import Forbidden, InvalidInput, NotFound
 from .models import Node
 from .payloads import event_dict
 from .serializers import CheckpointSerializer, JobSerializer, MetricSerializer, NodeSerializer
+from .throttles import SubmitThrottle
 
 MAX_METRICS_LIMIT = 10_000
 MAX_LOG_LIMIT = 5000
@@ -62,6 +63,10 @@ def _int_param(request, name: str, *, minimum: int = 0, maximum: int = MAX_DB_IN
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
+
+    def get_throttles(self):
+        # a submission counts against the stricter submit rate as well as the user's own
+        return [*super().get_throttles(), *([SubmitThrottle()] if self.action == "create" else [])]
 
     def get_queryset(self):
         return selectors.jobs_visible_to(self.request.user).prefetch_related(

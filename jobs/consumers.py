@@ -16,6 +16,7 @@ import time
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.consumer import get_handler_name
+from django.conf import settings
 
 from . import payloads, selectors
 
@@ -34,9 +35,16 @@ CLUSTER_MIN_INTERVAL_S = 0.5  # node heartbeats and queue changes coalesce to at
 NO_DB_MESSAGES = frozenset({"websocket.receive", "job.telemetry", "job.log"})
 
 
+# Open sockets per user id in this process (one event loop: no lock needed). A per-process count:
+# with N daphne processes a user may hold up to N x the cap.
+_open_sockets: dict[int, int] = {}
+SOCKET_CAP_CODE = 4429  # 4000-4999: application close codes; "429" as in HTTP Too Many Requests
+
+
 class _FlowControlled(AsyncJsonWebsocketConsumer):
     seq = 0
     acked = 0
+    _counted_user: int | None = None
 
     async def dispatch(self, message):
         if message["type"] in NO_DB_MESSAGES:
@@ -83,9 +91,30 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
     async def caught_up(self) -> None:
         """Called after every ack; subclasses send what a congested client missed."""
 
-    async def _deny(self, code: int) -> None:
+    async def _deny(self, code: int, reason: str = "") -> None:
         await self.accept()
-        await self.close(code=code)
+        await self.close(code=code, reason=reason or None)
+
+    async def _claim_socket(self, user) -> bool:
+        """Count this socket against the user's cap (settings.TRAINYARD_MAX_SOCKETS_PER_USER, per web
+        process); past it, close with SOCKET_CAP_CODE and the reason, and return False."""
+        cap = settings.TRAINYARD_MAX_SOCKETS_PER_USER
+        if cap and _open_sockets.get(user.pk, 0) >= cap:
+            await self._deny(SOCKET_CAP_CODE, f"too many open websockets: at most {cap} per user "
+                                              f"(TRAINYARD_MAX_SOCKETS_PER_USER); close another tab")
+            return False
+        _open_sockets[user.pk] = _open_sockets.get(user.pk, 0) + 1
+        self._counted_user = user.pk
+        return True
+
+    def _release_socket(self) -> None:
+        pk, self._counted_user = self._counted_user, None
+        if pk is not None:
+            left = _open_sockets.get(pk, 1) - 1
+            if left > 0:
+                _open_sockets[pk] = left
+            else:
+                _open_sockets.pop(pk, None)
 
 
 class JobConsumer(_FlowControlled):
@@ -102,6 +131,8 @@ class JobConsumer(_FlowControlled):
             lambda: selectors.jobs_visible_to(user).filter(pk=self.job_id).exists())()
         if not visible:
             return await self._deny(4404)
+        if not await self._claim_socket(user):
+            return
         # Join before reading the snapshot: whatever commits in between arrives twice at worst,
         # and clients merge by (attempt, rank, step), so there is never a gap.
         self.group = f"job.{self.job_id}"
@@ -121,6 +152,7 @@ class JobConsumer(_FlowControlled):
             await self.push({"type": rest_type, "samples": samples[i:i + CHUNK_SAMPLES], **extra})
 
     async def disconnect(self, code):
+        self._release_socket()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -180,6 +212,8 @@ class ClusterConsumer(_FlowControlled):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             return await self._deny(4401)
+        if not await self._claim_socket(user):
+            return
         await self.channel_layer.group_add("cluster", self.channel_name)
         await self.accept()
         state = await database_sync_to_async(payloads.cluster_state)(user)
@@ -187,6 +221,7 @@ class ClusterConsumer(_FlowControlled):
         await self.push({"type": "snapshot", **state})
 
     async def disconnect(self, code):
+        self._release_socket()
         await self.channel_layer.group_discard("cluster", self.channel_name)
 
     async def cluster_changed(self, event):
