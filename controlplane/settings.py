@@ -217,6 +217,9 @@ TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
 # A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
 # its `config` at most 64 KiB).
 TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
+# A connection that has not sent its first request's headers this long after opening is dropped
+# (slow-loris clients; controlplane/daphne_bodies.py). 0: no deadline.
+TRAINYARD_HTTP_HEADER_TIMEOUT_S = float(os.environ.get("TRAINYARD_HTTP_HEADER_TIMEOUT_S", "10"))
 # Request rates (jobs/throttles.py, DRF syntax; empty: no limit): API requests without credentials per
 # address, API requests per user, and job submissions (API and form) per user. Counted per web
 # process in Django's cache.

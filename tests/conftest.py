@@ -24,6 +24,18 @@ for _name, _value in GENEROUS_LIMITS.items():
     os.environ.setdefault(_name, _value)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _generous_limits_in_process():
+    """The same for this process: pytest-django reads Django's settings before this file sets the
+    environment, so they are set here too (a test's `settings` fixture still overrides them)."""
+    from django.conf import settings
+
+    settings.TRAINYARD_THROTTLE_ANON = settings.TRAINYARD_THROTTLE_USER = None
+    settings.TRAINYARD_THROTTLE_SUBMIT = None
+    settings.AXES_FAILURE_LIMIT = 1000
+    settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER = settings.TRAINYARD_MAX_SOCKETS_PER_USER = 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

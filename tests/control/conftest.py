@@ -44,15 +44,6 @@ def nodes(db):
 
 
 @pytest.fixture(autouse=True)
-def _generous_limits(settings):
-    # in case Django's settings were read before tests/conftest.py set the environment
-    settings.TRAINYARD_THROTTLE_ANON = settings.TRAINYARD_THROTTLE_USER = None
-    settings.TRAINYARD_THROTTLE_SUBMIT = None
-    settings.AXES_FAILURE_LIMIT = 1000
-    settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER = settings.TRAINYARD_MAX_SOCKETS_PER_USER = 0
-
-
-@pytest.fixture(autouse=True)
 def _fast_passwords(settings):
     # PBKDF2's 1M iterations cost ~0.3 s per user; these tests are not about hashing.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
