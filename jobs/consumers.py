@@ -18,6 +18,8 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.consumer import get_handler_name
 from django.conf import settings
 
+from trainyard.textdoc import echo
+
 from . import payloads, selectors
 
 MAX_INFLIGHT = 32
@@ -70,7 +72,7 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         try:
             content = json.loads(text_data) if text_data is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # a frame of 500,000 "[" nests past the parser's recursion
             content = None
         if not isinstance(content, dict) or not isinstance(content.get("type"), str):
             await self.send_json({"type": "error", "error": "expected a JSON object with a string 'type'"})
@@ -86,7 +88,7 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
         elif kind == "ping":
             await self.send_json({"type": "pong"})
         else:
-            await self.send_json({"type": "error", "error": f"unknown message type {kind!r}"})
+            await self.send_json({"type": "error", "error": f"unknown message type {echo(kind)}"})
 
     async def caught_up(self) -> None:
         """Called after every ack; subclasses send what a congested client missed."""

@@ -154,3 +154,31 @@ def test_deep_json_to_every_json_endpoint_is_400(user, staff, client_for):
     for path, method in (("/api/v1/plan/", "post"), ("/api/v1/quotas/", "put")):
         r = getattr(client_for(staff), method)(path, deep, content_type="application/json")
         assert r.status_code == 400 and "nests too deeply" in r.content.decode(), (path, r.content[:200])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_websocket_frame_nested_too_deeply_or_too_long_gets_a_short_error(user, settings):
+    from asgiref.sync import async_to_sync
+    from channels.testing import WebsocketCommunicator
+
+    from controlplane.asgi import application
+
+    from .test_consumers import session_headers
+
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    headers = session_headers(user)
+
+    async def go():
+        comm = WebsocketCommunicator(application, "/ws/cluster/", headers=headers)
+        assert (await comm.connect())[0]
+        assert (await comm.receive_json_from(timeout=5))["type"] == "snapshot"
+        await comm.send_to(text_data="[" * 500_000 + "]" * 500_000)
+        assert (await comm.receive_json_from(timeout=5))["type"] == "error"
+        await comm.send_json_to({"type": "x" * 500_000})
+        reply = await comm.receive_output(timeout=5)
+        assert len(reply["text"]) < 300 and "unknown message type" in reply["text"]
+        await comm.send_json_to({"type": "ping"})  # the socket is still up
+        assert (await comm.receive_json_from(timeout=5))["type"] == "pong"
+        await comm.disconnect()
+
+    async_to_sync(go)()
