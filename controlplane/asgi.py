@@ -17,8 +17,10 @@ from jobs.routing import websocket_urlpatterns  # noqa: E402
 from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
 
 # Under daphne: no body over the largest upload is received, and Twisted does not parse multipart
-# bodies in memory on the side (controlplane/daphne_bodies.py).
-daphne_bodies.install(settings.TRAINYARD_BUNDLE_MAX_BYTES + MULTIPART_OVERHEAD)
+# bodies in memory on the side, and a connection that dawdles over its headers is dropped
+# (controlplane/daphne_bodies.py).
+daphne_bodies.install(settings.TRAINYARD_BUNDLE_MAX_BYTES + MULTIPART_OVERHEAD,
+                      header_deadline_s=settings.TRAINYARD_HTTP_HEADER_TIMEOUT_S)
 
 application = ProtocolTypeRouter({
     # daphne serves no files itself: static/ (CSS, ES modules, vendored uPlot) comes through Django's

@@ -13,6 +13,10 @@ closes the connection as soon as a body's Content-Length, or the bytes of a chun
 `max_body`, before the body is read. controlplane/asgi.py installs it with the code bundle limit
 (TRAINYARD_BUNDLE_MAX_BYTES plus the multipart envelope), the largest body any endpoint takes;
 daphne imports the application before it builds a protocol, so every request gets it.
+
+With `header_deadline_s` (settings.TRAINYARD_HTTP_HEADER_TIMEOUT_S) a connection that has not sent
+its first request's headers that long after opening is dropped (a slow-loris client, which Twisted's
+per-byte idle timeout never stops).
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class BoundedWebRequest(_original):
         self._refused = False
 
     def gotLength(self, length):
+        # Twisted calls this once every header of the request has arrived.
+        self.channel.trainyard_headers_done = True
         super().gotLength(length)
         if length is not None and length > self.max_body:
             self._refuse(f"the request body is {length} bytes; the largest accepted is {self.max_body}")
@@ -61,7 +67,37 @@ class BoundedWebRequest(_original):
         self.channel.transport.loseConnection()
 
 
-def install(max_body: int) -> None:
-    """Every request daphne builds from now on is a BoundedWebRequest with this limit."""
+_original_build = http_protocol.HTTPFactory.buildProtocol
+
+
+def _abort_without_headers(protocol) -> None:
+    # Twisted's factory returns a wrapper; the HTTPChannel (the requests' `channel`) is inside it.
+    channel = getattr(protocol, "_channel", protocol)
+    transport = getattr(channel, "transport", None)
+    if not getattr(channel, "trainyard_headers_done", False) and transport is not None:
+        transport.abortConnection()
+
+
+def _build_with_header_deadline(factory, addr):
+    # Slow loris: Twisted's only limit is an idle timeout (12 h) that every byte resets, so a client
+    # sending a header byte every few seconds (a websocket upgrade never finished) holds its socket,
+    # and a few hundred such clients the process's file descriptors. A connection must finish its
+    # first request's headers within the deadline, or it is dropped.
+    channel = _original_build(factory, addr)
+    if _header_deadline_s:
+        channel.callLater(_header_deadline_s, _abort_without_headers, channel)
+    return channel
+
+
+_header_deadline_s = 0.0
+
+
+def install(max_body: int, header_deadline_s: float = 0.0) -> None:
+    """Every request daphne builds from now on is a BoundedWebRequest with this limit; with
+    `header_deadline_s`, every connection that has not sent its first request's headers that long
+    after it opened is dropped."""
+    global _header_deadline_s
     BoundedWebRequest.max_body = int(max_body)
     http_protocol.WebRequest = BoundedWebRequest
+    _header_deadline_s = float(header_deadline_s)
+    http_protocol.HTTPFactory.buildProtocol = _build_with_header_deadline

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -32,6 +33,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "channels",
+    "axes",
     "jobs",
 ]
 
@@ -43,7 +45,23 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # last, as django-axes requires: turns a locked-out login into its 429 page
+    "axes.middleware.AxesMiddleware",
 ]
+
+# Login lockout (django-axes): a username that fails TRAINYARD_LOGIN_FAILURE_LIMIT logins in a row from
+# one address is locked out there for TRAINYARD_LOGIN_COOLOFF_S (429 on the login page, the admin's
+# and POST /api/v1/auth/token/). Attempts are stored in the database, so every web process agrees.
+# API tokens authenticate without a password and are not affected.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = int(os.environ.get("TRAINYARD_LOGIN_FAILURE_LIMIT", "5"))
+AXES_COOLOFF_TIME = timedelta(seconds=float(os.environ.get("TRAINYARD_LOGIN_COOLOFF_S", "900")))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_HTTP_RESPONSE_CODE = 429
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -121,7 +139,8 @@ REST_FRAMEWORK = {
         "jobs.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/tokens.py)
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # IsAuthenticated, with requests without credentials counted against TRAINYARD_THROTTLE_ANON
+    "DEFAULT_PERMISSION_CLASSES": ["jobs.throttles.IsAuthenticatedOrThrottled"],
     # DRF's defaults, with a JSON parser that answers 400 for a body nested too deeply to parse.
     "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser", "rest_framework.parsers.FormParser",
                                "rest_framework.parsers.MultiPartParser"],
@@ -129,6 +148,8 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "jobs.api_errors.exception_handler",
+    # jobs/throttles.py: rates from the TRAINYARD_THROTTLE_* settings below (429 with Retry-After)
+    "DEFAULT_THROTTLE_CLASSES": ["jobs.throttles.AnonThrottle", "jobs.throttles.UserThrottle"],
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Trainyard API",
@@ -179,6 +200,23 @@ TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 # POST /api/v1/auth/token/ (jobs/api_auth.py): token requests per client address (DRF rate syntax).
 TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
+# A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
+# its `config` at most 64 KiB).
+TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
+# A connection that has not sent its first request's headers this long after opening is dropped
+# (slow-loris clients; controlplane/daphne_bodies.py). 0: no deadline.
+TRAINYARD_HTTP_HEADER_TIMEOUT_S = float(os.environ.get("TRAINYARD_HTTP_HEADER_TIMEOUT_S", "10"))
+# Request rates (jobs/throttles.py, DRF syntax; empty: no limit): API requests without credentials per
+# address, API requests per user, and job submissions (API and form) per user. Counted per web
+# process in Django's cache.
+TRAINYARD_THROTTLE_ANON = os.environ.get("TRAINYARD_THROTTLE_ANON", "120/min")
+TRAINYARD_THROTTLE_USER = os.environ.get("TRAINYARD_THROTTLE_USER", "3000/min")
+TRAINYARD_THROTTLE_SUBMIT = os.environ.get("TRAINYARD_THROTTLE_SUBMIT", "30/min")
+# A user with this many QUEUED jobs gets a 429 on the next submit (0: no cap).
+TRAINYARD_MAX_QUEUED_JOBS_PER_USER = int(os.environ.get("TRAINYARD_MAX_QUEUED_JOBS_PER_USER", "100"))
+# Open websockets per user in one web process (jobs/consumers.py): past it the socket is closed with
+# 4429 and the reason (0: no cap).
+TRAINYARD_MAX_SOCKETS_PER_USER = int(os.environ.get("TRAINYARD_MAX_SOCKETS_PER_USER", "64"))
 
 # ---------------------------------------------------------------- secrets and sessions (issue 15, s3)
 # Websockets from browsers: the exact origins (scheme://host[:port]) allowed, TRAINYARD_WS_ORIGINS;
@@ -195,5 +233,7 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": os.environ.get("TRAINYARD_LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    # axes logs its banner and each failed login at INFO (one line per process on stderr, where
+    # `manage.py plan` keeps its one error line); lockouts are warnings.
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "axes": {"level": "WARNING"}},
 }

@@ -16,12 +16,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from trainyard import keys
+from trainyard.textdoc import echo
 
 from . import keptlogs, selectors, services
 from .errors import Forbidden, InvalidInput, NotFound
 from .models import Node
 from .payloads import event_dict
 from .serializers import CheckpointSerializer, JobSerializer, MetricSerializer, NodeSerializer
+from .throttles import SubmitThrottle
 
 MAX_METRICS_LIMIT = 10_000
 MAX_LOG_LIMIT = 5000
@@ -38,22 +40,33 @@ def _require_staff(request, what: str) -> None:
         raise Forbidden(f"only staff may {what}")
 
 
-def _int_param(request, name: str, *, minimum: int = 0, maximum: int | None = None, default=None):
+# The database's integers are 64-bit: a larger parameter would raise OverflowError in the query (a 500).
+MAX_DB_INT = 2**63 - 1
+
+
+def _int_param(request, name: str, *, minimum: int = 0, maximum: int = MAX_DB_INT, default=None):
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValidationError({name: [f"must be an integer, got {raw!r}"]}) from None
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValidationError({name: [f"must be between {minimum} and {maximum}" if maximum is not None
-                                      else f"must be at least {minimum}"]})
+    value = None
+    if len(raw) <= 20:  # int() of a 100,000-digit string costs; 20 digits hold every valid value
+        try:
+            value = int(raw)
+        except ValueError:
+            pass
+    if value is None:
+        raise ValidationError({name: [f"must be a whole number from {minimum} to {maximum}, got {echo(raw)}"]})
+    if not minimum <= value <= maximum:
+        raise ValidationError({name: [f"must be between {minimum} and {maximum}"]})
     return value
 
 
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
+
+    def get_throttles(self):
+        # a submission counts against the stricter submit rate as well as the user's own
+        return [*super().get_throttles(), *([SubmitThrottle()] if self.action == "create" else [])]
 
     def get_queryset(self):
         return selectors.jobs_visible_to(self.request.user).prefetch_related(
@@ -179,7 +192,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         limit = _int_param(request, "limit", minimum=1, maximum=MAX_LOG_LIMIT, default=1000)
         download = request.query_params.get("download", "0")
         if download not in ("0", "1", "true", "false", ""):
-            raise ValidationError({"download": [f"must be 1 or 0, got {download!r}"]})
+            raise ValidationError({"download": [f"must be 1 or 0, got {echo(download)}"]})
         path = None if attempt is None else keys.rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt, rank)
         if download in ("1", "true"):
             return _log_download(job, attempt, rank, path)
@@ -214,7 +227,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     def get_object(self):
         node = self.get_queryset().filter(name=self.kwargs["name"]).first()
         if node is None:
-            raise NotFound({"node": [f"no node named {self.kwargs['name']!r}"]})
+            raise NotFound({"node": [f"no node named {echo(self.kwargs['name'])}"]})
         return node
 
     def _schedulable(self, request, action: str):

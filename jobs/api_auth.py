@@ -5,13 +5,15 @@ is in this one answer only: the database keeps its SHA-256 (jobs/tokens.py).
 No session, so no CSRF: the view authenticates nothing but the credentials in the body, and a
 browser's cookies are ignored. Attempts are throttled per client address
 (settings.TRAINYARD_LOGIN_RATE, default 20/min; 429 with Retry-After past it). A wrong username
-or password, or an inactive user, is one 400 that does not say which.
+or password, or an inactive user, is one 400 that does not say which. A username that failed too
+often from this address is locked out (django-axes, controlplane/settings.py): 429.
 """
 from __future__ import annotations
 
 from django.conf import settings
 from django.contrib.auth import authenticate
 from drf_spectacular.utils import extend_schema
+from rest_framework.exceptions import Throttled
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
@@ -19,6 +21,10 @@ from rest_framework.views import APIView
 
 from . import tokens
 from .errors import InvalidInput
+
+
+LOCKED_OUT = ("too many failed logins for this username from this address: locked out for a while "
+              "(TRAINYARD_LOGIN_FAILURE_LIMIT, TRAINYARD_LOGIN_COOLOFF_S)")
 
 
 class LoginRateThrottle(SimpleRateThrottle):
@@ -49,6 +55,8 @@ class AuthTokenView(APIView):
         if missing:
             raise InvalidInput(missing)
         user = authenticate(request, username=data["username"], password=data["password"])
+        if getattr(request, "axes_locked_out", False) or getattr(request._request, "axes_locked_out", False):
+            raise Throttled(detail=LOCKED_OUT)
         if user is None or not user.is_active:
             raise InvalidInput({"credentials": ["wrong username or password"]})
         return Response({"token": tokens.issue(user), "username": user.get_username(), "is_staff": user.is_staff})

@@ -15,6 +15,7 @@ from rest_framework.views import set_rollback
 
 from .errors import DomainError
 from .policy.plan import PlanInputError
+from trainyard.rules import bounded_errors
 from trainyard.spec import SpecError
 
 
@@ -35,14 +36,16 @@ def exception_handler(exc, context):
     """settings.REST_FRAMEWORK["EXCEPTION_HANDLER"]: None (a 500) for anything not an API error."""
     if isinstance(exc, (DomainError, SpecError, PlanInputError)):
         set_rollback()
-        return Response({"errors": exc.errors}, status=getattr(exc, "status_code", 400))
+        return Response({"errors": bounded_errors(exc.errors)}, status=getattr(exc, "status_code", 400))
     response = drf_handler(exc, context)
     if response is None:
         return None
     data = response.data
-    if isinstance(data, dict) and set(data) == {"errors"}:
+    if isinstance(data, dict) and set(data) == {"errors"} and isinstance(data["errors"], dict):
+        response.data = {"errors": bounded_errors(data["errors"])}
         return response
     errors: dict[str, list[str]] = {}
     _flatten(data, "", errors)
-    response.data = {"errors": errors}
+    # Whatever the error quotes back (a parse error's excerpt, a hostile value) stays small.
+    response.data = {"errors": bounded_errors(errors)}
     return response

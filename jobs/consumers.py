@@ -16,6 +16,9 @@ import time
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from channels.consumer import get_handler_name
+from django.conf import settings
+
+from trainyard.textdoc import echo
 
 from . import payloads, selectors, tokens
 
@@ -34,10 +37,17 @@ CLUSTER_MIN_INTERVAL_S = 0.5  # node heartbeats and queue changes coalesce to at
 NO_DB_MESSAGES = frozenset({"websocket.receive", "job.telemetry", "job.log"})
 
 
+# Open sockets per user id in this process (one event loop: no lock needed). A per-process count:
+# with N daphne processes a user may hold up to N x the cap.
+_open_sockets: dict[int, int] = {}
+SOCKET_CAP_CODE = 4429  # 4000-4999: application close codes; "429" as in HTTP Too Many Requests
+
+
 class _FlowControlled(AsyncJsonWebsocketConsumer):
     seq = 0
     acked = 0
     auth_groups: tuple[str, ...] = ()
+    _counted_user: int | None = None
 
     async def dispatch(self, message):
         if message["type"] in NO_DB_MESSAGES:
@@ -63,7 +73,7 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         try:
             content = json.loads(text_data) if text_data is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # a frame of 500,000 "[" nests past the parser's recursion
             content = None
         if not isinstance(content, dict) or not isinstance(content.get("type"), str):
             await self.send_json({"type": "error", "error": "expected a JSON object with a string 'type'"})
@@ -79,7 +89,7 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
         elif kind == "ping":
             await self.send_json({"type": "pong"})
         else:
-            await self.send_json({"type": "error", "error": f"unknown message type {kind!r}"})
+            await self.send_json({"type": "error", "error": f"unknown message type {echo(kind)}"})
 
     async def caught_up(self) -> None:
         """Called after every ack; subclasses send what a congested client missed."""
@@ -102,9 +112,30 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
     async def auth_revoked(self, event):
         await self.close(code=tokens.REVOKED_CLOSE_CODE, reason=str(event.get("reason", ""))[:100])
 
-    async def _deny(self, code: int) -> None:
+    async def _deny(self, code: int, reason: str = "") -> None:
         await self.accept()
-        await self.close(code=code)
+        await self.close(code=code, reason=reason or None)
+
+    async def _claim_socket(self, user) -> bool:
+        """Count this socket against the user's cap (settings.TRAINYARD_MAX_SOCKETS_PER_USER, per web
+        process); past it, close with SOCKET_CAP_CODE and the reason, and return False."""
+        cap = settings.TRAINYARD_MAX_SOCKETS_PER_USER
+        if cap and _open_sockets.get(user.pk, 0) >= cap:
+            await self._deny(SOCKET_CAP_CODE, f"too many open websockets: at most {cap} per user "
+                                              f"(TRAINYARD_MAX_SOCKETS_PER_USER); close another tab")
+            return False
+        _open_sockets[user.pk] = _open_sockets.get(user.pk, 0) + 1
+        self._counted_user = user.pk
+        return True
+
+    def _release_socket(self) -> None:
+        pk, self._counted_user = self._counted_user, None
+        if pk is not None:
+            left = _open_sockets.get(pk, 1) - 1
+            if left > 0:
+                _open_sockets[pk] = left
+            else:
+                _open_sockets.pop(pk, None)
 
 
 class JobConsumer(_FlowControlled):
@@ -121,6 +152,8 @@ class JobConsumer(_FlowControlled):
             lambda: selectors.jobs_visible_to(user).filter(pk=self.job_id).exists())()
         if not visible:
             return await self._deny(4404)
+        if not await self._claim_socket(user):
+            return
         # Join before reading the snapshot: whatever commits in between arrives twice at worst,
         # and clients merge by (attempt, rank, step), so there is never a gap.
         self.group = f"job.{self.job_id}"
@@ -143,6 +176,7 @@ class JobConsumer(_FlowControlled):
 
     async def disconnect(self, code):
         await self.leave_auth_groups()
+        self._release_socket()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -204,6 +238,8 @@ class ClusterConsumer(_FlowControlled):
             return await self._deny(4401)
         if not await self.join_auth_groups(user):
             return await self._deny(tokens.REVOKED_CLOSE_CODE)
+        if not await self._claim_socket(user):
+            return
         await self.channel_layer.group_add("cluster", self.channel_name)
         await self.accept()
         state = await database_sync_to_async(payloads.cluster_state)(user)
@@ -212,6 +248,7 @@ class ClusterConsumer(_FlowControlled):
 
     async def disconnect(self, code):
         await self.leave_auth_groups()
+        self._release_socket()
         await self.channel_layer.group_discard("cluster", self.channel_name)
 
     async def cluster_changed(self, event):

@@ -76,3 +76,10 @@ class TransitionError(Conflict):
     "status"; a checkpoint's refusal names "checkpoint"."""
 
     field = "status"
+
+
+class TooManyRequests(DomainError):
+    """429: a per-user limit is reached (queued jobs: TRAINYARD_MAX_QUEUED_JOBS_PER_USER); the
+    message says which limit and how to get under it."""
+
+    status_code = 429

@@ -15,8 +15,9 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from . import selectors, services
-from .errors import TransitionError
+from .errors import TooManyRequests, TransitionError
 from .payloads import checkpoint_dict, event_dict
+from .throttles import submit_refusal
 from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
 from .models import Job, MetricSample, Node, QuotaChange
 from trainyard.spec import SpecError, parse_text
@@ -134,12 +135,18 @@ def _eta_text(when, now) -> str:
 def job_new(request):
     form = JobSubmitForm(request.POST or None)
     errors: dict[str, list[str]] = {}
+    status = 400
     if request.method == "POST":
-        if form.is_valid():
+        refusal = submit_refusal(request)
+        if refusal is not None:
+            errors, status = {"spec": [refusal]}, 429
+        elif form.is_valid():
             try:
                 job = services.job_submit(user=request.user, spec=form.cleaned_data["spec"])
             except SpecError as exc:
                 errors = exc.errors
+            except TooManyRequests as exc:
+                errors, status = exc.errors, 429
             else:
                 messages.success(request, f"Job {job.pk} submitted.")
                 return redirect("job-detail", pk=job.pk)
@@ -155,7 +162,7 @@ def job_new(request):
         "form": form, "groups": field_groups(parsed, inline), "other_errors": other, "has_errors": bool(errors),
         "inline_errors": bool(inline),
         "demo_spec": DEMO_SPEC,
-    }, status=400 if request.method == "POST" else 200)
+    }, status=status if request.method == "POST" else 200)
 
 
 def _visible_job(request, pk: int) -> Job:

@@ -12,6 +12,29 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The abuse limits (issue 15) at values no functional test reaches, for this process and every web,
+# relay or worker process a test starts with a copy of this environment; the tests about the limits
+# set their own (tests/control/test_abuse_limits.py). An explicit environment still wins.
+GENEROUS_LIMITS = {
+    "TRAINYARD_THROTTLE_ANON": "1000000/min", "TRAINYARD_THROTTLE_USER": "1000000/min",
+    "TRAINYARD_THROTTLE_SUBMIT": "1000000/min", "TRAINYARD_LOGIN_FAILURE_LIMIT": "1000",
+    "TRAINYARD_MAX_QUEUED_JOBS_PER_USER": "0", "TRAINYARD_MAX_SOCKETS_PER_USER": "0",
+}
+for _name, _value in GENEROUS_LIMITS.items():
+    os.environ.setdefault(_name, _value)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _generous_limits_in_process():
+    """The same for this process: pytest-django reads Django's settings before this file sets the
+    environment, so they are set here too (a test's `settings` fixture still overrides them)."""
+    from django.conf import settings
+
+    settings.TRAINYARD_THROTTLE_ANON = settings.TRAINYARD_THROTTLE_USER = None
+    settings.TRAINYARD_THROTTLE_SUBMIT = None
+    settings.AXES_FAILURE_LIMIT = 1000
+    settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER = settings.TRAINYARD_MAX_SOCKETS_PER_USER = 0
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:

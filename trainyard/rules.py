@@ -13,8 +13,32 @@ class SpecError(Exception):
     """A spec that cannot be accepted: `.errors` maps dotted field paths to messages (HTTP 400)."""
 
     def __init__(self, errors: dict[str, list[str]]):
+        errors = bounded_errors(errors)
         super().__init__("; ".join(f"{k}: {' '.join(v)}" for k, v in errors.items()))
         self.errors = errors
+
+
+# An error report is sent back to whoever sent the input: its size must not grow with the input
+# (a message quoting a hostile value, one error per item of a million-item list).
+MAX_ERROR_FIELDS = 50
+MAX_MESSAGES_PER_FIELD = 10
+MAX_MESSAGE_CHARS = 500
+
+
+def bounded_errors(errors: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`errors` (field path -> messages) cut to at most MAX_ERROR_FIELDS paths, MAX_MESSAGES_PER_FIELD
+    messages each and MAX_MESSAGE_CHARS characters per path and message."""
+    def cut(text: Any) -> str:
+        text = str(text)
+        return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
+
+    out: dict[str, list[str]] = {}
+    for path, msgs in list(errors.items())[:MAX_ERROR_FIELDS]:
+        msgs = [msgs] if isinstance(msgs, str) else list(msgs)
+        out[cut(path)] = [cut(m) for m in msgs[:MAX_MESSAGES_PER_FIELD]]
+    if len(errors) > MAX_ERROR_FIELDS:
+        out["spec"] = [*out.get("spec", []), f"... and {len(errors) - MAX_ERROR_FIELDS} more fields with errors"]
+    return out
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, Validati
 from .mesh import param_count
 from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
 from .spec_parallel import MAX_STEPS, CommSpec, ParallelSpec
+from .textdoc import DocError, load_text
 from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
 # Upper bounds that catch typos (hidden: 1280000) before they become an OOM on a node.
@@ -247,7 +248,7 @@ class TrainSpec(_Strict):
                               description="samples per optimizer step over all ranks; divisible by "
                                           "dp x grad_accum")
     lr: float = Field(1.0e-3, gt=0, le=10, description="peak learning rate (AdamW)")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up from 0 to lr; at most steps")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warm-up from 0 to lr; at most steps")
     lr_schedule: Literal["constant", "cosine"] = Field("constant",
                                                        description="after warm-up: constant, or cosine decay to 0")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seeds the model's initialisation and the data order")
@@ -274,7 +275,7 @@ class ResourcesSpec(_Strict):
 class CheckpointSpec(_Strict):
     """When the runtime saves, and how many complete checkpoints the control plane keeps."""
 
-    every_steps: int = Field(50, ge=1, description="save after every this many steps (and after the last)")
+    every_steps: int = Field(50, ge=1, le=MAX_STEPS, description="save after every this many steps (and after the last)")
     async_: bool = Field(True, alias="async", description="save in the background while training goes on")
     keep: int = Field(3, ge=1, le=1000, description="complete checkpoints kept; older ones are deleted")
     pinned_host_fraction: float = Field(
@@ -437,23 +438,12 @@ def data_path_problem(path: str, data_root: Path) -> str | None:
 
 
 def parse_text(text: str) -> Any:
-    """JSON or YAML text from a form or CLI; YAML safe_load only (no arbitrary objects)."""
-    import json
-
-    import yaml
-
+    """JSON or YAML text from a form or CLI, bounded before and while parsing (trainyard/textdoc.py:
+    size, depth, no YAML anchors or aliases, no objects); SpecError at "spec" otherwise."""
     text = text.strip()
     if not text:
         raise SpecError({"spec": ["the spec is empty"]})
     try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    except RecursionError:
-        raise SpecError({"spec": ["the spec nests too deeply"]}) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError({"spec": [f"neither valid JSON nor YAML: {exc}"]}) from None
-    except RecursionError:
-        raise SpecError({"spec": ["the spec nests too deeply"]}) from None
+        return load_text(text)
+    except DocError as exc:
+        raise SpecError({"spec": [str(exc)]}) from None

@@ -11,7 +11,10 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .textdoc import echo
+
 MAX_STEPS = 10_000_000  # train.steps and comm.start_step (a step number) are at most this
+MAX_WORLD = 4096 * 64  # resources.nodes x procs_per_node at most: no mesh dimension exceeds it
 
 
 class _Strict(BaseModel):  # the JobSpec sections' base (spec._Strict): unknown keys are errors
@@ -21,9 +24,9 @@ class _Strict(BaseModel):  # the JobSpec sections' base (spec._Strict): unknown 
 class ParallelSpec(_Strict):
     """How the ranks split the work: dp x tp x pp = world size, optionally FSDP-sharded."""
 
-    dp: int | None = Field(None, ge=1, description="defaults to world size / (tp * pp)")
-    tp: int = Field(1, ge=1, description="tensor parallel: ranks splitting each block's heads and MLP columns")
-    pp: int = Field(1, ge=1, description="pipeline parallel: stages, each holding consecutive blocks")
+    dp: int | None = Field(None, ge=1, le=MAX_WORLD, description="defaults to world size / (tp * pp)")
+    tp: int = Field(1, ge=1, le=MAX_WORLD, description="tensor parallel: ranks splitting each block's heads and MLP columns")
+    pp: int = Field(1, ge=1, le=MAX_WORLD, description="pipeline parallel: stages, each holding consecutive blocks")
     fsdp: bool = Field(False, description="shard parameters, gradients and optimizer state over dp (FSDP2)")
     microbatches: int = Field(4, ge=1, le=1024, description="pp: micro-batches per step of each replica")
     schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="pp: the pipeline schedule")
@@ -40,8 +43,8 @@ class ParallelSpec(_Strict):
 class Periods(_Strict):
     """comm.sync hierarchical: how often the models are averaged within a node and globally."""
 
-    node: int = Field(2, ge=1, description="steps between averages among a node's ranks")
-    global_: int = Field(8, ge=1, alias="global",
+    node: int = Field(2, ge=1, le=MAX_STEPS, description="steps between averages among a node's ranks")
+    global_: int = Field(8, ge=1, le=MAX_STEPS, alias="global",
                          description="steps between averages over all ranks; a multiple of node, larger")
 
 
@@ -59,7 +62,7 @@ class CommSpec(_Strict):
     sync: Literal["allreduce", "local_sgd", "hierarchical"] = Field(
         "allreduce", description="allreduce: every step's gradients; local_sgd / hierarchical: average "
                                  "whole models every few steps")
-    period: int = Field(4, ge=1, description="local_sgd: steps between model averages (after start_step)")
+    period: int = Field(4, ge=1, le=MAX_STEPS, description="local_sgd: steps between model averages (after start_step)")
     periods: Periods = Field(Periods(), description="hierarchical: the node and global averaging periods")
 
     @field_validator("ratio", mode="before")
@@ -74,5 +77,5 @@ class CommSpec(_Strict):
             ok = False
         if not ok:
             raise ValueError(f"ratio must be a fraction in (0, 1] (the share of each gradient bucket "
-                             f"top-k sends) or 'auto', got {v!r}")
+                             f"top-k sends) or 'auto', got {echo(v)}")
         return float(v)

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 
 from .. import autoplan, dispatch, selectors, selectors_knowledge
-from ..errors import RollbackCheckpointError, TransitionError
+from ..errors import RollbackCheckpointError, TooManyRequests, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
 from ..policy import planner, predictor, profiling, scheduling
@@ -25,9 +25,21 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
 
 
+def _check_queued_cap(user) -> None:
+    # One user must not fill the queue (and the scheduler's every tick) for everyone: checked before
+    # the spec is even parsed. Two submits racing may both pass; the cap is a bound, not an exact count.
+    cap = settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER
+    if cap and Job.objects.filter(owner=user, status=Job.Status.QUEUED).count() >= cap:
+        raise TooManyRequests({"spec": [f"you already have {cap} queued jobs, the most one user may have "
+                                        f"waiting (TRAINYARD_MAX_QUEUED_JOBS_PER_USER); cancel one or wait "
+                                        f"until one starts"]})
+
+
 def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
-    created) on bad input, or when the cluster could never run it."""
+    created) on bad input, or when the cluster could never run it; TooManyRequests (429) when the
+    user already has TRAINYARD_MAX_QUEUED_JOBS_PER_USER jobs waiting."""
+    _check_queued_cap(user)
     parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
     code_errors = code_problems(parsed)
     if code_errors:

@@ -186,6 +186,8 @@ def test_submit_errors(server, tmp_path, monkeypatch):
         "error: job refused: model.kind: Input should be 'gpt' or 'mlp' (HTTP 400)"
     bad.write_text("name: x\nmodel: {kind: [\n")
     assert one_error_line(run("submit", str(bad))).startswith(f"error: {bad} is not valid YAML at line 3")
+    bad.write_text("a: &a [1, 2]\nname: x\nconfig: {b: *a}\n")  # issue 15: no alias is expanded
+    assert one_error_line(run("submit", str(bad))).startswith(f"error: {bad}: YAML anchors and aliases")
     bad.write_text("name: x\nconfig: {when: 2026-12-01}\n")
     assert one_error_line(run("submit", str(bad))).startswith(f"error: {bad}: every value must be plain JSON data")
     bad.write_text("- a list\n")

@@ -136,7 +136,7 @@ def test_team_member_and_staff_may_apply_others_may_not_see_it(user, other, staf
 def test_browser_session_needs_csrf(user, nodes, ckpt_root):
     job, _ = comm_bound_job(user, ckpt_root)
     c = APIClient(enforce_csrf_checks=True)
-    c.login(username="alice", password="pw-alice-123")
+    c.force_login(user)
     r = c.post(f"/api/v1/jobs/{job.pk}/apply_recommendation/", {}, format="json")
     assert r.status_code == 403 and Job.objects.get(pk=job.pk).status == "RUNNING"
 

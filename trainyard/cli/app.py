@@ -96,20 +96,28 @@ def login(url, token, username):
             click.echo(f"note: {name} is set and overrides the saved value", err=True)
 
 
-def _load_spec(path: str) -> dict:
-    import yaml
+def _load_doc(path: str, where: str, text: str | None = None):
+    """The YAML (or JSON) document in `path` (or `text`), bounded like the server's
+    (trainyard/textdoc.py: size, depth, no anchors or aliases), or CliError."""
+    from trainyard.textdoc import DocError, load_yaml
 
     try:
-        with open(path, encoding="utf-8") as f:
-            spec = yaml.safe_load(f)
+        if text is None:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        return load_yaml(text)
     except OSError as exc:
         raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise CliError(f"{path} is not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    except DocError as exc:
+        if exc.where is not None:
+            raise CliError(f"{where} is not valid YAML{exc.where}: {exc.problem}") from None
+        raise CliError(f"{where}: {exc}") from None
     except UnicodeDecodeError:
-        raise CliError(f"{path} is not UTF-8 text") from None
+        raise CliError(f"{where} is not UTF-8 text") from None
+
+
+def _load_spec(path: str) -> dict:
+    spec = _load_doc(path, path)
     if not isinstance(spec, dict):
         raise CliError(f"{path}: a JobSpec is a YAML mapping (name: ..., model: ... or entrypoint: ...)")
     try:
@@ -255,22 +263,9 @@ def logs(job_id, follow, rank, attempt):
 
 def _load_request(path: str) -> dict:
     """A plan request from FILE or stdin ("-"): JSON (or YAML, its superset)."""
-    import yaml
 
     where = "stdin" if path == "-" else path
-    try:
-        if path == "-":
-            text = sys.stdin.read()
-        else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        data = yaml.safe_load(text)
-    except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CliError(f"{where} is not valid JSON or YAML: {getattr(exc, 'problem', None) or exc}") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{where} is not UTF-8 text") from None
+    data = _load_doc(path, where, sys.stdin.read() if path == "-" else None)
     if not isinstance(data, dict):
         raise CliError(f"{where}: a plan request is an object {{model, cluster, global_batch, precision?, fix?}}")
     return data
