@@ -258,7 +258,10 @@ class Relay:
                 live_logs.append(p.data)
                 logs.extend(orjson.dumps({"rank": p.data.get("rank"), "attempt": p.data.get("attempt"),
                                           "stream": p.data.get("stream"), "line": line}) for line in p.data["lines"])
-        self.fan_out(list(per_job.values()))
+        try:  # committed: nothing from here on may make the round run (and apply) again
+            self.fan_out(list(per_job.values()))
+        except Exception:
+            log.exception("fan-out of a committed round failed; its entries are acknowledged anyway")
         pipe = self.r.pipeline(transaction=False)
         for job_id, _, _, logs in per_job.values():
             if logs:
