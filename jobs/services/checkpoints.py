@@ -49,13 +49,19 @@ def checkpoint_states(job: Job) -> list[ckpt_policy.CheckpointState]:
 
 
 def resume_checkpoint(job: Job) -> Checkpoint | None:
-    """The checkpoint the next attempt loads; one whose directory vanished (deleted by hand) is
-    written off instead of failing the attempt on a missing path."""
+    """The checkpoint the next attempt loads: only a complete one inside the job's checkpoint
+    directory (checkpoint_verify); one whose directory vanished (deleted by hand) or changed is
+    written off instead of failing the attempt on a missing path or loading from elsewhere."""
     while (point := ckpt_policy.resume_point(checkpoint_states(job))) is not None:
         c = Checkpoint.objects.get(pk=point.id)
-        if Path(c.path).is_dir():
+        if c.attempt_id is not None:
+            why = checkpoint_verify(job.pk, c.attempt_id, c.step, c.path)[1]
+        else:  # registered before checkpoints named their attempt: inside the job's directory at least
+            inside = Path(c.path).resolve().parent == _job_checkpoint_dir(job.pk)
+            why = "" if inside and Path(c.path).is_dir() else f"{c.path} is not a directory inside the job's"
+        if not why:
             return c
-        log.warning("checkpoint %s of job %s is missing on disk (%s): skipping it", c.pk, job.pk, c.path)
+        log.warning("checkpoint %s of job %s cannot be resumed from (%s): skipping it", c.pk, job.pk, why)
         Checkpoint.objects.filter(pk=c.pk).update(deleted_at=timezone.now())
         checkpoint_publish(c)
     return None

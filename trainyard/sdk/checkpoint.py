@@ -73,6 +73,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
@@ -132,6 +134,22 @@ def saveable(state: dict) -> dict:
         else:
             out[name] = obj
     return out
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that the non-tensor values of a checkpoint (the trainer's
+    dict, the optimizer's hyperparameters) are read with torch.load(weights_only=True), as DCP
+    already reads its tensors: DefaultLoadPlanner.load_bytes unpickles them with
+    weights_only=False, so a crafted checkpoint could run code in every rank that resumed it.
+    What the SDK saves (ints, floats, bools, strings, tuples, None, tensors) loads this way; a
+    plain value of a custom class in the caller's state does not (save its state_dict instead)."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def load_into(state: dict, loaded: dict) -> None:
@@ -393,7 +411,9 @@ class Checkpointer:
                 manifest = {"format": FORMAT, "job_id": self.job_id, "attempt_id": self.attempt_id,
                             "step": record.step, "world_size": self.world_size,
                             "created_unixtime": time.time(), "size_bytes": dir_size(record.partial),
-                            "blocking_s": record.blocking_s, "save_s": record.save_s}
+                            "blocking_s": record.blocking_s, "save_s": record.save_s,
+                            # what the control plane checks before it registers the checkpoint
+                            "files": {p.name: p.stat().st_size for p in record.partial.iterdir() if p.is_file()}}
                 record.path = publish(record.partial, manifest)
                 self.reporter.event("checkpoint", step=record.step, path=str(record.path),
                                     size_bytes=manifest["size_bytes"],
@@ -450,7 +470,7 @@ class Checkpointer:
         self.wait()  # loading overwrites the state a save in flight may still be copying
         step = int(read_manifest(path)["step"])
         loaded = saveable(state)  # the shapes DCP loads into, in place
-        dcp.load(loaded, checkpoint_id=path, process_group=self.group)
+        dcp.load(loaded, checkpoint_id=path, process_group=self.group, planner=SafeLoadPlanner())
         load_into(state, loaded)
         rng_file = Path(path) / f"rank-{self.rank}.pt"
         restored = rng_file.is_file()

@@ -96,11 +96,16 @@ def parse_launch_config(raw: Any) -> LaunchConfig:
             raise ConfigError(f"launch config is missing key {key!r}")
     resume = parse_resume(raw.get("resume"))  # its own messages, before pydantic wraps them
     try:
-        return LaunchConfig.model_validate({**raw, "resume": resume})
+        cfg = LaunchConfig.model_validate({**raw, "resume": resume})
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         where = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"launch config {where}: {err['msg']}") from None
+    if cfg.resume is not None:
+        from .layout import resume_inside  # layout imports this module
+
+        resume_inside(cfg.resume.path, cfg.checkpoint_dir)
+    return cfg
 
 
 def load_launch_config(path: str | Path | None = None) -> LaunchConfig:

@@ -23,7 +23,7 @@ from .config import ConfigError, ResumeConfig
 FORMAT = 1
 PARTIAL = ".partial-"
 MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "created_unixtime",
-                 "size_bytes", "blocking_s", "save_s")
+                 "size_bytes", "blocking_s", "save_s", "files")
 
 
 def final_name(step: int, attempt_id: int) -> str:
@@ -84,6 +84,16 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ConfigError(f"resume.path {path}: {MANIFEST} is not format {FORMAT}: {manifest!r}")
     return manifest
+
+
+def resume_inside(path: Path, checkpoint_dir: Path) -> Path:
+    """`path`, resolved, when it is a checkpoint directory right inside the job's `checkpoint_dir`
+    (symlinks resolved, no `..`); ConfigError otherwise: a rank loads only its own job's files."""
+    raw = Path(path)
+    resolved, home = raw.resolve(), Path(checkpoint_dir).resolve()
+    if ".." in raw.parts or resolved.parent != home or raw.is_symlink():
+        raise ConfigError(f"resume.path {raw} is not a checkpoint directory inside {home}")
+    return resolved
 
 
 def resume_manifest(resume: ResumeConfig) -> dict:
