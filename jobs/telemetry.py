@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import orjson
 import redis
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections
+from django.db import InterfaceError, OperationalError, connection
 
 from trainyard import keys
 
@@ -372,7 +372,8 @@ class Relay:
             except (OperationalError, InterfaceError) as exc:
                 self._stats_delta["db_retries_total"] += 1
                 log.warning("database error (%s); retrying in %.2f s", exc, delay)
-                close_old_connections()  # drops a connection that broke (PostgreSQL restarted)
+                if not connection.in_atomic_block and not connection.is_usable():
+                    connection.close()  # a broken connection (PostgreSQL restarted): the retry reconnects
                 deadline = time.monotonic() + delay
                 while self.running and time.monotonic() < deadline:
                     time.sleep(min(0.05, delay))
