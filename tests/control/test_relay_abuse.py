@@ -63,7 +63,7 @@ def drained(r, *streams):
     return all(r.xlen(s) == 0 and r.xpending(s, RELAY_GROUP)["pending"] == 0 for s in streams)
 
 
-def test_malformed_entries_are_dead_lettered_and_the_relay_keeps_applying(user, nodes, bus, relay_for):
+def test_malformed_entries_are_dead_lettered_and_the_relay_keeps_applying(user, staff, nodes, bus, relay_for, client):
     job = submit(user)
     attempt = start(job)
     stream = job_stream(job.pk)
@@ -91,6 +91,15 @@ def test_malformed_entries_are_dead_lettered_and_the_relay_keeps_applying(user, 
     assert "trainyard_relay_deadletter_total 6" in rendered, [x for x in rendered.splitlines() if "dead" in x]
     job.refresh_from_db()
     assert job.step == 3
+    # staff read them on a page of their own; nobody else does
+    assert client.get("/relay/dead-letters/").status_code == 302
+    client.force_login(user)
+    assert client.get("/relay/dead-letters/").status_code == 403
+    client.force_login(staff)
+    page = client.get("/relay/dead-letters/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert html.count("<tr data-id=") == 6 and "unknown entry type &#x27;gossip&#x27;" in html
 
 
 def test_a_forged_sample_or_event_for_job_b_on_job_a_stream_changes_nothing_on_b(user, nodes, bus, relay_for):
