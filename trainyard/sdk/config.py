@@ -68,6 +68,16 @@ class LaunchConfig(BaseModel):
             raise ConfigError(f"launch config spec: {e}") from None
 
 
+def resume_inside(path: Path, checkpoint_dir: Path) -> Path:
+    """`path`, resolved, when it is a checkpoint directory right inside the job's `checkpoint_dir`
+    (symlinks resolved, no `..`); ConfigError otherwise: a rank loads only its own job's files."""
+    raw = Path(path)
+    resolved, home = raw.resolve(), Path(checkpoint_dir).resolve()
+    if ".." in raw.parts or resolved.parent != home or raw.is_symlink():
+        raise ConfigError(f"resume.path {raw} is not a checkpoint directory inside {home}")
+    return resolved
+
+
 def parse_resume(raw: Any) -> ResumeConfig | None:
     """The `resume` key: null, or a complete checkpoint's absolute path and step."""
     if raw is None or isinstance(raw, ResumeConfig):
@@ -102,8 +112,6 @@ def parse_launch_config(raw: Any) -> LaunchConfig:
         where = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"launch config {where}: {err['msg']}") from None
     if cfg.resume is not None:
-        from .layout import resume_inside  # layout imports this module
-
         resume_inside(cfg.resume.path, cfg.checkpoint_dir)
     return cfg
 

@@ -86,16 +86,6 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def resume_inside(path: Path, checkpoint_dir: Path) -> Path:
-    """`path`, resolved, when it is a checkpoint directory right inside the job's `checkpoint_dir`
-    (symlinks resolved, no `..`); ConfigError otherwise: a rank loads only its own job's files."""
-    raw = Path(path)
-    resolved, home = raw.resolve(), Path(checkpoint_dir).resolve()
-    if ".." in raw.parts or resolved.parent != home or raw.is_symlink():
-        raise ConfigError(f"resume.path {raw} is not a checkpoint directory inside {home}")
-    return resolved
-
-
 def resume_manifest(resume: ResumeConfig) -> dict:
     """Check the resume point before the rendezvous, so a bad path fails fast and clearly."""
     manifest = read_manifest(resume.path)

@@ -23,8 +23,8 @@ from trainyard.keys import preempt_key
 from trainyard.spec import CheckpointSpec, JobSpec
 
 from .checkpoint import Checkpointer
-from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config
-from .layout import latest_checkpoint, resume_inside, resume_manifest
+from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config, resume_inside
+from .layout import latest_checkpoint, resume_manifest
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
 
