@@ -494,7 +494,9 @@ def test_a_killed_job_resumes_from_its_checkpoint_with_the_same_losses(tmp_path,
         assert manifest == {"format": 1, "job_id": 7, "attempt_id": 9, "step": e["step"],
                             "world_size": 2, "created_unixtime": manifest["created_unixtime"],
                             "size_bytes": e["size_bytes"], "blocking_s": e["blocking_s"],
-                            "save_s": e["save_s"]}
+                            "save_s": e["save_s"], "files": manifest["files"]}
+        # every file but the manifest, with its size: what the control plane checks before registering
+        assert manifest["files"] == {p.name: p.stat().st_size for p in path.iterdir() if p.name != ck.MANIFEST}
         assert abs(manifest["created_unixtime"] - time.time()) < 120
         assert e["size_bytes"] == ck.dir_size(path) - (path / ck.MANIFEST).stat().st_size > 1e6
         assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in path.iterdir()}
