@@ -15,6 +15,13 @@ the live Redis list and, every STATS_EVERY_S,
 bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
 under load a round takes longer than that and so reads more: batches grow with the rate
 instead of the relay falling behind at a fixed batch size.
+
+Nothing on the bus stops the relay: every entry passes jobs/entries.py's schema and must name
+only attempts of the job whose stream carried it (a checkpoint report also a complete
+checkpoint on disk) before anything is applied; the rest goes to keys.DEADLETTER_STREAM with the
+reason (staff: /relay/dead-letters/, /metrics: trainyard_relay_deadletter_total). Database errors
+are retried with backoff (the transaction rolled back, so the round commits once); an entry that
+raises otherwise is dead-lettered after POISON_TRIES tries, and run_forever survives any error.
 """
 from __future__ import annotations
 
@@ -311,7 +318,7 @@ class Relay:
                     continue
                 parsed.append(Parsed(stream, job_id, entry_id, fields, kind, data))
         named = [entries.entry_attempts(p.kind, p.data) for p in parsed]
-        jobs, owners = services.telemetry_owners({p.job_id for p in parsed}, set().union(*named))
+        jobs, owners = self._retry_db(lambda: services.telemetry_owners({p.job_id for p in parsed}, set().union(*named)))
         ok = []
         for p, attempts in zip(parsed, named):
             if p.job_id not in jobs:

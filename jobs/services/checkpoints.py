@@ -119,7 +119,10 @@ def checkpoint_verify(job_id: int, attempt_id: int, step: object, path: object) 
     job_dir = _job_checkpoint_dir(job_id)
     if not raw.is_absolute() or ".." in raw.parts:
         return None, f"checkpoint path {path[:200]} is not an absolute path without '..'"
-    resolved = raw.resolve()
+    try:
+        resolved = raw.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable directory
+        return None, f"checkpoint path {path[:200]} cannot be resolved: {str(exc)[:200]}"
     if resolved.parent != job_dir or raw.is_symlink():
         return None, f"checkpoint path {path[:200]} is not a directory inside {job_dir}"
     if resolved.name != keys.step_dir_name(step, attempt_id):
