@@ -253,7 +253,7 @@ class Relay:
         job's attempt, reports a checkpoint that is not on disk or raises when applied goes to the
         dead-letter stream; a database error is retried (the round is then committed once)."""
         t0 = time.monotonic()
-        self._round = [(stream, e[0]) for stream, entries in read for e in entries]
+        self._round = [(stream, e[0]) for stream, got in read for e in got]
         ok, dead = self.sort(read)
         ok = self.apply(ok, dead)
         per_job: dict[int, tuple[int, list[dict], list[dict], list[bytes]]] = {}
@@ -274,11 +274,14 @@ class Relay:
             if logs:
                 pipe.rpush(keys.job_log_key(job_id), *logs)
                 pipe.ltrim(keys.job_log_key(job_id), -LOG_KEEP_LINES, -1)
-        for stream, entry_id, fields, reason in dead:
-            log.warning("dead-lettered entry %s of %s: %s", entry_id, stream, reason)
+        for i, (stream, entry_id, fields, reason) in enumerate(dead):
+            if i < 3:  # a flood of bad entries must not flood the log: the stream has them all
+                log.warning("dead-lettered entry %s of %s: %s", entry_id, stream[:200], reason)
             entries.dead_letter(pipe, stream, entry_id, fields, reason)
         if dead:
             pipe.hincrby(keys.RELAY_STATS_KEY, "deadletter_total", len(dead))
+            if len(dead) > 3:
+                log.warning("dead-lettered %d more entries this round", len(dead) - 3)
         for stream, stream_entries in read:
             ids = [e[0] for e in stream_entries]
             pipe.xack(stream, keys.RELAY_GROUP, *ids)
