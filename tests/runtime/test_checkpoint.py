@@ -9,6 +9,7 @@ C's losses at steps 6..12 must equal A's exactly (bit for bit, asserted with ==)
 """
 import json
 import os
+import pickle
 import random
 import signal
 import threading
@@ -305,8 +306,12 @@ def test_loading_a_checkpoint_never_unpickles_code(tmp_path, one_rank):
         saver.load_state(path, {"model": model, "optim": opt, "trainer": {}, "extra": None}, seed=0)
     assert "Weights only load failed" in str(raised.value) and RAN == []
     state = {"model": model, "optim": opt, "trainer": {"step": -1, "lr": 0.0, "betas": (0.0, 0.0)}}
-    saver.load_state(path, state, seed=0)  # what the SDK itself saves loads as weights only
+    saver.load_state(path, state, seed=0)  # what the SDK itself saves (and DCP's .metadata) loads
     assert state["trainer"] == {"step": 3, "lr": 0.1, "betas": (0.9, 0.99)} and RAN == []
+    (path / ".metadata").write_bytes(pickle.dumps(Crafted()))  # DCP unpickles .metadata with pickle.load
+    with pytest.raises(CheckpointException) as raised:
+        saver.load_state(path, state, seed=0)
+    assert "may not name tests.runtime.test_checkpoint._ran_on_load" in str(raised.value) and RAN == []
 
 
 class GatedStager(DefaultStager):

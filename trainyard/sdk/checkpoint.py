@@ -73,13 +73,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
+from .safeload import SafeFileSystemReader, SafeLoadPlanner
 from .layout import (FORMAT, MANIFEST_KEYS, PARTIAL, dir_size, final_name, fsync_dir, is_due,  # noqa: F401
                      latest_checkpoint, partial_name, publish, read_manifest, remove_stale_partials,
                      resume_manifest)
@@ -134,22 +133,6 @@ def saveable(state: dict) -> dict:
         else:
             out[name] = obj
     return out
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, except that the non-tensor values of a checkpoint (the trainer's
-    dict, the optimizer's hyperparameters) are read with torch.load(weights_only=True), as DCP
-    already reads its tensors: DefaultLoadPlanner.load_bytes unpickles them with
-    weights_only=False, so a crafted checkpoint could run code in every rank that resumed it.
-    What the SDK saves (ints, floats, bools, strings, tuples, None, tensors) loads this way; a
-    plain value of a custom class in the caller's state does not (save its state_dict instead)."""
-
-    def load_bytes(self, read_item, value) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def load_into(state: dict, loaded: dict) -> None:
@@ -470,7 +453,9 @@ class Checkpointer:
         self.wait()  # loading overwrites the state a save in flight may still be copying
         step = int(read_manifest(path)["step"])
         loaded = saveable(state)  # the shapes DCP loads into, in place
-        dcp.load(loaded, checkpoint_id=path, process_group=self.group, planner=SafeLoadPlanner())
+        # nothing in a checkpoint is unpickled as code: trainyard/sdk/safeload.py
+        dcp.load(loaded, storage_reader=SafeFileSystemReader(path), process_group=self.group,
+                 planner=SafeLoadPlanner())
         load_into(state, loaded)
         rng_file = Path(path) / f"rank-{self.rank}.pt"
         restored = rng_file.is_file()
