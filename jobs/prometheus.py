@@ -164,6 +164,13 @@ RELAY_COUNTERS = (
      "Log lines the relay appended to the kept files under the artifact root (since it started)."),
     ("log_lines_not_kept_total", "trainyard_relay_log_lines_not_kept_total",
      "Log lines the relay could not keep on disk: the writer was behind or the disk refused (since it started)."),
+    ("deadletter_total", "trainyard_relay_deadletter_total",
+     "Stream entries the relay refused (unparseable, naming another job's attempt, a checkpoint not on disk, "
+     "raising when applied) and moved to the dead-letter stream."),
+    ("db_retries_total", "trainyard_relay_db_retries_total",
+     "Rounds the relay retried after a database error (locked, connection lost)."),
+    ("orphaned_total", "trainyard_relay_orphaned_entries_total",
+     "Stream entries of deleted jobs the relay acknowledged and dropped."),
 )
 RELAY_GAUGES = (
     ("last_batch_unixtime", "trainyard_relay_last_batch_timestamp_seconds", "Unix time of the last committed batch."),
@@ -190,6 +197,7 @@ def collect_relay(exp: Exposition) -> None:
             if first:
                 ms = int(first[0][0].split(b"-")[0])
                 oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
+        dead_letters = r.xlen(keys.DEADLETTER_STREAM)
         pipe = r.pipeline(transaction=False)
         for key in streams:
             pipe.xpending(key, keys.RELAY_GROUP)
@@ -207,6 +215,8 @@ def collect_relay(exp: Exposition) -> None:
     exp.add("trainyard_relay_streams", "gauge", "Job telemetry streams in Redis.", len(streams))
     exp.add("trainyard_relay_backlog_entries", "gauge",
             "Entries in job streams not yet committed and acknowledged by the relay.", backlog)
+    exp.add("trainyard_relay_deadletter_entries", "gauge",
+            "Entries in the dead-letter stream (capped; staff read them at /relay/dead-letters/).", dead_letters)
     exp.add("trainyard_relay_pending_entries", "gauge", "Entries read by the relay but not yet acknowledged.",
             pending)
     # Entry ids are Redis-clock milliseconds, and the relay deletes entries after commit: the oldest

@@ -15,6 +15,13 @@ the live Redis list and, every STATS_EVERY_S,
 bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
 under load a round takes longer than that and so reads more: batches grow with the rate
 instead of the relay falling behind at a fixed batch size.
+
+Nothing on the bus stops the relay: every entry passes jobs/entries.py's schema and must name
+only attempts of the job whose stream carried it (a checkpoint report also a complete
+checkpoint on disk) before anything is applied; the rest goes to keys.DEADLETTER_STREAM with the
+reason (staff: /relay/dead-letters/, /metrics: trainyard_relay_deadletter_total). Database errors
+are retried with backoff (the transaction rolled back, so the round commits once); an entry that
+raises otherwise is dead-lettered after POISON_TRIES tries, and run_forever survives any error.
 """
 from __future__ import annotations
 
@@ -24,13 +31,16 @@ import signal
 import threading
 import time
 
+from typing import Any, NamedTuple
+
 import orjson
 import redis
 from django.conf import settings
+from django.db import InterfaceError, OperationalError, connection
 
 from trainyard import keys
 
-from . import services
+from . import entries, services
 from .keptlogs import LogKeeper, Lines
 from .models import Job
 
@@ -41,6 +51,24 @@ MIN_ROUND_S = 0.02  # rounds start at most 50 times a second: <= 20 ms of added 
 # Samples per websocket message: ~330 bytes each as JSON, so 500 stay far below daphne's 1 MiB
 # message limit (autobahn closes a socket that is sent more) and a browser parses one in ~2 ms.
 PUBLISH_MAX_SAMPLES = 500
+POISON_TRIES = 3  # an entry whose processing raised this often is dead-lettered, not re-read forever
+DB_BACKOFF_MIN_S, DB_BACKOFF_MAX_S = 0.05, 2.0
+ERROR_BACKOFF_MAX_S = 5.0
+
+
+class Parsed(NamedTuple):
+    """A stream entry that passed the schema (jobs/entries.py)."""
+
+    stream: str
+    job_id: int
+    entry_id: bytes
+    fields: dict
+    kind: str
+    data: Any
+
+
+class _Abandon(Exception):
+    """Asked to stop while the database refused the round: leave it unacknowledged."""
 
 
 def telemetry_message(samples: list[dict]) -> dict:
@@ -133,7 +161,11 @@ class Relay:
         self.ingested = 0
         self._publish = publish  # callable(group, message); default: a ChannelsPublisher, made on first use
         self._keeper = keeper  # default: a LogKeeper on settings.TRAINYARD_ARTIFACT_ROOT, made on first use
-        self._stats_delta = {"samples_total": 0, "entries_total": 0, "batches_total": 0}
+        self._stats_delta = {"samples_total": 0, "entries_total": 0, "batches_total": 0,
+                             "db_retries_total": 0, "orphaned_total": 0}
+        self._round: list[tuple[str, bytes]] = []  # (stream, id) of the round in progress
+        self._failures: dict[tuple[str, bytes], int] = {}  # rounds that raised, per entry
+        self._last_error = ""
         self._last_batch: dict = {}
         self._stats_written = 0.0
 
@@ -150,31 +182,31 @@ class Relay:
         return self._keeper
 
     def keep_logs(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:
-        """Hand this round's log lines to the disk writer, labelled (job, attempt, rank); lines of a
-        job that no longer exists (deleted) or without an attempt and rank are not kept."""
-        wanted = {job_id for job_id, _, live, _ in per_job if live}
-        if not wanted:
-            return
-        known = set(Job.objects.filter(pk__in=wanted).values_list("pk", flat=True))
+        """Hand this round's log lines to the disk writer, labelled (job, attempt, rank); lines
+        without an attempt and rank are not kept. Every job here exists (checked by `sort`)."""
         lines: Lines = {}
         for job_id, _, live, _ in per_job:
-            for data in live if job_id in known else ():
+            for data in live:
                 attempt, rank = data.get("attempt"), data.get("rank")
-                text = [x for x in data.get("lines") or () if type(x) is str]
-                if type(attempt) is int and type(rank) is int and rank >= 0 and text:
-                    lines.setdefault((job_id, attempt, rank), []).extend(text)
-        self.keeper.submit(lines)
+                if type(attempt) is int and type(rank) is int and data["lines"]:
+                    lines.setdefault((job_id, attempt, rank), []).extend(data["lines"])
+        if lines:
+            self.keeper.submit(lines)
 
     def discover(self) -> None:
         for key in self.r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000):
-            name = key.decode()
+            try:
+                name = key.decode()
+            except UnicodeDecodeError:  # never a job stream's name (and redis-py could not name it back)
+                continue
             if name in self.streams:
                 continue
             try:
                 self.r.xgroup_create(name, keys.RELAY_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+                if "BUSYGROUP" not in str(exc):  # e.g. the key stopped being a stream since SCAN
+                    log.warning("cannot read %s: %s", name[:200], exc)
+                    continue
             # Start from "0": entries this consumer read but never acked (a crash) come back first.
             self.streams[name] = "0"
         self._last_scan = time.monotonic()
@@ -193,13 +225,13 @@ class Relay:
         self._round_start = time.monotonic()
         resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, pending or self.streams, count=self.batch, block=block)
         read = []
-        for stream, entries in resp or []:
+        for stream, got in resp or []:
             stream = stream.decode()
-            if not entries and stream in pending:
+            if not got and stream in pending:
                 self.streams[stream] = ">"  # own pending list drained
                 continue
-            if entries:
-                read.append((stream, entries))
+            if got:
+                read.append((stream, got))
         for s in pending:
             if not any(st.decode() == s for st, _ in resp or []):
                 self.streams[s] = ">"
@@ -216,39 +248,152 @@ class Relay:
         return handled
 
     def handle(self, read: list[tuple[str, list]]) -> int:
-        """Commit, fan out and acknowledge the entries of one XREADGROUP (all streams together)."""
+        """Check, commit, fan out and acknowledge the entries of one XREADGROUP (all streams
+        together). Nothing in an entry can make this raise: what fails the schema, names another
+        job's attempt, reports a checkpoint that is not on disk or raises when applied goes to the
+        dead-letter stream; a database error is retried (the round is then committed once)."""
         t0 = time.monotonic()
-        samples: list[dict] = []
-        events: list[dict] = []
-        per_job: list[tuple[int, list[dict], list[dict], list[bytes]]] = []  # job, samples, live logs, log lines
-        n_entries = 0
-        for stream, entries in read:
-            job_id = keys.stream_job_id(stream)
-            job_samples: list[dict] = []
-            live_logs: list[dict] = []
-            logs: list[bytes] = []
-            for _id, fields in entries:
-                kind = fields.get(b"type", b"")
+        self._round = [(stream, e[0]) for stream, got in read for e in got]
+        ok, dead = self.sort(read)
+        ok = self.apply(ok, dead)
+        per_job: dict[int, tuple[int, list[dict], list[dict], list[bytes]]] = {}
+        for p in ok:
+            _, job_samples, live_logs, logs = per_job.setdefault(p.job_id, (p.job_id, [], [], []))
+            if p.kind == "metrics":
+                job_samples.extend(p.data)
+            elif p.kind == "log":
+                live_logs.append(p.data)
+                logs.extend(orjson.dumps({"rank": p.data.get("rank"), "attempt": p.data.get("attempt"),
+                                          "stream": p.data.get("stream"), "line": line}) for line in p.data["lines"])
+        try:  # committed: nothing from here on may make the round run (and apply) again
+            self.fan_out(list(per_job.values()))
+        except Exception:
+            log.exception("fan-out of a committed round failed; its entries are acknowledged anyway")
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, _, _, logs in per_job.values():
+            if logs:
+                pipe.rpush(keys.job_log_key(job_id), *logs)
+                pipe.ltrim(keys.job_log_key(job_id), -LOG_KEEP_LINES, -1)
+        for i, (stream, entry_id, fields, reason) in enumerate(dead):
+            if i < 3:  # a flood of bad entries must not flood the log: the stream has them all
+                log.warning("dead-lettered entry %s of %s: %s", entry_id, stream[:200], reason)
+            entries.dead_letter(pipe, stream, entry_id, fields, reason)
+        if dead:
+            pipe.hincrby(keys.RELAY_STATS_KEY, "deadletter_total", len(dead))
+            if len(dead) > 3:
+                log.warning("dead-lettered %d more entries this round", len(dead) - 3)
+        for stream, stream_entries in read:
+            ids = [e[0] for e in stream_entries]
+            pipe.xack(stream, keys.RELAY_GROUP, *ids)
+            pipe.xdel(stream, *ids)
+        n_samples = sum(len(j[1]) for j in per_job.values())
+        self._count(n_samples, len(self._round), t0)
+        if time.monotonic() - self._stats_written >= STATS_EVERY_S:
+            self._write_stats(pipe)
+        pipe.execute()
+        for key in self._round:
+            self._failures.pop(key, None)
+        handled, self._round = len(self._round), []
+        self.ingested += n_samples
+        if n_samples and time.monotonic() - self._last_progress > 1.0:
+            self._last_progress = time.monotonic()
+            # progress of running jobs for /ws/cluster/, at most once a second
+            self.publish("cluster", {"type": "cluster.changed", "what": "jobs"})
+        return handled
+
+    def sort(self, read: list[tuple[str, list]]) -> tuple[list[Parsed], list[tuple]]:
+        """(the entries to apply, the dead letters (stream, id, fields, reason)). Entries of a job
+        deleted meanwhile are neither: they are acknowledged and dropped."""
+        parsed: list[Parsed] = []
+        dead: list[tuple] = []
+        for stream, stream_entries in read:
+            job_id = entries.stream_job_id(stream)
+            for entry_id, fields in stream_entries:
+                tries = self._failures.get((stream, entry_id), 0)
                 try:
-                    data = orjson.loads(fields.get(b"data", b"null"))
-                except orjson.JSONDecodeError:
-                    log.warning("dropping malformed entry %s in %s", _id, stream)
+                    if tries >= POISON_TRIES:
+                        raise entries.EntryError(f"processing it failed {tries} times, last: {self._last_error}")
+                    if job_id is None:
+                        raise entries.EntryError(f"stream {stream[:100]!r} is not named {keys.JOB_STREAM_PREFIX}<id>")
+                    kind, data = entries.parse_entry(fields)
+                except entries.EntryError as exc:
+                    dead.append((stream, entry_id, fields, str(exc)))
                     continue
-                if kind == b"metrics" and type(data) is list:
-                    job_samples.extend(d for d in data if type(d) is dict)
-                elif kind == b"event" and type(data) is dict:
-                    events.append(data)
-                elif kind == b"log" and type(data) is dict:
-                    live_logs.append(data)
-                    for line in data.get("lines") or []:
-                        logs.append(orjson.dumps({"rank": data.get("rank"), "attempt": data.get("attempt"),
-                                                  "stream": data.get("stream"), "line": line}))
-            n_entries += len(entries)
-            samples.extend(job_samples)
-            per_job.append((job_id, job_samples, live_logs, logs))
-        if samples or events:
-            services.telemetry_ingest(samples, events=events)  # commits
-        # Fan out only what is committed: a browser never sees a point the database lacks.
+                parsed.append(Parsed(stream, job_id, entry_id, fields, kind, data))
+        named = [entries.entry_attempts(p.kind, p.data) for p in parsed]
+        jobs, owners = self._retry_db(lambda: services.telemetry_owners({p.job_id for p in parsed}, set().union(*named)))
+        ok = []
+        for p, attempts in zip(parsed, named):
+            if p.job_id not in jobs:
+                self._stats_delta["orphaned_total"] += 1
+                continue
+            foreign = sorted(a for a in attempts if owners.get(a) != p.job_id)
+            why = f"attempt {foreign[0]} is not an attempt of job {p.job_id}" if foreign else ""
+            if not why and p.kind == "event" and p.data["kind"] == "checkpoint":
+                why = services.checkpoint_verify(p.job_id, p.data["attempt"], p.data["step"], p.data["path"])[1]
+            if why:
+                dead.append((p.stream, p.entry_id, p.fields, why))
+            else:
+                ok.append(p)
+        return ok, dead
+
+    def apply(self, ok: list[Parsed], dead: list[tuple]) -> list[Parsed]:
+        """Commit the samples and events of `ok` in one transaction; returns the entries applied.
+        If that raises anything but a database error, each entry is applied alone (POISON_TRIES
+        times at most) and the ones that still raise join `dead`."""
+        samples = [s for p in ok if p.kind == "metrics" for s in p.data]
+        events = [p.data for p in ok if p.kind == "event"]
+        if not samples and not events:
+            return ok
+        try:
+            self._retry_db(lambda: services.telemetry_ingest(samples, events=events))
+            return ok
+        except _Abandon:
+            raise
+        except Exception as exc:
+            log.exception("applying %d entries failed (%s); applying them one by one", len(ok), exc)
+        applied = []
+        for p in ok:
+            error = None
+            for _ in range(POISON_TRIES if p.kind != "log" else 0):
+                try:
+                    self._retry_db(lambda p=p: services.telemetry_ingest(
+                        p.data if p.kind == "metrics" else [], events=[p.data] if p.kind == "event" else []))
+                    error = None
+                    break
+                except _Abandon:
+                    raise
+                except Exception as exc:
+                    error = exc
+            if error is None:
+                applied.append(p)
+            else:
+                dead.append((p.stream, p.entry_id, p.fields, f"applying it raised {type(error).__name__}: {error}"))
+        return applied
+
+    def _retry_db(self, fn):
+        """fn() until it does not raise a database error (locked, connection lost): the transaction
+        rolled back, so the retry applies the round exactly once. Backoff doubles up to
+        DB_BACKOFF_MAX_S; a stop request abandons the round unacknowledged (re-read on restart)."""
+        delay = DB_BACKOFF_MIN_S
+        while True:
+            try:
+                return fn()
+            except (OperationalError, InterfaceError) as exc:
+                self._stats_delta["db_retries_total"] += 1
+                log.warning("database error (%s); retrying in %.2f s", exc, delay)
+                if not connection.in_atomic_block and not connection.is_usable():
+                    connection.close()  # a broken connection (PostgreSQL restarted): the retry reconnects
+                deadline = time.monotonic() + delay
+                while self.running and time.monotonic() < deadline:
+                    time.sleep(min(0.05, delay))
+                if not self.running:
+                    raise _Abandon() from exc
+                delay = min(delay * 2, DB_BACKOFF_MAX_S)
+
+    def fan_out(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:
+        """Committed samples and log lines to the job's Channels group and the kept log files:
+        a browser never sees a point the database lacks."""
         publish = self.publish
         for job_id, job_samples, live_logs, _ in per_job:
             group = f"job.{job_id}"
@@ -256,26 +401,8 @@ class Relay:
                 publish(group, telemetry_message(job_samples[i:i + PUBLISH_MAX_SAMPLES]))
             for data in live_logs:
                 publish(group, {"type": "job.log", "rank": data.get("rank"), "attempt": data.get("attempt"),
-                                "stream": data.get("stream", "stdout"), "lines": data.get("lines") or []})
+                                "stream": data.get("stream", "stdout"), "lines": data["lines"]})
         self.keep_logs(per_job)
-        pipe = self.r.pipeline(transaction=False)
-        for (stream, entries), (job_id, _, _, logs) in zip(read, per_job):
-            if logs:
-                pipe.rpush(keys.job_log_key(job_id), *logs)
-                pipe.ltrim(keys.job_log_key(job_id), -LOG_KEEP_LINES, -1)
-            ids = [e[0] for e in entries]
-            pipe.xack(stream, keys.RELAY_GROUP, *ids)
-            pipe.xdel(stream, *ids)
-        self._count(len(samples), n_entries, t0)
-        if time.monotonic() - self._stats_written >= STATS_EVERY_S:
-            self._write_stats(pipe)
-        pipe.execute()
-        self.ingested += len(samples)
-        if samples and time.monotonic() - self._last_progress > 1.0:
-            self._last_progress = time.monotonic()
-            # progress of running jobs for /ws/cluster/, at most once a second
-            publish("cluster", {"type": "cluster.changed", "what": "jobs"})
-        return n_entries
 
     def _count(self, samples: int, entries: int, t0: float) -> None:
         d = self._stats_delta
@@ -302,8 +429,9 @@ class Relay:
         """Forget drained streams of finished jobs (the stream key itself stays until empty)."""
         self._last_gc = time.monotonic()
         for stream in list(self.streams):
-            job_id = keys.stream_job_id(stream)
-            done = Job.objects.filter(pk=job_id, status__in=Job.TERMINAL).exists()
+            job_id = entries.stream_job_id(stream)
+            # a stream no job owns (misnamed, or its job deleted) goes once drained, like a finished job's
+            done = job_id is None or not Job.objects.filter(pk=job_id).exclude(status__in=Job.TERMINAL).exists()
             if done and self.r.xlen(stream) == 0:
                 self.r.delete(stream)
                 self.streams.pop(stream, None)
@@ -329,13 +457,38 @@ class Relay:
         signal.signal(signal.SIGINT, _stop)
         log.info("relay %s started", self.consumer)
         self.r.hset(keys.RELAY_STATS_KEY, mapping={"started_unixtime": time.time(), "consumer": self.consumer})
+        errors = 0
         try:
             while self.running:
                 try:
                     self.step()
+                    errors = 0
+                except _Abandon:
+                    log.warning("stopping with a round unacknowledged: it is read again on restart")
                 except redis.ConnectionError as exc:
                     log.warning("redis unavailable (%s); retrying", exc)
                     time.sleep(1.0)
+                except Exception as exc:  # never exit on data: count it against the round's entries
+                    errors += 1
+                    self.round_failed(exc)
+                    time.sleep(min(ERROR_BACKOFF_MAX_S, 0.1 * 2 ** min(errors, 6)))
         finally:
             self.close()
+
+    def round_failed(self, exc: BaseException) -> None:
+        """A round raised outside the per-entry checks (a bug, a stream deleted under the relay):
+        each of its entries counts one failure (POISON_TRIES of them dead-letter it in `sort`), and
+        every stream is read again from its own pending entries, so nothing read is lost."""
+        log.exception("relay round failed: %s", exc)
+        self._last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if len(self._failures) > 100_000:
+            self._failures.clear()
+        for key in self._round:
+            self._failures[key] = self._failures.get(key, 0) + 1
+        self._round = []
+        if isinstance(exc, redis.ResponseError):  # NOGROUP, WRONGTYPE: find the streams again
+            self.streams.clear()
+            self._last_scan = 0.0
+        else:
+            self.streams = dict.fromkeys(self.streams, "0")
 

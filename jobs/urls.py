@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from . import api, api_auth, api_calibration, api_code, api_knowledge, api_plan, views, views_knowledge
+from . import api, api_auth, api_calibration, api_code, api_knowledge, api_plan, views, views_knowledge, views_relay
 
 router = DefaultRouter()
 router.register("jobs", api.JobViewSet, basename="api-job")
@@ -16,6 +16,7 @@ urlpatterns = [
     path("nodes/", views.node_list, name="node-list"),
     path("quotas/", views.quota_list, name="quota-list"),
     path("knowledge/", views_knowledge.knowledge_page, name="knowledge"),
+    path("relay/dead-letters/", views_relay.dead_letters, name="relay-dead-letters"),
     path("api/v1/auth/token/", api_auth.AuthTokenView.as_view(), name="api-auth-token"),
     path("api/v1/quotas/", api.QuotaView.as_view(), name="api-quotas"),
     path("api/v1/knowledge/", api_knowledge.KnowledgeView.as_view(), name="api-knowledge"),

@@ -14,6 +14,7 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
     trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
+    trainyard:relay:deadletter   stream: entries the relay refused (unparseable, forged, poison), capped
     trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (trainyard/sdk/preempt.py)
     trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
 
@@ -54,6 +55,11 @@ RELAY_STATS_KEY = "trainyard:relay:stats"
 
 RELAY_ALIVE_KEY = "trainyard:relay:alive"
 """Set by the relay every round with a 10 s expiry; its absence means no relay runs."""
+
+
+DEADLETTER_STREAM = "trainyard:relay:deadletter"
+"""Entries the relay refused, with the reason (capped with MAXLEN; read by staff pages). Outside
+JOB_STREAM_PREFIX, so the relay never reads its own dead letters as a job stream."""
 
 
 def job_stream(job_id: int) -> str:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from .attempts import attempt_preempt, attempts_check
 from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
 from .calibration import calibration_report, calibration_request, calibration_store
-from .checkpoints import checkpoint_pin, checkpoint_register, checkpoints_reconcile
-from .ingest import telemetry_ingest
+from .checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
+from .ingest import telemetry_ingest, telemetry_owners
 from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
 from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
 from .quotas import quota_audit, quotas_update
@@ -35,7 +35,7 @@ from .scheduling import eta_refresh, schedule_tick
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
     "bundle_store", "bundles_gc", "calibration_report", "calibration_request", "calibration_store",
-    "checkpoint_pin",
+    "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
     "job_rollback", "job_stream",
     "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",

@@ -49,13 +49,19 @@ def checkpoint_states(job: Job) -> list[ckpt_policy.CheckpointState]:
 
 
 def resume_checkpoint(job: Job) -> Checkpoint | None:
-    """The checkpoint the next attempt loads; one whose directory vanished (deleted by hand) is
-    written off instead of failing the attempt on a missing path."""
+    """The checkpoint the next attempt loads: only a complete one inside the job's checkpoint
+    directory (checkpoint_verify); one whose directory vanished (deleted by hand) or changed is
+    written off instead of failing the attempt on a missing path or loading from elsewhere."""
     while (point := ckpt_policy.resume_point(checkpoint_states(job))) is not None:
         c = Checkpoint.objects.get(pk=point.id)
-        if Path(c.path).is_dir():
+        if c.attempt_id is not None:
+            why = checkpoint_verify(job.pk, c.attempt_id, c.step, c.path)[1]
+        else:  # registered before checkpoints named their attempt: inside the job's directory at least
+            inside = Path(c.path).resolve().parent == _job_checkpoint_dir(job.pk)
+            why = "" if inside and Path(c.path).is_dir() else f"{c.path} is not a directory inside the job's"
+        if not why:
             return c
-        log.warning("checkpoint %s of job %s is missing on disk (%s): skipping it", c.pk, job.pk, c.path)
+        log.warning("checkpoint %s of job %s cannot be resumed from (%s): skipping it", c.pk, job.pk, why)
         Checkpoint.objects.filter(pk=c.pk).update(deleted_at=timezone.now())
         checkpoint_publish(c)
     return None
@@ -78,21 +84,82 @@ def _is_superseded(job: Job, attempt: Attempt, step: int) -> bool:
     return any(int(d.get("step", 0)) < step for d in rollbacks)
 
 
+MANIFEST_MAX_BYTES = 1 << 20
+MANIFEST_FORMAT = 1  # trainyard/sdk/layout.py FORMAT
+
+
+def _listed_files_missing(directory: Path, manifest: dict) -> str:
+    """'' when every file the manifest lists is there with its size (a manifest without a list,
+    written before it had one, needs at least one DCP data file); else what is missing."""
+    files = manifest.get("files")
+    if files is None:
+        return "" if any(directory.glob("*.distcp")) else "no DCP data file (*.distcp)"
+    if not isinstance(files, dict) or not files:
+        return "its file list is not a non-empty object"
+    for name, size in files.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            return f"it lists an unsafe file name {str(name)[:80]!r}"
+        f = directory / name
+        if f.is_symlink() or not f.is_file():
+            return f"listed file {name} is missing"
+        if type(size) is int and f.stat().st_size != size:
+            return f"listed file {name} has {f.stat().st_size} bytes, the manifest says {size}"
+    return ""
+
+
+def checkpoint_verify(job_id: int, attempt_id: int, step: object, path: object) -> tuple[Path | None, str]:
+    """(the checkpoint's directory, '') when `path` is a complete checkpoint of this job's attempt
+    at this step, else (None, why not). Complete: a directory (not a symlink) named
+    keys.step_dir_name(step, attempt) right inside the job's checkpoint directory (symlinks
+    resolved, `..` refused), its manifest a regular JSON file naming the same job, attempt and
+    step, and every file the manifest lists present with its size."""
+    if type(step) is not int or step < 0 or not isinstance(path, str) or not path:
+        return None, f"malformed checkpoint report: step {step!r:.40}, path {path!r:.200}"
+    raw = Path(path)
+    job_dir = _job_checkpoint_dir(job_id)
+    if not raw.is_absolute() or ".." in raw.parts:
+        return None, f"checkpoint path {path[:200]} is not an absolute path without '..'"
+    try:
+        resolved = raw.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable directory
+        return None, f"checkpoint path {path[:200]} cannot be resolved: {str(exc)[:200]}"
+    if resolved.parent != job_dir or raw.is_symlink():
+        return None, f"checkpoint path {path[:200]} is not a directory inside {job_dir}"
+    if resolved.name != keys.step_dir_name(step, attempt_id):
+        return None, f"checkpoint directory {resolved.name} is not {keys.step_dir_name(step, attempt_id)}"
+    manifest_path = resolved / keys.MANIFEST
+    try:
+        if not resolved.is_dir() or manifest_path.is_symlink() or not manifest_path.is_file():
+            return None, f"{resolved} has no manifest {keys.MANIFEST}: not a complete checkpoint"
+        if manifest_path.stat().st_size > MANIFEST_MAX_BYTES:
+            return None, f"{manifest_path} is over {MANIFEST_MAX_BYTES} bytes"
+        manifest = json.loads(manifest_path.read_bytes())
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable manifest {manifest_path}: {str(exc)[:200]}"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None, f"{manifest_path} is not a format {MANIFEST_FORMAT} manifest"
+    for key, want in (("job_id", job_id), ("attempt_id", attempt_id), ("step", step)):
+        if manifest.get(key) != want or type(manifest.get(key)) is not int:
+            return None, f"{manifest_path} says {key} {str(manifest.get(key))[:40]}, the report {want}"
+    missing = _listed_files_missing(resolved, manifest)
+    if missing:
+        return None, f"checkpoint {resolved} is incomplete: {missing}"
+    return resolved, ""
+
+
 def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
     """Register a complete checkpoint, reported by the runtime's rank 0 after its directory got its
-    final name (or found on disk by checkpoints_reconcile). Idempotent per (job, path)."""
+    final name (or found on disk by checkpoints_reconcile), once checkpoint_verify found it
+    complete on disk. Idempotent per (job, path)."""
     attempt = Attempt.objects.select_related("job").filter(pk=attempt_id).first()
     if attempt is None:
         return None
     job = attempt.job
-    try:
-        step, path = int(data["step"]), Path(str(data["path"])).resolve()
-    except (KeyError, TypeError, ValueError):
-        log.warning("ignoring malformed checkpoint report for attempt %s: %r", attempt_id, data)
+    path, why = checkpoint_verify(job.pk, attempt_id, data.get("step"), data.get("path"))
+    if path is None:
+        log.warning("ignoring checkpoint report of attempt %s: %s", attempt_id, why)
         return None
-    if path.parent != _job_checkpoint_dir(job.pk) or step < 0:
-        log.warning("ignoring checkpoint %s of job %s: not under %s", path, job.pk, _job_checkpoint_dir(job.pk))
-        return None
+    step = data["step"]
     with transaction.atomic():
         existing = Checkpoint.objects.filter(job=job, path=str(path)).first()
         if existing is not None:

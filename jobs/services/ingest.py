@@ -170,6 +170,14 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
     return top
 
 
+def telemetry_owners(job_ids: set[int], attempt_ids: set[int]) -> tuple[set[int], dict[int, int]]:
+    """(which of job_ids exist, attempt id -> its job's id for attempt_ids that exist): what the
+    relay checks every entry against, so an entry only ever changes the job whose stream carried it."""
+    jobs = set(Job.objects.filter(pk__in=job_ids).values_list("pk", flat=True)) if job_ids else set()
+    owners = dict(Attempt.objects.filter(pk__in=attempt_ids).values_list("pk", "job_id")) if attempt_ids else {}
+    return jobs, owners
+
+
 RANK_PLAN_KEYS = ("strategy", "coords", "role", "param_bytes", "optim_bytes")
 
 

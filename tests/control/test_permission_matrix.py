@@ -45,6 +45,7 @@ MATRIX = {
     "node-list": row("GET", LOGIN, 200, 200, 200, 200),
     "quota-list": row("GET", LOGIN, 403, 403, 403, 200),
     "knowledge": row("GET", LOGIN, 200, 200, 200, 200),
+    "relay-dead-letters": row("GET", LOGIN, 403, 403, 403, 200),
     "api-auth-token": row("GET", 405, 405, 405, 405, 405),
     "api-quotas": row("GET", 401, 200, 200, 200, 200),
     "api-knowledge": row("GET", 401, 200, 200, 200, 200),

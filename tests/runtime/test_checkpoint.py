@@ -10,6 +10,7 @@ C's losses at steps 6..12 must equal A's exactly (bit for bit, asserted with ==)
 import gc
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -76,7 +78,7 @@ def test_a_resume_path_that_is_not_a_complete_checkpoint_is_a_config_error_namin
 
 
 def test_resume_config_is_parsed_and_its_step_checked_against_the_manifest(tmp_path):
-    final = ck.publish(_partial(tmp_path, 5, 21), {"format": 1, "step": 5})
+    final = ck.publish(_partial(tmp_path / "ckpt", 5, 21), {"format": 1, "step": 5})
     raw = make_launch_config(tmp_path, "redis://x:1/0", checkpoint={"every_steps": 5, "async": False})
     assert parse_run_config(raw).launch.resume is None
     assert parse_run_config(raw).checkpoint == CheckpointSpec.model_validate({"every_steps": 5, "async": False, "keep": 3})
@@ -87,8 +89,16 @@ def test_resume_config_is_parsed_and_its_step_checked_against_the_manifest(tmp_p
     raw["resume"]["step"] = 10
     with pytest.raises(ConfigError, match=r"resume.step=10 but .*-a21/trainyard.json says step 5"):
         ck.resume_manifest(parse_run_config(raw).launch.resume)
+    other_job = ck.publish(_partial(tmp_path / "job-99", 5, 21), {"format": 1, "step": 5})
+    (tmp_path / "ckpt" / "step-00000006-a21").symlink_to(other_job)
     for bad, message in [({"path": "rel/dir", "step": 5}, "resume.path must be absolute"),
-                         ({"step": 5}, "resume must be null or an object with path and step")]:
+                         ({"step": 5}, "resume must be null or an object with path and step"),
+                         # only the job's own checkpoint directory: not another job's, no way out of it
+                         ({"path": str(other_job), "step": 5}, "is not a checkpoint directory inside"),
+                         ({"path": str(tmp_path / "ckpt" / ".." / "job-99" / other_job.name), "step": 5},
+                          "is not a checkpoint directory inside"),
+                         ({"path": str(tmp_path / "ckpt" / "step-00000006-a21"), "step": 5},
+                          "is not a checkpoint directory inside")]:
         raw["resume"] = bad
         with pytest.raises(ConfigError, match=message):
             parse_run_config(raw)
@@ -269,6 +279,42 @@ def test_save_publishes_once_and_load_restores_weights_optimizer_and_rng(tmp_pat
         assert (resumed.step, resumed.batches_consumed, resumed.rng_restored) == (step, step, True)
         _assert_state(fresh, fresh_opt, snapshot)
     assert random.random() == after_save[0] and torch.equal(torch.rand(3), after_save[1])
+
+
+RAN = []
+
+
+def _ran_on_load():  # what a crafted pickle in a checkpoint would call: any function at all
+    RAN.append(True)
+    return 0
+
+
+class Crafted:
+    def __reduce__(self):
+        return (_ran_on_load, ())
+
+
+def test_loading_a_checkpoint_never_unpickles_code(tmp_path, one_rank):
+    """DCP's default planner reads a checkpoint's non-tensor values with weights_only=False; the
+    SDK's reads them as weights only, so a crafted value fails the load instead of running."""
+    saver = ck.Checkpointer(CheckpointSpec.model_validate({"every_steps": 1, "async": False}), tmp_path, job_id=8,
+                            attempt_id=21, rank=0, world_size=1, device=torch.device("cpu"), reporter=Events())
+    model, opt = _model_and_opt()
+    saver.save_state(3, {"model": model, "optim": opt, "trainer": {"step": 3, "lr": 0.1, "betas": (0.9, 0.99)},
+                         "extra": Crafted()})
+    saver.close()
+    path = tmp_path / "step-00000003-a21"
+    RAN.clear()
+    with pytest.raises(CheckpointException) as raised:  # DCP wraps each rank's UnpicklingError
+        saver.load_state(path, {"model": model, "optim": opt, "trainer": {}, "extra": None}, seed=0)
+    assert "Weights only load failed" in str(raised.value) and RAN == []
+    state = {"model": model, "optim": opt, "trainer": {"step": -1, "lr": 0.0, "betas": (0.0, 0.0)}}
+    saver.load_state(path, state, seed=0)  # what the SDK itself saves (and DCP's .metadata) loads
+    assert state["trainer"] == {"step": 3, "lr": 0.1, "betas": (0.9, 0.99)} and RAN == []
+    (path / ".metadata").write_bytes(pickle.dumps(Crafted()))  # DCP unpickles .metadata with pickle.load
+    with pytest.raises(CheckpointException) as raised:
+        saver.load_state(path, state, seed=0)
+    assert "may not name tests.runtime.test_checkpoint._ran_on_load" in str(raised.value) and RAN == []
 
 
 class GatedStager(DefaultStager):
@@ -456,7 +502,9 @@ def test_a_killed_job_resumes_from_its_checkpoint_with_the_same_losses(tmp_path,
         assert manifest == {"format": 1, "job_id": 7, "attempt_id": 9, "step": e["step"],
                             "world_size": 2, "created_unixtime": manifest["created_unixtime"],
                             "size_bytes": e["size_bytes"], "blocking_s": e["blocking_s"],
-                            "save_s": e["save_s"]}
+                            "save_s": e["save_s"], "files": manifest["files"]}
+        # every file but the manifest, with its size: what the control plane checks before registering
+        assert manifest["files"] == {p.name: p.stat().st_size for p in path.iterdir() if p.name != ck.MANIFEST}
         assert abs(manifest["created_unixtime"] - time.time()) < 120
         assert e["size_bytes"] == ck.dir_size(path) - (path / ck.MANIFEST).stat().st_size > 1e6
         assert {"rank-0.pt", "rank-1.pt", ".metadata"} <= {p.name for p in path.iterdir()}

@@ -83,6 +83,7 @@ from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
+from .safeload import SafeFileSystemReader, SafeLoadPlanner
 from .staging import ShareSavePlanner, ShareStager, bind_device, pin_limit_bytes, plan_share
 from .layout import (FORMAT, MANIFEST_KEYS, PARTIAL, dir_size, final_name, fsync_dir, is_due,  # noqa: F401
                      latest_checkpoint, partial_name, publish, read_manifest, remove_stale_partials,
@@ -404,7 +405,9 @@ class Checkpointer:
                 manifest = {"format": FORMAT, "job_id": self.job_id, "attempt_id": self.attempt_id,
                             "step": record.step, "world_size": self.world_size,
                             "created_unixtime": time.time(), "size_bytes": dir_size(record.partial),
-                            "blocking_s": record.blocking_s, "save_s": record.save_s}
+                            "blocking_s": record.blocking_s, "save_s": record.save_s,
+                            # what the control plane checks before it registers the checkpoint
+                            "files": {p.name: p.stat().st_size for p in record.partial.iterdir() if p.is_file()}}
                 record.path = publish(record.partial, manifest)
                 self.reporter.event("checkpoint", step=record.step, path=str(record.path),
                                     size_bytes=manifest["size_bytes"],
@@ -461,7 +464,9 @@ class Checkpointer:
         self.wait()  # loading overwrites the state a save in flight may still be copying
         step = int(read_manifest(path)["step"])
         loaded = saveable(state)  # the shapes DCP loads into, in place
-        dcp.load(loaded, checkpoint_id=path, process_group=self.group)
+        # nothing in a checkpoint is unpickled as code: trainyard/sdk/safeload.py
+        dcp.load(loaded, storage_reader=SafeFileSystemReader(path), process_group=self.group,
+                 planner=SafeLoadPlanner())
         load_into(state, loaded)
         rng_file = Path(path) / f"rank-{self.rank}.pt"
         restored = rng_file.is_file()

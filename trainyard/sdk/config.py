@@ -70,6 +70,16 @@ class LaunchConfig(BaseModel):
             raise ConfigError(f"launch config spec: {e}") from None
 
 
+def resume_inside(path: Path, checkpoint_dir: Path) -> Path:
+    """`path`, resolved, when it is a checkpoint directory right inside the job's `checkpoint_dir`
+    (symlinks resolved, no `..`); ConfigError otherwise: a rank loads only its own job's files."""
+    raw = Path(path)
+    resolved, home = raw.resolve(), Path(checkpoint_dir).resolve()
+    if ".." in raw.parts or resolved.parent != home or raw.is_symlink():
+        raise ConfigError(f"resume.path {raw} is not a checkpoint directory inside {home}")
+    return resolved
+
+
 def parse_resume(raw: Any) -> ResumeConfig | None:
     """The `resume` key: null, or a complete checkpoint's absolute path and step."""
     if raw is None or isinstance(raw, ResumeConfig):
@@ -98,11 +108,14 @@ def parse_launch_config(raw: Any) -> LaunchConfig:
             raise ConfigError(f"launch config is missing key {key!r}")
     resume = parse_resume(raw.get("resume"))  # its own messages, before pydantic wraps them
     try:
-        return LaunchConfig.model_validate({**raw, "resume": resume})
+        cfg = LaunchConfig.model_validate({**raw, "resume": resume})
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         where = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"launch config {where}: {err['msg']}") from None
+    if cfg.resume is not None:
+        resume_inside(cfg.resume.path, cfg.checkpoint_dir)
+    return cfg
 
 
 def load_launch_config(path: str | Path | None = None) -> LaunchConfig:

@@ -23,7 +23,7 @@ from .config import ConfigError, ResumeConfig
 FORMAT = 1
 PARTIAL = ".partial-"
 MANIFEST_KEYS = ("format", "job_id", "attempt_id", "step", "world_size", "created_unixtime",
-                 "size_bytes", "blocking_s", "save_s")
+                 "size_bytes", "blocking_s", "save_s", "files")
 
 
 def final_name(step: int, attempt_id: int) -> str:

@@ -24,7 +24,7 @@ from trainyard.spec import CheckpointSpec, JobSpec
 
 from . import groups
 from .checkpoint import Checkpointer
-from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config
+from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config, resume_inside
 from .layout import latest_checkpoint, resume_manifest
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
@@ -222,7 +222,7 @@ class Run:
         if self.launch is not None:
             if self.launch.resume is None:
                 return 0
-            path = self.launch.resume.path
+            path = resume_inside(self.launch.resume.path, self._ckpt.dir)  # never another job's files
             resume_manifest(self.launch.resume)  # the manifest agrees with the control plane's step
         else:
             path = latest_checkpoint(self._ckpt.dir)
