@@ -54,3 +54,16 @@ def summary(seconds: list[float]) -> dict:
 
 def ratio(full: float | None, base: float | None) -> float | None:
     return round(full / base, 2) if full is not None and base else None
+
+
+def socket_targets(n: int, job_ids: list[int], cluster_every: int = 4) -> list[str]:
+    """1 of `cluster_every` sockets on the cluster page (none if 0), the others on the job pages,
+    alternating between the jobs."""
+    out, k = [], 0
+    for i in range(n):
+        if cluster_every and i % cluster_every == cluster_every - 1:
+            out.append("cluster")
+        else:
+            out.append(str(job_ids[k % len(job_ids)]))
+            k += 1
+    return out

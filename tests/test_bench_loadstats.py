@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from loadstats import MIX, percentile, ratio, request_mix, summary, timetable  # noqa: E402
+from loadstats import MIX, percentile, ratio, request_mix, socket_targets, summary, timetable  # noqa: E402
 
 
 def test_timetable_is_open_loop_at_the_rate():
@@ -48,3 +48,10 @@ def test_summary_in_ms_and_a_stall_reaches_p99():
 def test_ratio():
     assert ratio(30.0, 10.0) == 3.0
     assert ratio(None, 10.0) is None and ratio(5.0, None) is None and ratio(5.0, 0.0) is None
+
+
+def test_socket_targets_spread_over_both_jobs_and_the_cluster_page():
+    t = socket_targets(200, [2, 3])
+    assert t.count("cluster") == 50 and t.count("2") == 75 and t.count("3") == 75
+    assert t[:8] == ["2", "3", "2", "cluster", "3", "2", "3", "cluster"]
+    assert socket_targets(4, [2, 3], cluster_every=0) == ["2", "3", "2", "3"]
