@@ -45,7 +45,7 @@ test-fast: venv
 gpu-checks: venv
 	$(BIN)/python bench/gpu_checks.py
 
-# Benchmarks print one JSON object each (BENCH_ARGS=--quick for a ~2 min telemetry run).
+# Benchmarks print one JSON object each (BENCH_ARGS=--quick for ~2 min telemetry and load runs).
 # compression.py and localsgd.py rate-limit a veth pair between network namespaces (root,
 # iproute2); without them they fall back to loopback and report bytes and loss only.
 bench: venv deps
@@ -53,6 +53,7 @@ bench: venv deps
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sdk_overhead.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
+	$(BIN)/python bench/load.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/hetero.py
