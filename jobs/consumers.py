@@ -229,6 +229,7 @@ class JobConsumer(_FlowControlled):
 
 class ClusterConsumer(_FlowControlled):
     _last_push = 0.0
+    _changed_at = 0.0  # time.monotonic() of the latest change heard of: what a push must include
     _scheduled = False
     _missed = False
 
@@ -242,7 +243,8 @@ class ClusterConsumer(_FlowControlled):
             return
         await self.channel_layer.group_add("cluster", self.channel_name)
         await self.accept()
-        state = await database_sync_to_async(payloads.cluster_state)(user)
+        self._changed_at = time.monotonic()
+        state = await database_sync_to_async(payloads.cluster_state)(user, self._changed_at)
         self._last_push = time.monotonic()
         await self.push({"type": "snapshot", **state})
 
@@ -252,6 +254,7 @@ class ClusterConsumer(_FlowControlled):
         await self.channel_layer.group_discard("cluster", self.channel_name)
 
     async def cluster_changed(self, event):
+        self._changed_at = time.monotonic()
         if self._scheduled:
             return
         if self.congested:
@@ -271,7 +274,7 @@ class ClusterConsumer(_FlowControlled):
         await self._push_state()
 
     async def _push_state(self):
-        state = await database_sync_to_async(payloads.cluster_state)(self.scope["user"])
+        state = await database_sync_to_async(payloads.cluster_state)(self.scope["user"], self._changed_at)
         self._last_push = time.monotonic()
         await self.push({"type": "nodes", "nodes": state["nodes"]})
         await self.push({"type": "jobs", "queue": state["queue"], "running": state["running"]})
