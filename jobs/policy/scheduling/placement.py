@@ -7,8 +7,10 @@ Multi-node jobs go to one rack when some rack (`NodeState.rack`) can hold them a
 whose chosen nodes leave the fewest free slots), else best fit over the whole cluster. Nodes
 that are not schedulable (DRAINING, CORDONED, QUARANTINED, LOST) take no new work. A restarted
 job avoids the nodes its last failure implicated (`avoid`) unless it could never fit on the
-others (`exclusion`). A job that could not fit even on empty copies of today's schedulable nodes
-waits ("waiting for nodes") without blocking anyone.
+others (`exclusion`). A job runs only on the nodes its device and node selector allow
+(`Eligibility`, eligibility.py: a cuda job on nodes that advertise GPUs, one slot per GPU). A
+job that could not fit even on empty copies of today's eligible schedulable nodes waits, with
+the reason, without blocking anyone.
 
 The EASY reservation (`reserve`) is the same walk for a tick and for the start-time
 predictions: add back the slots of running jobs in order of their expected ends until the job
@@ -23,6 +25,7 @@ from bisect import bisect_left, insort
 from typing import Iterable, Mapping, Sequence
 
 from .cluster import NodeState, QueuedJob
+from .eligibility import eligible, restricted
 
 # (node index, slot ids): a share of a job on a node, by the index FreeSlots gives the node
 IndexShares = tuple[tuple[int, Sequence[int]], ...]
@@ -233,15 +236,46 @@ def _ever(fit_count: list[int], nodes: int, ppn: int, skip: int = 0) -> bool:
     return ppn < len(fit_count) and fit_count[max(ppn, 0)] - skip >= nodes
 
 
-def exclusion(free: FreeSlots, fit_count: list[int], job: QueuedJob) -> tuple[set[int] | None, bool]:
-    """(node indices to keep the job off, could it ever fit on today's schedulable nodes): the
-    nodes it should avoid, unless avoiding them would leave it no way to fit at all."""
+class Eligibility:
+    """Per job requirement (device, GPU memory, labels; eligibility.py): the node indices (as
+    FreeSlots numbers them) a job may never use, and "could it ever fit" counts over the rest.
+    Computed once per distinct requirement in a tick; a plain cpu job costs nothing."""
+
+    def __init__(self, free: FreeSlots, nodes: Iterable[NodeState]):
+        self.nodes = [None] * len(free.names)
+        for n in nodes:
+            self.nodes[free.index[n.name]] = n
+        self.fit_all = fit_counts(nodes)
+        self.cache: dict[tuple, tuple[frozenset[int] | None, list[int]]] = {}
+
+    def of(self, job: QueuedJob) -> tuple[frozenset[int] | None, list[int]]:
+        """(ineligible node indices or None, fit counts over the eligible schedulable nodes)."""
+        if not restricted(job):
+            return None, self.fit_all
+        key = (job.device, job.gpu_memory_bytes, job.labels)
+        got = self.cache.get(key)
+        if got is None:
+            hard = frozenset(i for i, n in enumerate(self.nodes) if not eligible(n, job))
+            got = (hard or None, fit_counts(n for i, n in enumerate(self.nodes) if i not in hard))
+            self.cache[key] = got
+        return got
+
+
+def exclusion(free: FreeSlots, fit_count: list[int], job: QueuedJob,
+              hard: frozenset[int] | None = None) -> tuple[set[int] | None, bool, bool]:
+    """(node indices to keep the job off, could it ever fit on today's schedulable nodes, does
+    it avoid nodes): the nodes it may never use (`hard`, with `fit_count` counted over the
+    others), plus those it should avoid, unless avoiding them would leave it no way to fit."""
     ever = _ever(fit_count, job.nodes, job.procs_per_node)
-    if not job.avoid or not ever:
-        return None, ever
-    ex = {free.index[a] for a in job.avoid if a in free.index}
-    skip = sum(1 for i in ex if free.sched[i] and free.capacity[i] >= job.procs_per_node)
-    return (ex if ex and _ever(fit_count, job.nodes, job.procs_per_node, skip) else None), ever
+    if not ever:
+        return None, False, False
+    ex = set(hard) if hard else set()
+    avoid = ({free.index[a] for a in job.avoid if a in free.index} - ex) if job.avoid else set()
+    skip = sum(1 for i in avoid if free.sched[i] and free.capacity[i] >= job.procs_per_node)
+    avoiding = bool(avoid) and _ever(fit_count, job.nodes, job.procs_per_node, skip)
+    if avoiding:
+        ex |= avoid
+    return (ex or None), True, avoiding
 
 
 def reserve(free: FreeSlots, nodes: int, ppn: int, exclude,

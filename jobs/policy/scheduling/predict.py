@@ -8,7 +8,7 @@ from typing import Mapping
 
 from .cluster import ClusterView, QueuedJob, expected_end
 from .order import queue_order
-from .placement import FreeSlots, exclusion, fit_counts, reserve
+from .placement import Eligibility, FreeSlots, exclusion, reserve
 
 # predict_starts: how many queued jobs behind the head the forward simulation considers for
 # backfill at each event (like Slurm's bf_max_job_test; deeper jobs wait their turn).
@@ -41,7 +41,7 @@ def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], l
     order = queue_order(view)
     if inflight:
         order = [j for j in order if j.id in inflight] + [j for j in order if j.id not in inflight]
-    fit_count = fit_counts(view.nodes)
+    eligibility = Eligibility(free, view.nodes)
     jobs: list[QueuedJob] = []
     excl: list = []
     for j in order:
@@ -49,7 +49,8 @@ def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], l
             continue
         if caps.get(j.user) is not None and j.slots > caps[j.user]:
             continue
-        ex, ever = exclusion(free, fit_count, j)
+        hard, fit_count = eligibility.of(j)
+        ex, ever, _ = exclusion(free, fit_count, j, hard)
         if ever:
             jobs.append(j)
             excl.append(ex)
