@@ -33,6 +33,15 @@ def summarize_devices(devices: Iterable[Mapping]) -> tuple[str, int, int]:
     return ("cpu" if any(isinstance(d, Mapping) for d in devices) else ""), 0, 0
 
 
+def job_requirement(resources: Mapping) -> dict:
+    """A stored spec's `resources` as QueuedJob's placement fields (device, gpu_memory_bytes,
+    labels as sorted pairs); a spec stored before these fields reads as a plain cpu job."""
+    mem = resources.get("gpu_memory_gb") or 0
+    labels = resources.get("labels") or {}
+    return {"device": resources.get("device", "cpu"), "gpu_memory_bytes": int(mem * GB),
+            "labels": tuple(sorted((str(k), str(v)) for k, v in labels.items()))}
+
+
 def node_slots(slots: int, kind: str, gpus: int) -> int:
     """The slots a node offers the scheduler: one per GPU on a GPU node (never more than staff
     registered), its registered slots otherwise."""
