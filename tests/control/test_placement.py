@@ -151,3 +151,24 @@ def test_plan_shows_device_and_labels(user, cpu_nodes):
     page = Client()
     page.force_login(user)
     assert "on nodes labelled gpu=a100, rack=r2" in page.get(f"/jobs/{job.pk}/").content.decode()
+
+
+def test_cuda_job_that_finds_no_cuda_is_retried_on_another_gpu_node(user, cpu_nodes, sent):
+    beat("gpu-1", "10.0.0.8", 1, [gpu(0)])
+    beat("gpu-2", "10.0.0.9", 1, [gpu(0)])
+    job = submit(user, **CUDA_ONE)
+    services.schedule_tick()
+    first = job.attempts.get()
+    node = first.allocations.get().node.name
+    message = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
+    services.attempt_node_exit(first.pk, node_name=node, result={
+        "node": node, "exit_code": 1, "stopped": False, "failures": [
+            {"rank": 0, "timestamp": 1.0, "message": message, "traceback": f"Traceback ...\n{message}"}]})
+    job.refresh_from_db()
+    first.refresh_from_db()
+    assert first.outcome == "failed:placement" and first.failure["exclude"] == [node]
+    assert job.status == "QUEUED" and job.avoid_nodes == [node] and job.restarts == 1
+    services.schedule_tick()
+    second = job.attempts.get(number=2)
+    assert second.allocations.get().node.name != node
+    assert Node.objects.get(name=node).status == "READY"
