@@ -104,3 +104,32 @@ def test_a_gpu_node_offers_one_slot_per_advertised_gpu():
     assert node_slots(2, "cuda", 8) == 2   # staff registered 2 slots
     assert node_slots(4, "", 0) == 4       # nothing advertised: a cpu job may still run there
     assert node_slots(4, "cpu", 0) == 4
+
+
+def test_pool_counts_agree_with_a_plain_exclusion_set_as_slots_come_and_go():
+    """count_fit over a PoolExclusion (a requirement's own ge counts, so a mixed cluster's
+    prediction costs what a plain one does: 10,000 jobs on 1,000 half-GPU nodes went from 8.6 s
+    to 1.3 s) must count what the same exclusion as a plain set counts."""
+    import random
+
+    from jobs.policy.scheduling.placement import FreeSlots, PoolExclusion
+
+    rng = random.Random(7)
+    nodes = [gpu(f"g{i}", rng.choice([1, 2, 4]), ok=rng.random() > 0.2) if i % 2 else cpu(f"c{i}", rng.choice([2, 8]))
+             for i in range(40)]
+    free = FreeSlots(nodes)
+    members = [i for i, name in enumerate(free.names) if name.startswith("g")]
+    avoid = frozenset(members[:3])
+    outside = frozenset(range(len(free.names))) - frozenset(members)
+    ex = PoolExclusion(outside | avoid, free.add_pool(members), avoid)
+    held: list = []
+    for _ in range(300):
+        i = rng.randrange(len(free.names))
+        if held and rng.random() < 0.4:
+            j, ids = held.pop(rng.randrange(len(held)))
+            free.release(j, ids)
+        elif free.avail[i]:
+            held.append((i, free.take(i, rng.randint(1, free.avail[i]))))
+        overlay = {rng.randrange(len(free.names)): rng.randint(1, 3)} if rng.random() < 0.5 else None
+        for ppn in range(0, 6):
+            assert free.count_fit(ppn, ex, overlay) == free.count_fit(ppn, set(ex), overlay)
