@@ -22,7 +22,7 @@ from . import keptlogs, selectors, services
 from .errors import Forbidden, InvalidInput, NotFound
 from .models import Node
 from .payloads import event_dict
-from .serializers import CheckpointSerializer, JobSerializer, MetricSerializer, NodeSerializer
+from .serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer, MetricSerializer, NodeSerializer
 from .throttles import SubmitThrottle
 
 MAX_METRICS_LIMIT = 10_000
@@ -73,12 +73,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             "attempts__allocations__node").annotate(has_telemetry=selectors.has_telemetry_expr()).order_by("-id")
 
     @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (docs/architecture.md, section 7)"}},
-                   responses={201: JobSerializer})
+                   responses={201: JobSubmittedSerializer})
     def create(self, request):
         if not isinstance(request.data, dict):
             raise ValidationError({"spec": ["send the JobSpec as a JSON object"]})
         job = services.job_submit(user=request.user, spec=dict(request.data))
-        return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_201_CREATED)
+        return Response(JobSubmittedSerializer(job, context={"request": request}).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={202: JobSerializer})
     @action(detail=True, methods=["post"])

@@ -20,6 +20,12 @@ class Node(models.Model):
     slots = models.PositiveIntegerField()
     labels = models.JSONField(default=dict, blank=True)
     devices = models.JSONField(default=list, blank=True)
+    # What the last heartbeat's `devices` advertise (jobs/policy/scheduling/eligibility.py): "cuda"
+    # with gpu_count GPUs, the smallest of gpu_memory_bytes; "cpu"; "" before any device report.
+    # Placement reads these, not the JSON (a cuda job runs only where gpu_count > 0).
+    device_kind = models.CharField(max_length=8, blank=True, default="")
+    gpu_count = models.PositiveIntegerField(default=0)
+    gpu_memory_bytes = models.BigIntegerField(default=0, help_text="the smallest advertised GPU's total memory")
     cpu_percent = models.FloatField(null=True, blank=True)
     mem_percent = models.FloatField(null=True, blank=True)
     agent_id = models.CharField(max_length=64, blank=True, help_text="changes when the agent restarts")

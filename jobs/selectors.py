@@ -8,7 +8,7 @@ from trainyard import keys
 
 from .models import Allocation, Attempt, Job, MetricSample, Node
 from .policy import fairshare
-from .policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob
+from .policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob, eligibility
 
 
 def jobs_visible_to(user) -> QuerySet[Job]:
@@ -20,21 +20,29 @@ def jobs_visible_to(user) -> QuerySet[Job]:
 
 
 def cluster_snapshot() -> list[NodeState]:
+    """Every node as placement sees it: its slots (one per advertised GPU on a GPU node), which
+    are in use, whether it takes work, and what it offers (device kind, GPUs, memory, labels)."""
     used: dict[int, set[int]] = {}
     for node_id, slot_ids in Allocation.objects.filter(active=True).values_list("node_id", "slot_ids"):
         used.setdefault(node_id, set()).update(slot_ids)
     return [
-        NodeState(n.name, n.address, n.slots, frozenset(used.get(n.pk, ())),
-                  n.status == Node.Status.READY and n.quarantined_at is None, (n.labels or {}).get("rack"))
-        for n in Node.objects.all()
+        NodeState(n.name, n.address, eligibility.node_slots(n.slots, n.device_kind, n.gpu_count),
+                  frozenset(used.get(n.pk, ())),
+                  n.status == Node.Status.READY and n.quarantined_at is None, (n.labels or {}).get("rack"),
+                  n.device_kind, n.gpu_count, n.gpu_memory_bytes, _pairs(n.labels))
+        for n in Node.objects.defer("devices")
     ]
+
+
+def _pairs(labels) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in (labels or {}).items()))
 
 
 def _queued(j: Job) -> QueuedJob:
     r = j.spec["resources"]
     return QueuedJob(j.pk, j.priority, r["nodes"], r["procs_per_node"], frozenset(j.avoid_nodes or ()),
                      j.team.name if j.team_id else None, j.owner.username, j.created_at.timestamp(),
-                     j.predicted_s or 3600.0)
+                     j.predicted_s or 3600.0, **eligibility.job_requirement(r))
 
 
 def queue_snapshot() -> list[QueuedJob]:

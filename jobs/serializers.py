@@ -100,6 +100,19 @@ class JobSerializer(serializers.ModelSerializer):
         return timezone.localtime(obj.predicted_start_at).isoformat()
 
 
+class JobSubmittedSerializer(JobSerializer):
+    """The submit's answer: the job, and `warnings` (why no registered node can run it yet: its
+    device, GPU memory or labels; it is queued anyway and waits for such a node)."""
+
+    warnings = serializers.SerializerMethodField()
+
+    class Meta(JobSerializer.Meta):
+        fields = [*JobSerializer.Meta.fields, "warnings"]
+
+    def get_warnings(self, obj) -> list[str]:
+        return list(getattr(obj, "warnings", None) or [])
+
+
 class MetricSerializer(serializers.ModelSerializer):
     """One metric sample (one rank, one step); `metrics` holds the user's own metrics ({name: float},
     null when the sample has none)."""
@@ -134,7 +147,8 @@ class NodeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Node
-        fields = ["name", "status", "slots", "slots_used", "address", "labels", "devices", "cpu_percent",
+        fields = ["name", "status", "slots", "slots_used", "address", "labels", "devices", "device_kind",
+                  "gpu_count", "gpu_memory_bytes", "cpu_percent",
                   "mem_percent", "last_heartbeat", "quarantined_at", "quarantine_reason", "drain_mode"]
 
     def get_slots_used(self, obj) -> int:

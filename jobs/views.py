@@ -149,6 +149,8 @@ def job_new(request):
                 errors, status = exc.errors, 429
             else:
                 messages.success(request, f"Job {job.pk} submitted.")
+                for warning in job.warnings:
+                    messages.warning(request, f"Job {job.pk}: {warning}.")
                 return redirect("job-detail", pk=job.pk)
         else:
             errors = {"spec": list(form.errors.get("spec", []))}

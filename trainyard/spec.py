@@ -11,10 +11,11 @@ paths ("model.hidden") to messages, which the API returns as HTTP 400 verbatim.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
 from .mesh import param_count
@@ -81,6 +82,8 @@ RULES: tuple[Rule, ...] = (
     Rule("spec", "train.warmup_steps", lambda s: s.train.warmup_steps > s.train.steps,
          lambda s: "warmup_steps must not exceed steps"),
     # User code: what the control plane sets up for it, and what only the built-in trainer does.
+    Rule("submit", "resources.gpu_memory_gb", lambda s: s.resources.device != "cuda" and s.resources.gpu_memory_gb,
+         lambda s: "gpu_memory_gb applies to a cuda job: set resources.device to cuda, or drop it"),
     Rule("submit", "code", lambda s: s.code is not None and not s.user_code,
          lambda s: "code.bundle holds the code an entrypoint runs: add entrypoint (script or module)"),
     *(Rule("submit", f, lambda s, f=f: not s.user_code and getattr(s, f) not in (None, {}),
@@ -259,12 +262,43 @@ class TrainSpec(_Strict):
                                                                  "data-parallel ranks by their measured speed")
 
 
+MAX_LABELS = 16
+MAX_GPU_MEMORY_GB = 4096
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+
+
+def _check_labels(labels: dict[str, str]) -> dict[str, str]:
+    # The charset of an agent's --labels (key=value pairs split on "," and "="), kept to what
+    # reads unambiguously in "no READY node has labels gpu=a100": 1-63 characters each.
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels, got {len(labels)}")
+    for key, value in labels.items():
+        if not _LABEL_KEY.fullmatch(key):
+            raise ValueError(f"label {key[:70]!r}: a key is 1-63 letters, digits, '.', '_', '-' or '/', "
+                             f"starting and ending with a letter or digit")
+        if not _LABEL_VALUE.fullmatch(value):
+            raise ValueError(f"label {key}: value {value[:70]!r} must be 1-63 letters, digits, '.', '_' or '-', "
+                             f"starting and ending with a letter or digit")
+    return labels
+
+
+NodeLabels = Annotated[dict[str, str], AfterValidator(_check_labels)]
+
+
 class ResourcesSpec(_Strict):
     """What the job occupies: nodes x processes per node, on one kind of device."""
 
     nodes: int = Field(2, ge=1, le=4096, description="machines the job spans (a gang: all or none start)")
     procs_per_node: int = Field(1, ge=1, le=64, description="training processes (ranks) per node")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per process")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per process, only on nodes whose "
+                                                              "agent reports GPUs")
+    gpu_memory_gb: float | None = Field(None, gt=0, le=MAX_GPU_MEMORY_GB,
+                                        description="cuda: only GPUs with at least this much memory each "
+                                                    "(GB = 1e9 bytes); null: any")
+    labels: NodeLabels = Field(default_factory=dict, description="node selector: run only on nodes carrying "
+                                                                 "every one of these labels (the agents' --labels), "
+                                                                 "e.g. {gpu: a100, rack: r2}")
 
     @property
     def world_size(self) -> int:

@@ -33,6 +33,19 @@ DEVICE_ASSERT_MARKERS = ("device-side assert triggered", "CUDA error: device-sid
 # The GPU or its node failed: retried elsewhere, and it counts toward the node's quarantine.
 HARDWARE_MARKERS = ("uncorrectable ECC error", "ECC error", "cudaErrorECCUncorrectable", "unspecified launch failure",
                     "cudaErrorLaunchFailure", "GPU has fallen off the bus", "uncorrectable NVLink error", "Xid")
+# CUDA is not there on the node a cuda job's rank ran on (torch 2.x's own texts): a CPU-only torch
+# build (`torch._C` lacks the CUDA bindings: "module 'torch._C' has no attribute
+# '_cuda_setDevice'" from torch.cuda.set_device, "Torch not compiled with CUDA enabled" from
+# torch.cuda._lazy_init), no GPU visible ("No CUDA GPUs are available", c10's device count check),
+# no driver or one too old. For a job that asked for cuda this is where it was placed, not its
+# code: retried elsewhere, that node excluded. Not counted toward the node's quarantine: a job's
+# own `python` with a CPU-only torch says the same on a healthy GPU node. A cpu job that calls
+# CUDA anyway is the user's error (it asked for cpu).
+NO_CUDA_MARKERS = ("has no attribute '_cuda_setDevice'", "Torch not compiled with CUDA enabled",
+                   "No CUDA GPUs are available", "Found no NVIDIA driver on your system",
+                   "no CUDA-capable device is detected", "cudaErrorNoDevice",
+                   "CUDA driver version is insufficient for CUDA runtime version", "cudaErrorInsufficientDriver",
+                   "The NVIDIA driver on your system is too old")
 # A rank that NCCL's watchdog aborted (SIGABRT, no error file): its stderr says why.
 WATCHDOG_MARKERS = ("Watchdog caught collective operation timeout", "ProcessGroupNCCL's watchdog",
                     "Process group watchdog thread terminated", "NCCL error", "ncclRemoteError", "ncclSystemError")
@@ -56,7 +69,7 @@ NODE_FAULT_CLASSES = frozenset({"signal", "comm", "lost", "launch_timeout", "unk
 
 @dataclass(frozen=True)
 class Diagnosis:
-    failure_class: str      # user_error | oom | hardware | hang | signal | comm | lost | unknown
+    failure_class: str      # user_error | oom | hardware | placement | hang | signal | comm | lost | unknown
     retry: bool
     rank: int | None
     node: str | None
@@ -77,9 +90,11 @@ def first_failure(reports: list[dict]) -> tuple[dict | None, str | None]:
 
 
 def diagnose(reports: list[dict], *, node_lost: str | None = None,
-             node_mem_percent: dict[str, float] | None = None, not_joined: tuple[str, ...] = ()) -> Diagnosis:
+             node_mem_percent: dict[str, float] | None = None, not_joined: tuple[str, ...] = (),
+             device: str = "cpu") -> Diagnosis:
     """`node_mem_percent`: each node's memory use at its last heartbeat; `not_joined`: nodes whose
-    ranks never started (they failed to join the rendezvous)."""
+    ranks never started (they failed to join the rendezvous); `device`: the job's
+    resources.device (a cuda job's "no CUDA here" is its placement's fault, NO_CUDA_MARKERS)."""
     if node_lost:
         return Diagnosis("lost", True, None, node_lost, f"node {node_lost} stopped sending heartbeats")
     mem = node_mem_percent or {}
@@ -95,6 +110,14 @@ def diagnose(reports: list[dict], *, node_lost: str | None = None,
     gpu = _gpu_class(text, failure, rank, node)
     if gpu is not None:
         return gpu
+    if device == "cuda" and (line := _marker_line(text, NO_CUDA_MARKERS)):
+        where = f" on {node}" if node else ""
+        return Diagnosis("placement", True, rank, node,
+                         f"CUDA is not available{where}: {line} (the job asked for cuda; the retry avoids "
+                         f"{node or 'that node'})", failure.get("traceback") or "",
+                         suggestion="the node's agent reports GPUs its torch cannot use: check its torch "
+                                    "build (torch.version.cuda) and driver",
+                         exclude=(node,) if node else ())
     if failure.get("signal"):
         if failure["signal"] == "SIGKILL" and mem.get(node or "", 0.0) >= OOM_KILL_MEM_PERCENT:
             return Diagnosis("oom", False, rank, node,

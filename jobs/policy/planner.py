@@ -36,7 +36,7 @@ def describe(spec: dict) -> dict:
     res, par, comm = spec["resources"], spec["parallel"], spec["comm"]
     world = int(res["nodes"]) * int(res["procs_per_node"])
     if spec.get("entrypoint"):
-        return describe_user_code(spec, world)
+        return {**describe_user_code(spec, world), "placement": placement(res)}
     auto = par == "auto"
     tp = 1 if auto else int(par["tp"])
     pp = 1 if auto else int(par["pp"])
@@ -64,11 +64,25 @@ def describe(spec: dict) -> dict:
     plan = {"dp": dp, "tp": tp, "pp": pp, "fsdp": fsdp, "world_size": world, "mesh": mesh,
             "order": list(MESH_ORDER), "dims": dims, "strategy": strategy_name(dp, tp, pp, fsdp),
             "roles": roles, "sync": comm["sync"], "compression": comm["compression"],
-            "balance": spec["train"]["balance"], "recompute": recompute, "shard_optimizer": shard_optimizer}
+            "balance": spec["train"]["balance"], "recompute": recompute, "shard_optimizer": shard_optimizer,
+            "placement": placement(res)}
     if pp > 1:
         plan["microbatches"] = int(par["microbatches"])
         plan["schedule"] = par["schedule"]
     return plan
+
+
+def placement(res: dict) -> dict:
+    """Where the job may run (the scheduler's eligibility.py): its device, the memory each GPU
+    must have, the node selector, and one line saying so for the page."""
+    device, mem, labels = res.get("device", "cpu"), res.get("gpu_memory_gb"), dict(res.get("labels") or {})
+    unit = "cuda GPU(s)" if device == "cuda" else f"{device} slot(s)"
+    text = f"{res['nodes']} node(s) x {res['procs_per_node']} {unit}"
+    if mem:
+        text += f" of at least {mem:g} GB each"
+    if labels:
+        text += ", on nodes labelled " + ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return {"device": device, "gpu_memory_gb": mem, "labels": labels, "text": text}
 
 
 def describe_user_code(spec: dict, world: int) -> dict:

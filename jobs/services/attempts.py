@@ -115,7 +115,8 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
             "message": f"ranks did not start within {settings.TRAINYARD_LAUNCH_TIMEOUT_S:.0f} s"
                        + (f" on {', '.join(not_joined)}" if not_joined else "")}
     d = diagnosis.diagnose(reports, node_lost=lost_node, not_joined=not_joined if len(not_joined) < len(allocs) else (),
-                           node_mem_percent={a.node.name: a.node.mem_percent or 0.0 for a in allocs})
+                           node_mem_percent={a.node.name: a.node.mem_percent or 0.0 for a in allocs},
+                           device=(job.spec.get("resources") or {}).get("device", "cpu"))
     outcome = "lost" if d.failure_class == "lost" else f"failed:{d.failure_class}"
     return outcome, {"class": d.failure_class, "retry": d.retry, "rank": d.rank, "node": d.node,
                      "message": d.message, "traceback": d.traceback, "suggestion": d.suggestion,

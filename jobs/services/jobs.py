@@ -15,6 +15,7 @@ from ..errors import RollbackCheckpointError, TooManyRequests, TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..policy import checkpoints as ckpt_policy
 from ..policy import planner, predictor, profiling, scheduling
+from ..policy.scheduling import eligibility
 from .attempts import attempt_stop
 from .bundles import bundle_files
 from .checkpoints import checkpoint_publish, checkpoint_states, checkpoints_reconcile, resume_checkpoint
@@ -37,8 +38,10 @@ def _check_queued_cap(user) -> None:
 
 def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
-    created) on bad input, or when the cluster could never run it; TooManyRequests (429) when the
-    user already has TRAINYARD_MAX_QUEUED_JOBS_PER_USER jobs waiting."""
+    created) on bad input, or when the cluster's nodes could never hold a plain cpu job's shape;
+    TooManyRequests (429) when the user already has TRAINYARD_MAX_QUEUED_JOBS_PER_USER jobs
+    waiting. A job no registered node can serve (cuda on a CPU-only cluster, labels no node
+    carries) is queued with `job.warnings` saying so (`placement_warnings`)."""
     _check_queued_cap(user)
     parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
     code_errors = code_problems(parsed)
@@ -48,7 +51,8 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     if not nodes:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
     r = parsed.resources
-    if not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
+    warnings = placement_warnings(nodes, parsed)
+    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
         raise SpecError({"resources": [
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
@@ -78,11 +82,23 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
     with transaction.atomic():
         job = Job.objects.create(
             name=parsed.name, owner=user, team=team, spec=stored, plan=plan, predicted_s=prediction.seconds,
-            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size)
-        job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"])
+            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size, status_reason="; ".join(warnings)[:500])
+        job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"],
+                  **({"warnings": warnings} if warnings else {}))
+        job.warnings = warnings  # for the submit's response only (the API's `warnings`, the form's message)
         transaction.on_commit(dispatch.request_tick)
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
     return job
+
+
+def placement_warnings(nodes: list[scheduling.NodeState], spec: JobSpec) -> list[str]:
+    """Why no registered node could run the job (its device, GPU memory, labels or shape), as a
+    warning, not a refusal: the node it needs may join later, and the job waits for it."""
+    r = spec.resources
+    want = scheduling.QueuedJob(0, 1, r.nodes, r.procs_per_node,
+                                **eligibility.job_requirement(spec.to_json()["resources"]))
+    why = eligibility.unservable_reason(nodes, want, schedulable_only=False)
+    return [f"{why}: the job waits until such a node joins"] if why else []
 
 
 def code_problems(spec: JobSpec) -> dict[str, list[str]]:

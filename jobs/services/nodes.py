@@ -21,6 +21,7 @@ from .. import dispatch
 from ..errors import NodeActionError
 from ..models import Allocation, Attempt, Job, Node
 from ..policy import gpu_health
+from ..policy.scheduling.eligibility import summarize_devices
 from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
 from .events import job_event, job_set_status
 
@@ -36,8 +37,10 @@ def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
     beat = Heartbeat.model_validate(payload)
     name = beat.name
     now = timezone.now()
+    kind, gpus, gpu_memory = summarize_devices(beat.devices)
     fields = {
         "address": beat.address, "slots": beat.slots, "labels": beat.labels, "devices": beat.devices,
+        "device_kind": kind, "gpu_count": gpus, "gpu_memory_bytes": gpu_memory,
         "cpu_percent": beat.cpu_percent, "mem_percent": beat.mem_percent, "agent_id": beat.agent_id,
         "last_heartbeat": now,
     }

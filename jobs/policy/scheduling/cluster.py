@@ -38,6 +38,12 @@ class NodeState:
     used_slot_ids: frozenset[int]
     schedulable: bool = True  # READY and not quarantined; DRAINING/CORDONED/QUARANTINED/LOST take no new work
     rack: str | None = None   # the node's `rack` label
+    # What its heartbeat advertises (eligibility.py): "cuda" with `gpus` GPUs of at least
+    # `gpu_memory_bytes` each, "cpu", or "" (nothing advertised); and all its labels, sorted pairs.
+    device: str = "cpu"
+    gpus: int = 0
+    gpu_memory_bytes: int = 0
+    labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def free_slot_ids(self) -> tuple[int, ...]:
@@ -56,6 +62,11 @@ class QueuedJob:
     user: str = ""
     submitted_at: float = 0.0   # epoch s
     predicted_s: float = 3600.0  # predicted run time (predictor.py)
+    # Where it may run (eligibility.py): its device, the memory each GPU must have, and the
+    # labels (sorted pairs) every node it uses must carry.
+    device: str = "cpu"
+    gpu_memory_bytes: int = 0
+    labels: tuple[tuple[str, str], ...] = ()
 
     @property
     def slots(self) -> int:

@@ -7,8 +7,10 @@ Multi-node jobs go to one rack when some rack (`NodeState.rack`) can hold them a
 whose chosen nodes leave the fewest free slots), else best fit over the whole cluster. Nodes
 that are not schedulable (DRAINING, CORDONED, QUARANTINED, LOST) take no new work. A restarted
 job avoids the nodes its last failure implicated (`avoid`) unless it could never fit on the
-others (`exclusion`). A job that could not fit even on empty copies of today's schedulable nodes
-waits ("waiting for nodes") without blocking anyone.
+others (`exclusion`). A job runs only on the nodes its device and node selector allow
+(`Eligibility`, eligibility.py: a cuda job on nodes that advertise GPUs, one slot per GPU). A
+job that could not fit even on empty copies of today's eligible schedulable nodes waits, with
+the reason, without blocking anyone.
 
 The EASY reservation (`reserve`) is the same walk for a tick and for the start-time
 predictions: add back the slots of running jobs in order of their expected ends until the job
@@ -23,9 +25,20 @@ from bisect import bisect_left, insort
 from typing import Iterable, Mapping, Sequence
 
 from .cluster import NodeState, QueuedJob
+from .eligibility import eligible, restricted
 
 # (node index, slot ids): a share of a job on a node, by the index FreeSlots gives the node
 IndexShares = tuple[tuple[int, Sequence[int]], ...]
+
+
+class PoolExclusion(frozenset):
+    """Node indices a job may not use: every node outside FreeSlots pool `pool` (the nodes its
+    requirement allows), plus `extra`, members of the pool it avoids."""
+
+    def __new__(cls, items, pool: int, extra=frozenset()):
+        self = super().__new__(cls, items)
+        self.pool, self.extra = pool, frozenset(extra)
+        return self
 
 
 class FreeSlots:
@@ -38,7 +51,7 @@ class FreeSlots:
     """
 
     __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
-                 "rack_of", "racks", "total", "ge")
+                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of")
 
     def __init__(self, nodes: Iterable[NodeState]):
         nodes = sorted(nodes, key=lambda n: n.name)
@@ -68,6 +81,22 @@ class FreeSlots:
         self.ge = [0] * (self.maxs + 2)
         for k in range(self.maxs, -1, -1):
             self.ge[k] = self.ge[k + 1] + len(self.buckets[k])
+        # per pool (the nodes one requirement allows, add_pool), its own ge counts
+        self.pool_ge: list[list[int]] = []
+        self.pool_of: list[list[int]] = [[] for _ in nodes]
+
+    def add_pool(self, members: Iterable[int]) -> int:
+        """Track ge counts over these node indices too (kept up to date by take/hold/release), so
+        count_fit over a PoolExclusion costs what it costs over the whole cluster."""
+        pid = len(self.pool_ge)
+        ge = [0] * (self.maxs + 2)
+        for i in members:
+            self.pool_of[i].append(pid)
+            if self.sched[i]:
+                for k in range(self.avail[i] + 1):
+                    ge[k] += 1
+        self.pool_ge.append(ge)
+        return pid
 
     def _set(self, i: int, new: int) -> None:
         old = self.avail[i]
@@ -76,13 +105,13 @@ class FreeSlots:
         b = self.buckets[old]
         del b[bisect_left(b, i)]
         insort(self.buckets[new], i)
-        ge = self.ge
-        if new > old:
-            for k in range(old + 1, new + 1):
-                ge[k] += 1
-        else:
-            for k in range(new + 1, old + 1):
-                ge[k] -= 1
+        for ge in (self.ge, *(self.pool_ge[p] for p in self.pool_of[i])):
+            if new > old:
+                for k in range(old + 1, new + 1):
+                    ge[k] += 1
+            else:
+                for k in range(new + 1, old + 1):
+                    ge[k] -= 1
         rack = self.rack_of[i]
         if rack is not None:
             rb = self.racks[rack]
@@ -132,6 +161,8 @@ class FreeSlots:
         """How many schedulable nodes (not excluded) have at least ppn slots available (with overlay)."""
         if ppn > self.maxs:
             return 0
+        if isinstance(exclude, PoolExclusion):
+            return self._count_pool(ppn, exclude, overlay)
         c = self.ge[max(ppn, 0)]
         if overlay:
             for i, extra in overlay.items():
@@ -142,6 +173,19 @@ class FreeSlots:
             for i in exclude:
                 if self.sched[i] and self.level(i, overlay) >= ppn:
                     c -= 1
+        return c
+
+    def _count_pool(self, ppn: int, exclude: PoolExclusion, overlay: Mapping[int, int] | None) -> int:
+        pool = exclude.pool
+        c = self.pool_ge[pool][max(ppn, 0)]
+        if overlay:
+            for i, extra in overlay.items():
+                a = self.avail[i]
+                if self.sched[i] and a < ppn <= a + extra and pool in self.pool_of[i]:
+                    c += 1
+        for i in exclude.extra:
+            if self.sched[i] and self.level(i, overlay) >= ppn:
+                c -= 1
         return c
 
     def _walk(self, ppn: int, buckets: list[list[int]], og: dict[int, list[int]] | None, overlay, exclude, limit):
@@ -233,15 +277,49 @@ def _ever(fit_count: list[int], nodes: int, ppn: int, skip: int = 0) -> bool:
     return ppn < len(fit_count) and fit_count[max(ppn, 0)] - skip >= nodes
 
 
-def exclusion(free: FreeSlots, fit_count: list[int], job: QueuedJob) -> tuple[set[int] | None, bool]:
-    """(node indices to keep the job off, could it ever fit on today's schedulable nodes): the
-    nodes it should avoid, unless avoiding them would leave it no way to fit at all."""
+class Eligibility:
+    """Per job requirement (device, GPU memory, labels; eligibility.py): the node indices (as
+    FreeSlots numbers them) a job may never use, and "could it ever fit" counts over the rest.
+    Computed once per distinct requirement in a tick; a plain cpu job costs nothing."""
+
+    def __init__(self, free: FreeSlots, nodes: Iterable[NodeState]):
+        self.free = free
+        self.nodes = [None] * len(free.names)
+        for n in nodes:
+            self.nodes[free.index[n.name]] = n
+        self.fit_all = fit_counts(nodes)
+        self.cache: dict[tuple, tuple[PoolExclusion | None, list[int]]] = {}
+
+    def of(self, job: QueuedJob) -> tuple[PoolExclusion | None, list[int]]:
+        """(ineligible node indices or None, fit counts over the eligible schedulable nodes)."""
+        if not restricted(job):
+            return None, self.fit_all
+        key = (job.device, job.gpu_memory_bytes, job.labels)
+        got = self.cache.get(key)
+        if got is None:
+            ok = [eligible(n, job) for n in self.nodes]
+            hard = [i for i, yes in enumerate(ok) if not yes]
+            exclude = PoolExclusion(hard, self.free.add_pool(i for i, yes in enumerate(ok) if yes)) if hard else None
+            got = (exclude, fit_counts(n for n, yes in zip(self.nodes, ok) if yes))
+            self.cache[key] = got
+        return got
+
+
+def exclusion(free: FreeSlots, fit_count: list[int], job: QueuedJob,
+              hard: PoolExclusion | None = None) -> tuple[set[int] | None, bool, bool]:
+    """(node indices to keep the job off, could it ever fit on today's schedulable nodes, does
+    it avoid nodes): the nodes it may never use (`hard`, with `fit_count` counted over the
+    others), plus those it should avoid, unless avoiding them would leave it no way to fit."""
     ever = _ever(fit_count, job.nodes, job.procs_per_node)
-    if not job.avoid or not ever:
-        return None, ever
-    ex = {free.index[a] for a in job.avoid if a in free.index}
-    skip = sum(1 for i in ex if free.sched[i] and free.capacity[i] >= job.procs_per_node)
-    return (ex if ex and _ever(fit_count, job.nodes, job.procs_per_node, skip) else None), ever
+    if not ever:
+        return None, False, False
+    avoid = ({free.index[a] for a in job.avoid if a in free.index} - (hard or set())) if job.avoid else set()
+    skip = sum(1 for i in avoid if free.sched[i] and free.capacity[i] >= job.procs_per_node)
+    if not (avoid and _ever(fit_count, job.nodes, job.procs_per_node, skip)):
+        return hard, True, False
+    if isinstance(hard, PoolExclusion):
+        return PoolExclusion(hard | avoid, hard.pool, avoid), True, True
+    return set(avoid) | set(hard or ()), True, True
 
 
 def reserve(free: FreeSlots, nodes: int, ppn: int, exclude,

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from .cluster import ClusterView, QueuedJob, expected_end
 from .order import queue_order
-from .placement import FreeSlots, exclusion, fit_counts, reserve
+from .placement import Eligibility, FreeSlots, exclusion, reserve
 
 # predict_starts: how many queued jobs behind the head the forward simulation considers for
 # backfill at each event (like Slurm's bf_max_job_test; deeper jobs wait their turn).
@@ -33,27 +33,32 @@ def _sorted_walk(heap: list):
                 heapq.heappush(frontier, (heap[c], c))
 
 
-def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], list]:
+def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], list, list]:
     """The queued jobs that can get a prediction, in the order they are considered (those that
-    preemptions are in flight for first), and the nodes each must avoid."""
+    preemptions are in flight for first), the nodes each must avoid, and what its placement
+    depends on besides its shape: its requirement (device, GPU memory, labels: the same nodes
+    excluded for every job with it), or None when it also avoids nodes of its own."""
     caps, over = view.quotas.user_slots, view.quotas.over_budget
     inflight = {r.preempted_for for r in view.running if r.preempted_for is not None}
     order = queue_order(view)
     if inflight:
         order = [j for j in order if j.id in inflight] + [j for j in order if j.id not in inflight]
-    fit_count = fit_counts(view.nodes)
+    eligibility = Eligibility(free, view.nodes)
     jobs: list[QueuedJob] = []
     excl: list = []
+    deps: list = []
     for j in order:
         if (j.team is not None and j.team in over) or (j.user and f"user:{j.user}" in over):
             continue
         if caps.get(j.user) is not None and j.slots > caps[j.user]:
             continue
-        ex, ever = exclusion(free, fit_count, j)
+        hard, fit_count = eligibility.of(j)
+        ex, ever, avoiding = exclusion(free, fit_count, j, hard)
         if ever:
             jobs.append(j)
             excl.append(ex)
-    return jobs, excl
+            deps.append(None if avoiding else (j.device, j.gpu_memory_bytes, j.labels))
+    return jobs, excl, deps
 
 
 class _Forward:
@@ -72,7 +77,7 @@ class _Forward:
             self.ends.append((expected_end(r, view.now), seq, r.user, r.slots, f.shares_of(r.nodes)))
         heapq.heapify(self.ends)
         self.seq = len(self.ends)
-        self.jobs, self.excl = _predictable(view, f)
+        self.jobs, self.excl, self.deps = _predictable(view, f)
         # per job index, read at every event: plain lists beat attribute and property lookups
         self.slots_of = [j.slots for j in self.jobs]
         self.shape_of = [(j.nodes, j.procs_per_node) for j in self.jobs]
@@ -109,11 +114,11 @@ class _Forward:
     def walk(self) -> None:
         """One pass over the window at time t: start the head when it fits (else reserve for it),
         backfill behind it, set aside jobs over their user's cap."""
-        f, window, jobs, excl, t = self.free, self.window, self.jobs, self.excl, self.t
+        f, window, jobs, excl, deps, t = self.free, self.window, self.jobs, self.excl, self.deps, self.t
         slots_of, shape_of, pred_of, capped = self.slots_of, self.shape_of, self.pred_of, self.capped
         caps, user_run, choose = self.caps, self.user_run, self.free.choose
         head = self.head
-        failed: set = set()  # (nodes, ppn, runs past the shadow) that did not fit in this pass
+        failed: set = set()  # (nodes, ppn, runs past the shadow, requirement) that did not fit in this pass
         k = 0
         while k < len(window):
             idx = window[k]
@@ -132,9 +137,10 @@ class _Forward:
                 if slots_of[idx] <= total:
                     long = t + pred_of[idx] > head[1]
                     n, ppn = shape_of[idx]
-                    key = (n, ppn, long)
+                    dep = deps[idx]
+                    key = (n, ppn, long, dep)
                     ex = excl[idx]
-                    if ex or key not in failed:
+                    if dep is None or key not in failed:
                         limit = head[2] if long else None
                         picked = choose(n, ppn, ex, limit)
                         if picked is not None:
@@ -145,7 +151,7 @@ class _Forward:
                                         limit[i] -= ppn
                             del window[k]
                             continue
-                        if not ex:
+                        if dep is not None:
                             failed.add(key)
                 k += 1
                 continue

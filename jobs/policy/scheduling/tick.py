@@ -24,7 +24,8 @@ from typing import Iterable
 from .cluster import (ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share,
                       check_policy, expected_end)
 from .order import queue_order
-from .placement import FreeSlots, exclusion, fit_counts, reserve
+from .eligibility import unservable_reason
+from .placement import Eligibility, FreeSlots, exclusion, reserve
 from .quotas import classify
 from .reclaim import fits_by, pick_victims, victim_order
 
@@ -67,8 +68,8 @@ class _Tick:
             if r.preemptible:
                 self.team_total[r.team] = self.team_total.get(r.team, 0) + r.slots
         self.shares = {r.id: self.free.shares_of(r.nodes) for r in view.running}  # by node index
-        # capacity of schedulable nodes per slots-per-share, for "could it ever fit"
-        self.fit_count = fit_counts(view.nodes)
+        # the nodes each job may use, and their capacity per slots-per-share ("could it ever fit")
+        self.eligibility = Eligibility(self.free, view.nodes)
         self.placements: list[Placement] = []
         self.preemptions: list[Preemption] = []
         self.waiting: dict[int, str] = {}
@@ -77,6 +78,11 @@ class _Tick:
         self._candidates: list[RunningJob] | None = None
         self._sorted_ends: list | None = None
         self.placed_ends: list = []  # (end, job id, shares) of this tick's placements
+
+    def _exclusion(self, job: QueuedJob) -> tuple[set[int] | None, bool, bool]:
+        """placement.exclusion over the nodes the job may use (its device and labels)."""
+        hard, fit = self.eligibility.of(job)
+        return exclusion(self.free, fit, job, hard)
 
     # -- gates
     def _gate(self, job: QueuedJob) -> str | None:
@@ -176,7 +182,7 @@ class _Tick:
         for job in (j for j in order if j.id in inflight):
             if self._gate(job) is not None:
                 continue
-            exclude, ever = exclusion(f, self.fit_count, job)
+            exclude, ever, _ = self._exclusion(job)
             if not ever:
                 continue
             borrowing = self._is_borrowing(job)
@@ -197,10 +203,11 @@ class _Tick:
         if reason:
             self.waiting[job.id] = reason
             return head
-        exclude, ever = exclusion(f, self.fit_count, job)
+        exclude, ever, avoids = self._exclusion(job)
         if not ever:
-            self.waiting[job.id] = (f"needs {job.nodes} schedulable node(s) with {job.procs_per_node} "
-                                    f"slot(s) each; waiting for nodes")
+            self.waiting[job.id] = (unservable_reason(self.view.nodes, job) or
+                                    f"needs {job.nodes} schedulable node(s) with {job.procs_per_node} "
+                                    f"slot(s) each") + "; waiting for nodes"
             return head
         if head is not None and (pol == "fifo" or head.shadow is None):
             self.waiting[job.id] = f"behind job {head.job.id} in the queue"
@@ -223,7 +230,7 @@ class _Tick:
                 self._preempt(job, got[0])
                 self._claim(job, borrowing)
                 return head
-        avoiding = f" (avoiding {', '.join(sorted(job.avoid))})" if exclude else ""
+        avoiding = f" (avoiding {', '.join(sorted(job.avoid))})" if avoids else ""
         if head is None:
             head = self._reserve(job, exclude)
             eta = (f"; expected to start in about {_fmt_s(head.shadow - self.now)}"

@@ -1,0 +1,52 @@
+"""JobSpec `resources`: the node selector (`labels`) and `gpu_memory_gb`, bounded on their own
+(issue 16, section 4). Pure pydantic: what parses and the 400 messages, each naming its field."""
+import pytest
+
+from trainyard.spec import MAX_LABELS, SpecError, parse_job_spec, validate_job_spec
+
+
+def errors_of(resources: dict) -> dict[str, list[str]]:
+    with pytest.raises(SpecError) as info:
+        parse_job_spec({"name": "x", "resources": resources})
+    return info.value.errors
+
+
+def test_labels_and_gpu_memory_parse_and_default():
+    spec = parse_job_spec({"name": "x", "resources": {"device": "cuda", "gpu_memory_gb": 80,
+                                                      "labels": {"gpu": "a100", "rack": "r2"}}})
+    assert spec.to_json()["resources"]["labels"] == {"gpu": "a100", "rack": "r2"}
+    assert spec.resources.gpu_memory_gb == 80.0
+    plain = parse_job_spec({"name": "x"}).to_json()["resources"]
+    assert plain["labels"] == {} and plain["gpu_memory_gb"] is None
+
+
+@pytest.mark.parametrize("labels,message", [
+    ({"bad key": "x"}, "label 'bad key': a key is 1-63 letters"),
+    ({"-gpu": "x"}, "a key is 1-63 letters"),
+    ({"k" * 64: "v"}, "a key is 1-63 letters"),
+    ({"gpu": "a,b"}, "label gpu: value 'a,b' must be 1-63 letters"),
+    ({"gpu": "a=b"}, "must be 1-63 letters"),
+    ({"gpu": ""}, "must be 1-63 letters"),
+    ({"gpu": "v" * 64}, "must be 1-63 letters"),
+    ({f"k{i}": "v" for i in range(MAX_LABELS + 1)}, f"at most {MAX_LABELS} labels, got {MAX_LABELS + 1}"),
+])
+def test_bad_labels_are_refused_with_the_field(labels, message):
+    errors = errors_of({"labels": labels})
+    assert list(errors) == ["resources.labels"] and message in errors["resources.labels"][0]
+
+
+def test_label_values_must_be_strings_and_labels_a_mapping():
+    assert "resources.labels.rack" in errors_of({"labels": {"rack": 2}})
+    assert "resources.labels" in errors_of({"labels": ["gpu=a100"]})
+
+
+def test_gpu_memory_is_bounded_and_only_for_cuda():
+    assert "resources.gpu_memory_gb" in errors_of({"device": "cuda", "gpu_memory_gb": 0})
+    assert "resources.gpu_memory_gb" in errors_of({"device": "cuda", "gpu_memory_gb": 10**6})
+    assert errors_of({"gpu_memory_gb": 40}) == {
+        "resources.gpu_memory_gb": ["gpu_memory_gb applies to a cuda job: set resources.device to cuda, or drop it"]}
+
+
+def test_the_runtime_reads_a_spec_with_labels():
+    stored = parse_job_spec({"name": "x", "resources": {"labels": {"gpu": "a100"}}}).to_json()
+    assert validate_job_spec(stored).resources.labels == {"gpu": "a100"}
