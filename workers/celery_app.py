@@ -14,3 +14,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 app = Celery("trainyard-node", broker=REDIS_URL, include=["workers.tasks"])
 app.conf.update(CELERY_SETTINGS)
+# No remote control (Celery's pidbox broadcast channel) on node agents: a node's Redis user may not
+# use that channel (deploy/redis/users.acl), since whoever may subscribe to it may also publish on it,
+# and a broadcast `shutdown` reaches every worker, the control worker included.
+app.conf.worker_enable_remote_control = False
