@@ -37,9 +37,14 @@ _OUT_LOCK = threading.Lock()
 
 
 def log(name: str, text: str) -> None:
+    """One prefixed line on stdout. A closed stdout (`make run | head`) is ignored: the readers must
+    keep draining the children's pipes, or a child blocks on its next write."""
     with _OUT_LOCK:
-        sys.stdout.write(f"{time.strftime('%H:%M:%S')} {name:<10} | {text}\n")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(f"{time.strftime('%H:%M:%S')} {name:<10} | {text}\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def expand(word: str, env: dict[str, str]) -> str:
@@ -158,15 +163,21 @@ class Child:
 
 
 def write_status(path: Path | None, children: list[Child]) -> None:
+    """The state file, created 0600 (never through a link) and renamed into place: a reader sees the
+    old or the new document, never half of one. A failure is logged; supervision goes on."""
     if path is None:
         return
     doc = {"supervisor_pid": os.getpid(), "updated_at": time.time(),
            "processes": {c.name: c.status() for c in children}}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log("supervise", f"could not write {path}: {e}")
 
 
 class Supervisor:
