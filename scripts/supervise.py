@@ -224,18 +224,22 @@ class Supervisor:
         for c in children:
             c.next_start = None
             c.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
+        deadline, killed = time.monotonic() + self.grace, False
         while any(c.proc is not None and c.proc.poll() is None for c in children):
             if time.monotonic() >= deadline:
+                if killed:  # unkillable (uninterruptible sleep): report it rather than hang
+                    break
                 for c in children:
                     if c.proc is not None and c.proc.poll() is None:
                         log(c.name, f"still running {self.grace:g} s after SIGTERM: SIGKILL")
                         c.signal_group(signal.SIGKILL)
-                deadline = float("inf")
+                deadline, killed = time.monotonic() + 5.0, True
             time.sleep(0.05)
         for c in children:
             if c.proc is not None:
-                log(c.name, f"stopped ({describe_exit(c.proc.returncode)})")
+                rc = c.proc.poll()
+                log(c.name, f"stopped ({describe_exit(rc)})" if rc is not None else
+                    f"pid {c.proc.pid} did not exit even after SIGKILL")
                 c.proc = None
             for t in c.readers:
                 t.join(timeout=0.2)  # orphans may hold the pipe; their output keeps flowing

@@ -111,15 +111,17 @@ def test_a_killed_process_is_restarted_with_backoff_and_sigterm_stops_all(tmp_pa
 
 
 @pytest.mark.procs
-def test_a_stable_process_restarts_after_the_initial_delay_and_redis_stops_last(tmp_path):
+def test_a_stable_process_restarts_after_the_initial_delay_the_store_stops_last_a_stubborn_one_is_killed(tmp_path):
     procfile = tmp_path / "Procfile"
     procfile.write_text("store: python3 -c \"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
                         "(print('store got SIGTERM', flush=True), sys.exit(0))); time.sleep(600)\"\n"
                         "steady: sh -c \"sleep 0.4; exit 1\"\n"
                         "app: python3 -c \"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: "
-                        "(time.sleep(0.5), print('app stopped', flush=True), sys.exit(0))); time.sleep(600)\"\n")
+                        "(time.sleep(0.5), print('app stopped', flush=True), sys.exit(0))); time.sleep(600)\"\n"
+                        "stubborn: python3 -c \"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                        "time.sleep(600)\"\n")
     sup = subprocess.Popen([sys.executable, str(SCRIPT), "--procfile", str(procfile), "--backoff-initial", "0.1",
-                            "--backoff-max", "5", "--stable-after", "0.3", "--stop-last", "store"],
+                            "--backoff-max", "5", "--stable-after", "0.3", "--stop-last", "store", "--grace", "1"],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(2.5)
     sup.send_signal(signal.SIGINT)
@@ -128,3 +130,5 @@ def test_a_stable_process_restarts_after_the_initial_delay_and_redis_stops_last(
     delays = re.findall(r"steady +\| exited with code 1 after [\d.]+ s; restart #\d+ in ([\d.]+) s", out)
     assert len(delays) >= 3 and set(delays) == {"0.1"}, out  # each run was "stable": no doubling
     assert out.index("app stopped") < out.index("store got SIGTERM"), out
+    assert "stubborn   | still running 1 s after SIGTERM: SIGKILL" in out
+    assert "stubborn   | stopped (killed by SIGKILL)" in out
