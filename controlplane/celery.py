@@ -11,6 +11,7 @@ import django  # noqa: E402
 django.setup()
 
 from jobs.celery_app import app  # noqa: E402
+from jobs.liveness import ControlStamp  # noqa: E402
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK,  # noqa: E402
                               NODES_CHECK_TASK, SCHEDULE_TICK_TASK)
 
@@ -26,5 +27,10 @@ app.conf.beat_schedule = {
     # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/services/bundles.py).
     "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
 }
+
+# Liveness (jobs/liveness.py): the worker stamps trainyard:alive:control from its event loop, beat
+# stamps trainyard:alive:beat on every tick; /metrics and the nodes page read them.
+app.steps["consumer"].add(ControlStamp)
+app.conf.beat_scheduler = "jobs.liveness:StampingScheduler"
 
 __all__ = ["app"]

@@ -184,6 +184,9 @@ TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMO
     psutil.virtual_memory().total / 1e9 / max(1, os.cpu_count() or 1), 1))
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
+# The control worker and beat stamp their liveness key (trainyard:alive:<role>) every fifth of this,
+# and the key expires after it: /metrics and the nodes page show a role down within this long.
+TRAINYARD_ALIVE_TTL_S = float(os.environ.get("TRAINYARD_ALIVE_TTL_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.
 TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", "120"))
 # hang_timeout_s: auto never goes below this (a checkpoint load or an eval pauses progress too).

@@ -10,6 +10,8 @@ Per-job series exist only for jobs in STARTING/RUNNING/STOPPING, so finished job
 up in Prometheus. Relay figures come from the counters the relay keeps in Redis
 (trainyard.keys.RELAY_STATS_KEY) plus the job streams' current backlog and the age of their oldest
 entry; if Redis cannot be reached, `trainyard_redis_up 0` says so and the rest still renders.
+Process liveness (`trainyard_process_up{process=...}`, restarts under `make run`) comes from
+jobs/liveness.py.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from django.http import HttpResponse
 
 from trainyard import keys
 
-from . import selectors
+from . import liveness, selectors
 from .models import Job, MetricSample, Node
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -228,11 +230,29 @@ def collect_relay(exp: Exposition) -> None:
     exp.add("trainyard_relay_lag_seconds", "gauge", "Age of the oldest entry the relay has not committed yet.", lag)
 
 
+def collect_processes(exp: Exposition) -> None:
+    """Liveness of every process (jobs/liveness.py), and what `make run`'s supervisor adds."""
+    for row in liveness.processes():
+        exp.add("trainyard_process_up", "gauge", "1 if the process proved alive within its stamp TTL (web, redis, "
+                "control, beat, relay; agent:<node> by heartbeat), else 0.", row["up"], process=row["process"])
+        exp.add("trainyard_process_heartbeat_age_seconds", "gauge",
+                "Seconds since the process's last liveness stamp or heartbeat.", row["age_s"], process=row["process"])
+    sup = liveness.supervisor()
+    exp.add("trainyard_supervisor_up", "gauge", "1 while make run's supervisor keeps its status file fresh "
+            "(no sample: no supervisor on this host).", None if sup is None else sup["up"])
+    for name, p in (sup or {}).get("processes", {}).items():
+        exp.add("trainyard_process_running", "gauge", "1 if the supervisor's child runs now (0: waiting out its "
+                "restart backoff).", bool(p.get("running")), process=name)
+        exp.add("trainyard_process_restarts_total", "counter", "Restarts by the supervisor since it started.",
+                int(p.get("restarts") or 0), process=name)
+
+
 def render() -> str:
     exp = Exposition()
     collect_jobs(exp)
     collect_nodes(exp)
     collect_relay(exp)
+    collect_processes(exp)
     return exp.render()
 
 

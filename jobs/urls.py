@@ -14,6 +14,7 @@ urlpatterns = [
     path("jobs/<int:pk>/", views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", views.job_cancel, name="job-cancel"),
     path("nodes/", views.node_list, name="node-list"),
+    path("nodes/control-plane/", views.control_plane, name="control-plane"),
     path("quotas/", views.quota_list, name="quota-list"),
     path("knowledge/", views_knowledge.knowledge_page, name="knowledge"),
     path("relay/dead-letters/", views_relay.dead_letters, name="relay-dead-letters"),

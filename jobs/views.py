@@ -9,12 +9,12 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Avg, OuterRef, Subquery
-from django.http import Http404
+from django.http import Http404, JsonResponse
 from django.utils import timezone
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from . import selectors, services
+from . import liveness, selectors, services
 from .errors import TooManyRequests, TransitionError
 from .payloads import checkpoint_dict, event_dict
 from .throttles import submit_refusal
@@ -241,7 +241,30 @@ def job_cancel(request, pk: int):
 
 @login_required
 def node_list(request):
-    return render(request, "jobs/node_list.html", {"nodes": _nodes()})
+    return render(request, "jobs/node_list.html", {"nodes": _nodes(), **_control_plane(request.user)})
+
+
+def _control_plane(user) -> dict:
+    """The nodes page's "Control plane" panel: every process's liveness (jobs/liveness.py) and, for
+    staff, what `make run`'s supervisor knows (pids, restarts, last exit)."""
+    rows = liveness.processes()
+    for row in rows:
+        row["age_text"] = "never" if row["age_s"] is None else f"{row['age_s']:.0f} s ago"
+    sup = liveness.supervisor() if user.is_staff else None
+    if sup is not None:
+        sup = {"up": sup["up"], "age_s": sup["age_s"],
+               "rows": [dict(p, process=name) for name, p in sup.pop("processes").items()]}
+    return {"processes": rows, "supervisor": sup}
+
+
+@login_required
+def control_plane(request):
+    """JSON of the panel, which static/js/controlplane.js fetches every 5 s: the one thing on the pages
+    that polls, because what pushes the other updates (the control worker, the relay) is what it
+    must be able to show dead."""
+    data = _control_plane(request.user)
+    return JsonResponse({"processes": [{k: r[k] for k in ("process", "up", "age_s")} for r in data["processes"]],
+                         "supervisor": data["supervisor"]})
 
 
 def _quota_text(q: dict | None) -> str:

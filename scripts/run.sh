@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make run`: everything for one machine under honcho (see Procfile). Ctrl-C stops it all.
+# `make run`: everything for one machine under scripts/supervise.py (see Procfile), which restarts a
+# process that exits (with backoff) and keeps the others running. Ctrl-C stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Everything this starts writes its files for this user only: the database, the secret key, the admin
@@ -35,4 +36,6 @@ cat <<MSG
   Redis:                  ${redis_shown}   (Ctrl-C stops everything)
 
 MSG
-exec .venv/bin/honcho start -f Procfile
+# Redis is stopped last: the agents report the attempts they stop through it.
+exec .venv/bin/python scripts/supervise.py --procfile Procfile \
+  --status-file "$TRAINYARD_VAR_DIR/supervisor.json" --stop-last redis

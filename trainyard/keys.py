@@ -14,6 +14,7 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
     trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
+    trainyard:alive:<role>       liveness stamps of `control` (worker) and `beat` (TTL expiry, jobs/liveness.py)
     trainyard:relay:deadletter   stream: entries the relay refused (unparseable, forged, poison), capped
     trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (trainyard/sdk/preempt.py)
     trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
@@ -55,6 +56,15 @@ RELAY_STATS_KEY = "trainyard:relay:stats"
 
 RELAY_ALIVE_KEY = "trainyard:relay:alive"
 """Set by the relay every round with a 10 s expiry; its absence means no relay runs."""
+
+ALIVE_PREFIX = "trainyard:alive:"
+"""Liveness stamps: `ALIVE_PREFIX + role` (control, beat) holds the writer's Unix time and expires
+after settings.TRAINYARD_ALIVE_TTL_S; a missing key means the role is down (jobs/liveness.py)."""
+
+
+def alive_key(role: str) -> str:
+    """The liveness stamp of one control-plane role ("control", "beat")."""
+    return f"{ALIVE_PREFIX}{role}"
 
 
 DEADLETTER_STREAM = "trainyard:relay:deadletter"
@@ -103,6 +113,11 @@ def var_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The state directory (database, Redis data, agents' run dirs): TRAINYARD_VAR_DIR, absolute."""
     env = os.environ if environ is None else environ
     return Path(env.get("TRAINYARD_VAR_DIR") or REPO_VAR_DIR).resolve()
+
+
+def supervisor_status_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The JSON state file `make run`'s supervisor (scripts/supervise.py) keeps: <var>/supervisor.json."""
+    return var_dir(environ) / "supervisor.json"
 
 
 def data_root(environ: Mapping[str, str] | None = None) -> Path:

@@ -595,3 +595,22 @@ def test_sdk_script_rolled_back_from_the_page_resumes_at_the_target_and_runs_eve
     wait_js(page, f"() => Object.values(window.trainyard.stats()).every(s => s.max === {steps})", 30, "the last step")
     assert_no_duplicates_or_gaps(chart_stats(page), world=2)
     assert not page.js_errors, page.js_errors
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_nodes_page_control_plane_panel_shows_beat_down_and_back_without_a_reload(page, base, cluster):
+    """Issue 16 section 5: beat killed -> its row turns DOWN within the stamp TTL (10 s) plus one 5 s
+    poll, while the rest stay UP; started again -> UP. The panel is fetched, not pushed: pushes come
+    through the very processes it shows."""
+    page.goto(f"{base}/nodes/")
+    state = "(p) => document.querySelector(`#cp-processes tr[data-process=\"${p}\"] .status`)?.textContent"
+    assert page.evaluate(state, "beat") == "UP" and page.evaluate(state, "control") == "UP"
+    cluster.kill_proc("beat")
+    try:
+        page.wait_for_function(f"() => ({state})('beat') === 'DOWN'", timeout=20_000)
+        assert [page.evaluate(state, p) for p in ("web", "redis", "control", "relay", "agent:node-a")] == ["UP"] * 5
+    finally:
+        cluster.start_proc("beat")
+    page.wait_for_function(f"() => ({state})('beat') === 'UP'", timeout=60_000)
+    assert not page.js_errors, page.js_errors

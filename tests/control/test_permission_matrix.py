@@ -43,6 +43,7 @@ MATRIX = {
     "job-detail": row("GET", LOGIN, 200, 200, 404, 200),
     "job-cancel": row("POST", LOGIN, 302, 302, 404, 302),
     "node-list": row("GET", LOGIN, 200, 200, 200, 200),
+    "control-plane": row("GET", LOGIN, 200, 200, 200, 200),
     "quota-list": row("GET", LOGIN, 403, 403, 403, 200),
     "knowledge": row("GET", LOGIN, 200, 200, 200, 200),
     "relay-dead-letters": row("GET", LOGIN, 403, 403, 403, 200),

@@ -1,0 +1,133 @@
+"""Issue 16 section 5's chaos under `make run`'s supervisor (scripts/supervise.py) with the real
+processes (daphne, Celery control worker + beat, relay, two node agents; Redis from the fixture):
+beat SIGKILLed, the control worker SIGKILLed twice while a job trains. Each time the supervisor
+restarts only the killed process, /metrics shows it down and back, and the job finishes in its one
+attempt with every step trained once (under honcho the first kill stopped every process, and the
+agents stopped the training with them).
+
+Not covered here, found while writing it: a control worker killed inside the schedule tick that
+places a job, after its commit and before the Launch messages (sent on commit) leave, leaves the
+attempt STARTING with nothing sent; it fails as failed:launch_timeout after TRAINYARD_LAUNCH_TIMEOUT_S
+and the job restarts (seen once in three runs; the kill cannot be aimed inside the tick without a
+control-plane chaos hook)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+
+from tests.conftest import REPO
+
+from .cluster import PY, Cluster
+from .test_chaos import assert_each_step_once, spec
+
+pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]
+TTL_S = 2.0
+SCRIPT = REPO / "scripts" / "supervise.py"
+
+
+class SupervisedCluster(Cluster):
+    def start(self) -> "SupervisedCluster":
+        self.redis.start()
+        self.env.update(REDIS_URL=self.redis.url, TRAINYARD_ALIVE_TTL_S=str(TTL_S),
+                        TRAINYARD_METRICS_TOKEN="chaos-metrics-token")
+        for d in ("var", "data", "agents", "ckpt"):
+            (self.dir / d).mkdir(parents=True, exist_ok=True)
+        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):
+            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
+        self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
+                                    capture_output=True, text=True).stdout.strip()
+        procfile = self.dir / "Procfile"
+        procfile.write_text("".join(f"{name}: {shlex.join(argv)}\n" for name, argv in self.commands().items()))
+        self.status_file = self.dir / "var" / "supervisor.json"
+        self.supervisor = subprocess.Popen(
+            [PY, str(SCRIPT), "--procfile", str(procfile), "--status-file", str(self.status_file),
+             "--backoff-initial", "0.5"], cwd=REPO, env=self.env,
+            stdout=open(self.dir / "supervisor.log", "ab"), stderr=subprocess.STDOUT)
+        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_for(lambda: {n["name"] for n in self.get("/api/v1/nodes/")["results"]
+                               if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
+        return self
+
+    def stop(self) -> None:
+        if self.supervisor.poll() is None:
+            self.supervisor.send_signal(signal.SIGTERM)
+            try:
+                self.supervisor.wait(40)
+            except subprocess.TimeoutExpired:
+                self.supervisor.kill()
+        super().stop()
+
+    def supervised(self) -> dict:
+        return json.loads(self.status_file.read_text())["processes"]
+
+    def kill(self, name: str) -> int:
+        pid = self.supervised()[name]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def process_up(self) -> dict[str, float]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/metrics",
+                                     headers={"Authorization": "Bearer chaos-metrics-token"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+        return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("trainyard_process_up{")}
+
+    def wait_back(self, name: str, old_pid: int, restarts: int) -> None:
+        self.wait_for(lambda: self.process_up()[name] == 0, TTL_S + 3, f"{name} to show down in /metrics")
+        self.wait_for(lambda: (p := self.supervised()[name])["running"] and p["pid"] != old_pid
+                      and p["restarts"] == restarts, 20, f"the supervisor to restart {name}")
+        self.wait_for(lambda: self.process_up()[name] == 1, 60, f"{name} to show up again in /metrics")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = SupervisedCluster(tmp_path_factory.mktemp("chaos-supervised"))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def restarts(cluster) -> dict[str, int]:
+    return {name: p["restarts"] for name, p in cluster.supervised().items()}
+
+
+def assert_only_restarted(cluster, before: dict[str, int], expected: dict[str, int]) -> None:
+    after = restarts(cluster)
+    assert {n: after[n] - before[n] for n in after} == {n: expected.get(n, 0) for n in after}, (before, after)
+
+
+def test_beat_killed_while_a_job_trains_is_restarted_alone_and_the_job_finishes(cluster):
+    steps, before = 60, restarts(cluster)
+    job = cluster.submit(spec("beat-killed", steps, 20))
+    cluster.wait_running_ranks(job["id"], 2)
+    pid = cluster.kill("beat")
+    cluster.wait_back("beat", pid, before["beat"] + 1)
+    assert_only_restarted(cluster, before, {"beat": 1})
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED" and len(done["attempts"]) == 1 and done["restarts"] == 0, done
+    assert_each_step_once(cluster, job["id"], steps)
+    assert_only_restarted(cluster, before, {"beat": 1})
+
+
+def test_control_worker_killed_twice_while_a_job_trains(cluster):
+    steps, before = 80, restarts(cluster)
+    job = cluster.submit(spec("control-killed", steps, 20))
+    cluster.wait_running_ranks(job["id"], 2, 180)
+    for n in (1, 2):  # heartbeats, checkpoint reports and ticks keep coming while it is down
+        pid = cluster.kill("control")
+        cluster.wait_back("control", pid, before["control"] + n)
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED" and len(done["attempts"]) == 1 and done["restarts"] == 0, done
+    assert_each_step_once(cluster, job["id"], steps)
+    assert_only_restarted(cluster, before, {"control": 2})
+    assert {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]} == {
+        "node-a": "READY", "node-b": "READY"}
