@@ -189,6 +189,9 @@ TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 TRAINYARD_ALIVE_TTL_S = float(os.environ.get("TRAINYARD_ALIVE_TTL_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.
 TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", "120"))
+# A STARTING attempt with no rank reported this long after its launch gets its launch sent once more
+# (a control worker killed between the tick's commit and its sends; agents ignore duplicates).
+TRAINYARD_LAUNCH_RESEND_S = float(os.environ.get("TRAINYARD_LAUNCH_RESEND_S", "20"))
 # hang_timeout_s: auto never goes below this (a checkpoint load or an eval pauses progress too).
 TRAINYARD_HANG_FLOOR_S = float(os.environ.get("TRAINYARD_HANG_FLOOR_S", "60"))
 # A node implicated in two failures within this window is quarantined until an admin clears it.

@@ -70,6 +70,43 @@ def eta_refresh() -> int:
     return len(changes)
 
 
+def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: str, nnodes: int,
+                   local_addr: str) -> dict:
+    """The Launch message of one node's share of an attempt, from what the database holds (so the
+    launch can be sent again, identical, by `launch_resend`)."""
+    resume = attempt.resumed_from
+    return Launch(
+        job_id=job.pk, attempt_id=attempt.pk, node=alloc.node.name, node_rank=alloc.node_rank,
+        nnodes=nnodes, nproc=len(alloc.slot_ids), slots=list(alloc.slot_ids),
+        device=job.spec["resources"]["device"], rdzv_host=rdzv_host, local_addr=local_addr,
+        stream=keys.job_stream(job.pk), spec=job.spec,
+        collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
+                                                          settings.TRAINYARD_HANG_FLOOR_S),
+        resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
+    ).model_dump(mode="json")
+
+
+def launch_resend(attempt: Attempt) -> None:
+    """Send an attempt's launches again, once (recorded as its `launch_resent` event). A control
+    worker killed between the tick's commit and its on_commit sends left a STARTING attempt that
+    no agent ever heard of, failed 120 s later as a launch timeout blamed on a node. Agents ignore
+    a launch they already have (their run directory's `launched` marker), so a resend is harmless
+    where the first one did arrive."""
+    if attempt.events.filter(kind="launch_resent").exists():
+        return
+    allocs = list(attempt.allocations.filter(active=True).select_related("node").order_by("node_rank"))
+    if not allocs:
+        return
+    host = allocs[0].node.address
+    for alloc in allocs:
+        payload = launch_payload(attempt.job, attempt, alloc, rdzv_host=host, nnodes=len(allocs),
+                                 local_addr=alloc.node.address)
+        transaction.on_commit(partial(dispatch.send_launch, alloc.node.name, payload))
+    job_event(attempt.job, "launch_resent", f"attempt {attempt.number}: no rank had reported "
+              f"{settings.TRAINYARD_LAUNCH_RESEND_S:.0f} s after the launch; sent it again",
+              attempt=attempt, nodes=[a.node.name for a in allocs])
+
+
 def _start_attempt(placement: scheduling.Placement) -> bool:
     job = Job.objects.get(pk=placement.job_id)
     if not job_set_status(job, Job.Status.QUEUED, Job.Status.STARTING, "launching on "
@@ -86,20 +123,11 @@ def _start_attempt(placement: scheduling.Placement) -> bool:
     if number > 1:  # progress restarts where this attempt resumes; the charts rewind there too
         Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
-    host = placement.shares[0]
-    stream = keys.job_stream(job.pk)
     for share in placement.shares:
-        Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
-                                  slot_ids=list(share.slot_ids))
-        payload = Launch(
-            job_id=job.pk, attempt_id=attempt.pk, node=share.node, node_rank=share.node_rank,
-            nnodes=len(placement.shares), nproc=len(share.slot_ids), slots=list(share.slot_ids),
-            device=job.spec["resources"]["device"], rdzv_host=host.address, local_addr=share.address,
-            stream=stream, spec=job.spec,
-            collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
-                                                              settings.TRAINYARD_HANG_FLOOR_S),
-            resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
-        ).model_dump(mode="json")
+        alloc = Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
+                                          slot_ids=list(share.slot_ids))
+        payload = launch_payload(job, attempt, alloc, rdzv_host=placement.shares[0].address,
+                                 nnodes=len(placement.shares), local_addr=share.address)
         transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
     where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
     origin = (f"resuming from the checkpoint at step {resume.step}" if resume
