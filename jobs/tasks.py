@@ -30,7 +30,9 @@ def schedule_tick() -> list[int]:
 
 @app.task(name=NODES_CHECK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
 def nodes_check() -> list[str]:
-    return services.nodes_check()
+    lost = services.nodes_check()
+    services.launches_resend_due()  # launches a killed control worker never sent
+    return lost
 
 
 @app.task(name=ETA_REFRESH_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)

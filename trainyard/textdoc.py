@@ -48,14 +48,15 @@ def echo(value: Any, limit: int = MAX_ECHO_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _depth(v: Any) -> int:
-    # Iterative, so a hostile document cannot exhaust the recursion this check protects.
+def nesting_depth(v: Any, limit: int = MAX_DEPTH) -> int:
+    """Levels of dicts/lists in `v`, counted no further than limit + 1. Iterative, so a hostile
+    document cannot exhaust the recursion this check protects (also the spec's `config` bound)."""
     deepest, stack = 0, [(v, 1)]
     while stack:
         x, d = stack.pop()
         if isinstance(x, (dict, list)):
             deepest = max(deepest, d)
-            if d <= MAX_DEPTH:
+            if d <= limit:
                 stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
     return deepest
 
@@ -123,7 +124,7 @@ def load_json(text: str) -> Any:
 
 def check_depth(data: Any) -> None:
     """DocError when `data` (already parsed) nests more than MAX_DEPTH levels."""
-    if _depth(data) > MAX_DEPTH:
+    if nesting_depth(data) > MAX_DEPTH:
         raise DocError(f"the document nests too deeply (more than {MAX_DEPTH} levels of objects and lists)")
 
 

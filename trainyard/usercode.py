@@ -15,6 +15,8 @@ from typing import Annotated, Any
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints,
                       field_validator)
 
+from .textdoc import nesting_depth
+
 BUNDLE_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -97,20 +99,8 @@ def _check_python(v: str | None) -> str | None:
     return v
 
 
-def _depth(v: Any) -> int:
-    # Iterative: a hostile config must not exhaust the recursion this check guards.
-    deepest, stack = 0, [(v, 1)]
-    while stack:
-        x, d = stack.pop()
-        if isinstance(x, (dict, list)):
-            deepest = max(deepest, d)
-            if d <= MAX_CONFIG_DEPTH:
-                stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
-    return deepest
-
-
 def _check_config(v: dict) -> dict:
-    if _depth(v) > MAX_CONFIG_DEPTH:
+    if nesting_depth(v, MAX_CONFIG_DEPTH) > MAX_CONFIG_DEPTH:
         raise ValueError(f"config nests more than {MAX_CONFIG_DEPTH} levels of objects and lists")
     try:
         text = json.dumps(v, separators=(",", ":"), allow_nan=False)

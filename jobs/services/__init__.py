@@ -30,7 +30,7 @@ from .ingest import telemetry_ingest, telemetry_owners
 from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
 from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
 from .quotas import quota_audit, quotas_update
-from .scheduling import eta_refresh, schedule_tick
+from .scheduling import eta_refresh, launches_resend_due, schedule_tick
 
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
@@ -38,6 +38,6 @@ __all__ = [
     "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
     "job_rollback", "job_stream",
-    "job_submit", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
+    "job_submit", "launches_resend_due", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
     "quotas_update", "schedule_tick", "telemetry_ingest",
 ]

@@ -24,7 +24,6 @@ from ..policy import gpu_health
 from ..policy.scheduling.eligibility import summarize_devices
 from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
 from .events import job_event, job_set_status
-from .scheduling import launch_resend
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -129,11 +128,6 @@ def nodes_check() -> list[str]:
         launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
         for attempt in Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff):
             attempt_stop(attempt, reason="launch_timeout")
-        resend_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_RESEND_S)
-        for attempt in (Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=resend_cutoff,
-                                               created_at__gte=launch_cutoff, stop_reason="")
-                        .select_related("job", "resumed_from")):
-            launch_resend(attempt)
     return lost
 
 

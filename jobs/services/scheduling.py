@@ -7,12 +7,13 @@ the decision in one transaction and sends the launches after commit.
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import datetime, timedelta
 from datetime import timezone as dt_timezone
 from functools import partial
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from trainyard import keys
 from trainyard.launch import Launch, Resume
@@ -84,6 +85,22 @@ def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: 
                                                           settings.TRAINYARD_HANG_FLOOR_S),
         resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
     ).model_dump(mode="json")
+
+
+def launches_resend_due() -> int:
+    """launch_resend for every STARTING attempt older than TRAINYARD_LAUNCH_RESEND_S and younger
+    than the launch timeout (run with nodes_check, every few seconds); returns how many."""
+    now = timezone.now()
+    due = (Attempt.objects.filter(status=Attempt.Status.STARTING, stop_reason="",
+                                  created_at__lt=now - timedelta(seconds=settings.TRAINYARD_LAUNCH_RESEND_S),
+                                  created_at__gte=now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S))
+           .exclude(events__kind="launch_resent").select_related("job", "resumed_from"))
+    count = 0
+    with transaction.atomic():
+        for attempt in due:
+            launch_resend(attempt)
+            count += 1
+    return count
 
 
 def launch_resend(attempt: Attempt) -> None:

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import services
+from jobs import services, tasks
 from jobs.models import Attempt
 from tests.control.test_services import submit
 
@@ -26,18 +26,18 @@ def test_a_launch_lost_with_the_control_worker_is_sent_again_once(user, nodes, s
     attempt = Attempt.objects.get(job=job)
     Attempt.objects.filter(pk=attempt.pk).update(created_at=timezone.now() - timedelta(seconds=5))
     with django_capture_on_commit_callbacks(execute=True):
-        services.nodes_check()
+        tasks.nodes_check()
     assert launches(sent) == []  # younger than TRAINYARD_LAUNCH_RESEND_S: its launch may be on its way
     Attempt.objects.filter(pk=attempt.pk).update(
         created_at=timezone.now() - timedelta(seconds=settings.TRAINYARD_LAUNCH_RESEND_S + 1))
     with django_capture_on_commit_callbacks(execute=True):
-        services.nodes_check()
+        tasks.nodes_check()
     resent = launches(sent)
     assert [node for node, _ in resent] == ["node-a", "node-b"]
     assert [p["node_rank"] for _, p in resent] == [0, 1] and {p["attempt_id"] for _, p in resent} == {attempt.pk}
     assert job.events.filter(kind="launch_resent").count() == 1
     with django_capture_on_commit_callbacks(execute=True):
-        services.nodes_check()
+        tasks.nodes_check()
     assert len(launches(sent)) == 2  # once only
     attempt.refresh_from_db()
     assert attempt.status == Attempt.Status.STARTING
@@ -52,5 +52,5 @@ def test_the_resent_launch_is_the_one_the_tick_sent(user, nodes, sent, settings,
     Attempt.objects.filter(job=job).update(
         created_at=timezone.now() - timedelta(seconds=settings.TRAINYARD_LAUNCH_RESEND_S + 1))
     with django_capture_on_commit_callbacks(execute=True):
-        services.nodes_check()
+        tasks.nodes_check()
     assert launches(sent) == first and len(first) == 2

@@ -3,6 +3,7 @@ worker + beat, the relay and two node agents (node-a on 127.0.0.1, node-b on 127
 separate process, talking over a Redis on a free port. Nothing is faked or run eagerly."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -18,6 +19,25 @@ import psutil
 from tests.conftest import REPO, RedisServer, free_port
 
 PY = sys.executable
+
+
+def start_daphne(env: dict, workdir: Path, probe: str = "/accounts/login/") -> tuple[subprocess.Popen, int]:
+    """daphne serving the control plane on a free loopback port, logging to workdir/web.log;
+    returns once `probe` answers (a RuntimeError with the log if it dies or 60 s pass)."""
+    port = free_port()
+    log = open(workdir / "web.log", "ab")
+    proc = subprocess.Popen([PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", probe)
+            return proc, port
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError((workdir / "web.log").read_text()) from None
+            time.sleep(0.2)
 
 
 class Cluster:

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, free_port
-from tests.integration.cluster import PY
+from tests.conftest import REPO
+from tests.integration.cluster import PY, start_daphne
 from trainyard import keys
 
 pytestmark = pytest.mark.procs
@@ -41,20 +41,7 @@ def web(tmp_path_factory):
         subprocess.run([PY, "manage.py", *args], cwd=REPO, env=env, check=True, capture_output=True)
     token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=env, check=True,
                            capture_output=True, text=True).stdout.strip()
-    port = free_port()
-    log = open(work / "web.log", "ab")
-    proc = subprocess.Popen([PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", "/accounts/login/")
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError((work / "web.log").read_text()) from None
-            time.sleep(0.3)
+    proc, port = start_daphne(env, work)
     yield {"port": port, "token": token, "root": work / "artifacts", "proc": proc}
     proc.terminate()
     proc.wait(20)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import http.client
 import os
 import socket
-import subprocess
 import time
 
 import pytest
 
-from tests.conftest import REPO, free_port
-from tests.integration.cluster import PY
+from tests.conftest import REPO
+from tests.integration.cluster import start_daphne
 
 pytestmark = pytest.mark.procs
 
@@ -26,20 +25,7 @@ def web(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), DJANGO_SETTINGS_MODULE="controlplane.settings",
                TRAINYARD_VAR_DIR=str(tmp_path / "var"), TRAINYARD_DB=str(tmp_path / "db.sqlite3"),
                DJANGO_SECRET_KEY="integration-tests-only", TRAINYARD_HTTP_HEADER_TIMEOUT_S=str(DEADLINE_S))
-    port = free_port()
-    log = open(tmp_path / "web.log", "ab")
-    proc = subprocess.Popen([PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "controlplane.asgi:application"],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", "/api/v1/jobs/")
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError((tmp_path / "web.log").read_text()) from None
-            time.sleep(0.2)
+    proc, port = start_daphne(env, tmp_path, probe="/api/v1/jobs/")
     yield port
     proc.terminate()
     proc.wait(20)
