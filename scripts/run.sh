@@ -26,6 +26,13 @@ done
 .venv/bin/python manage.py migrate --noinput -v 0
 .venv/bin/python manage.py collectstatic --noinput -v 0
 login=$(.venv/bin/python manage.py ensure_admin)
+# The two local agents are registered like any node (issue 16): a fresh credential each start, 0600 under
+# var/credentials/, which the Procfile hands them (--credential-file); their reports are signed with it.
+for node in "node-a 127.0.0.1" "node-b 127.0.0.2"; do
+  set -- $node
+  .venv/bin/python manage.py node_add "$1" --address "$2" --slots "$NODE_SLOTS" --labels rack=r1 --reissue \
+    --credential-out "$TRAINYARD_VAR_DIR/credentials/$1"
+done
 redis_shown=$(.venv/bin/python -c "import os; from trainyard.private import redacted_url; print(redacted_url(os.environ['REDIS_URL']))")
 cat <<MSG
 
