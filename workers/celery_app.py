@@ -14,3 +14,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 app = Celery("trainyard-node", broker=REDIS_URL, include=["workers.tasks"])
 app.conf.update(CELERY_SETTINGS)
+# No remote control (the pidbox): nothing sends agents broadcast commands, and a node's Redis user
+# (trainyard/redis_acl.py) has no pub/sub channels, so no node can broadcast `shutdown` to the
+# others or to the control worker through Celery's remote control.
+app.conf.worker_enable_remote_control = False
