@@ -168,3 +168,12 @@ def test_what_the_agent_sends_is_what_the_control_plane_opens(nodes, sent, tmp_p
     (task, (envelope,)), = out
     node, body = services.report_open(envelope, task=task)
     assert node.name == "node-a" and body["name"] == "node-a" and not SecurityEvent.objects.exists()
+
+
+def test_the_nodes_page_shows_join_requests_to_staff_only(sent, staff, user, client):
+    tasks.node_heartbeat(nodeauth.seal(None, "gpu-9", HEARTBEAT_TASK, beat("gpu-9", "10.0.0.9", 8), time.time()))
+    client.force_login(user)
+    assert b"gpu-9" not in client.get("/nodes/").content
+    client.force_login(staff)
+    page = client.get("/nodes/").content.decode()
+    assert 'id="join-requests"' in page and "gpu-9" in page and "10.0.0.9" in page
