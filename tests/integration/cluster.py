@@ -24,7 +24,8 @@ class Cluster:
     def __init__(self, workdir: Path, *, slots: int = 2):
         self.dir = Path(workdir)
         self.slots = slots
-        self.redis = RedisServer(self.dir / "redis")
+        # Redis with make run's ACL users: the control plane's processes use self.redis.url, each agent its own.
+        self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"])
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ)
@@ -55,7 +56,8 @@ class Cluster:
 
     def start_proc(self, name: str) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(self.commands()[name], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        env = dict(self.env, REDIS_URL=self.redis.user_url(name)) if name.startswith("node-") else self.env
+        proc = subprocess.Popen(self.commands()[name], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 
