@@ -210,6 +210,7 @@ from jobs.models import Attempt
 dispatch.send_launch = lambda *a, **k: None   # no agent runs here: the bench plays the ranks
 jobs, ranks = int(sys.argv[1]), int(sys.argv[2])
 admin = get_user_model().objects.get(username="admin")
+services.node_add("bench-node", slots=256, address="127.0.0.1", reissue=True)  # staff registration (issue 16)
 services.node_heartbeat({"name": "bench-node", "address": "127.0.0.1", "slots": 256, "labels": {},
                          "cpu_percent": 0.0, "mem_percent": 0.0})
 out = []

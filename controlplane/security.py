@@ -79,3 +79,12 @@ def cookie_settings(env: Mapping[str, str]) -> dict:
                 # daphne listens on 127.0.0.1 behind the TLS proxy, which must set this header.
                 "SECURE_PROXY_SSL_HEADER": ("HTTP_X_FORWARDED_PROTO", "https")}
     return out
+
+
+def derived_key(secret: str, purpose: str) -> str:
+    """A key for one purpose derived from `secret` (HMAC-SHA256, hex): the node credentials' master
+    key by default, so a fresh `make run` needs no second secret file."""
+    import hashlib
+    import hmac
+
+    return hmac.new(secret.encode(), f"trainyard:{purpose}".encode(), hashlib.sha256).hexdigest()

@@ -18,6 +18,15 @@ VAR_DIR = keys.var_dir()  # TRAINYARD_VAR_DIR, else var/ in the repository
 # Secrets and sessions (issue 15, section 3; controlplane/security.py): the secret key 0600 in a
 # 0700 var/, the local host names plus DJANGO_ALLOWED_HOSTS (never "*" by default).
 SECRET_KEY = security.secret_key(os.environ, VAR_DIR)
+# Node credentials (issue 16; trainyard/nodeauth.py) are derived from this key and a per-node salt:
+# the database keeps the salt and the credential's SHA-256, never the credential. Set it apart from
+# SECRET_KEY to rotate the session key without re-registering every node.
+TRAINYARD_NODE_KEY = os.environ.get("TRAINYARD_NODE_KEY", "") or security.derived_key(SECRET_KEY, "node-credentials")
+# A signed heartbeat older than this (sender's clock) is refused: a captured one cannot be replayed
+# later to bring a dead node back. Attempt reports are bound to their allocation and idempotent.
+TRAINYARD_HEARTBEAT_MAX_AGE_S = float(os.environ.get("TRAINYARD_HEARTBEAT_MAX_AGE_S", "60"))
+# Unregistered nodes' join requests kept at most (a flood of invented names cannot grow the table).
+TRAINYARD_JOIN_REQUESTS_MAX = int(os.environ.get("TRAINYARD_JOIN_REQUESTS_MAX", "100"))
 DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
 ALLOWED_HOSTS = security.allowed_hosts(os.environ)
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]

@@ -1,14 +1,74 @@
-from django.contrib import admin
+from django.contrib import admin, messages
 
-from .models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, Quota,
-                     QuotaChange)
+from .models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node,
+                     NodeJoinRequest, Quota, QuotaChange, SecurityEvent)
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "status", "address", "slots", "cpu_percent", "mem_percent", "last_heartbeat")
+    """Nodes are added by `manage.py node_add` or by approving a join request (which issues the
+    credential); here staff see them, edit labels and slots, and reissue a credential."""
+
+    list_display = ("name", "status", "address", "slots", "slots_approved", "cpu_percent", "mem_percent",
+                    "last_heartbeat")
     list_filter = ("status",)
     search_fields = ("name", "address")
+    exclude = ("credential_salt", "credential_digest")
+    actions = ["reissue_credential"]
+
+    def has_add_permission(self, request):
+        return False  # a node needs a credential: node_add, or approve its join request
+
+    @admin.action(description="Reissue the credential (shown once; the old one stops working)")
+    def reissue_credential(self, request, queryset):
+        from . import services
+
+        for node in queryset:
+            _, credential = services.node_add(node.name, slots=node.slots_approved or node.slots,
+                                              address=node.address, reissue=True)
+            messages.warning(request, f"Credential of node {node.name} (shown once, put it in the node's 0600 "
+                                      f"--credential-file): {credential}")
+
+
+@admin.register(NodeJoinRequest)
+class NodeJoinRequestAdmin(admin.ModelAdmin):
+    """Heartbeats from nodes nobody registered: refused until staff approve one here."""
+
+    list_display = ("name", "address", "slots", "labels", "heartbeats", "first_seen", "last_seen")
+    readonly_fields = list_display
+    actions = ["approve"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Approve: register the node with the slots and address it asked for")
+    def approve(self, request, queryset):
+        from . import services
+
+        for req in queryset:
+            _, credential = services.node_add(req.name, slots=max(1, req.slots), address=req.address,
+                                              labels=req.labels)
+            messages.warning(request, f"Node {req.name} registered. Its credential (shown once, put it in the node's "
+                                      f"0600 --credential-file and restart its agent): {credential}")
+
+
+@admin.register(SecurityEvent)
+class SecurityEventAdmin(admin.ModelAdmin):
+    """Refused reports (bad signature, another node's allocation, a heartbeat over its approval)."""
+
+    list_display = ("kind", "node", "count", "detail", "first_at", "last_at")
+    list_filter = ("kind",)
+    search_fields = ("node",)
+    readonly_fields = list_display
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
 
 
 class AttemptInline(admin.TabularInline):

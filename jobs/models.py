@@ -37,6 +37,13 @@ class Node(models.Model):
     quarantine_reason = models.CharField(max_length=500, blank=True)
     # DRAINING: "finish" lets running attempts end on their own, "preempt" checkpoints them away.
     drain_mode = models.CharField(max_length=16, blank=True)
+    # Identity (issue 16): staff register a node (manage.py node_add, or approve its join request);
+    # its credential is derived from the master key and this salt (trainyard.nodeauth) and only its
+    # SHA-256 is kept. `slots_approved` caps what a heartbeat may offer (`slots` = the lower of the
+    # two); `address` is the registered one, never a heartbeat's.
+    credential_salt = models.CharField(max_length=64, blank=True)
+    credential_digest = models.CharField(max_length=64, blank=True)
+    slots_approved = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -44,6 +51,45 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class NodeJoinRequest(models.Model):
+    """A heartbeat from a node no staff member registered: refused, and shown here until staff
+    approve it (admin action: registers the node and shows its credential once) or delete it."""
+
+    name = models.CharField(max_length=64, unique=True)
+    address = models.CharField(max_length=255, blank=True)
+    slots = models.PositiveIntegerField(default=0)
+    labels = models.JSONField(default=dict, blank=True)
+    heartbeats = models.PositiveIntegerField(default=0)
+    first_seen = models.DateTimeField(auto_now_add=True)
+    last_seen = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-last_seen"]
+
+    def __str__(self) -> str:
+        return f"join request from {self.name}"
+
+
+class SecurityEvent(models.Model):
+    """A refused report: a bad signature, a node reporting for another node's allocation, a
+    heartbeat under another node's name. One row per (kind, node), counted, so a flood of
+    forgeries grows a counter, not the table."""
+
+    kind = models.CharField(max_length=32)
+    node = models.CharField(max_length=64)
+    detail = models.CharField(max_length=500, blank=True)
+    count = models.PositiveIntegerField(default=0)
+    first_at = models.DateTimeField(auto_now_add=True)
+    last_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-last_at"]
+        constraints = [models.UniqueConstraint(fields=["kind", "node"], name="security_event_kind_node")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} from {self.node} (x{self.count})"
 
 
 class Job(models.Model):

@@ -22,13 +22,13 @@ import time
 
 import redis
 from django.conf import settings
-from django.db.models import Count
+from django.db.models import Count, Sum
 from django.http import HttpResponse
 
 from trainyard import keys
 
 from . import liveness, selectors
-from .models import Job, MetricSample, Node
+from .models import Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -109,6 +109,17 @@ def collect_jobs(exp: Exposition) -> None:
                 sum(losses) / len(losses) if losses else None, **labels)
         exp.add("trainyard_job_samples_per_second", "gauge", "Latest training throughput (sum over ranks).",
                 sum(rates) if rates else None, **labels)
+
+
+def collect_security(exp: Exposition) -> None:
+    """Refused node reports by kind (jobs.services.identity) and pending join requests."""
+    totals = dict(SecurityEvent.objects.values_list("kind").annotate(n=Sum("count")))
+    for kind in sorted(set(totals) | {"bad_signature", "foreign_allocation", "unknown_node"}):
+        exp.add("trainyard_security_events_total", "counter",
+                "Node reports refused: bad signature, another node's allocation, unregistered node, ...",
+                totals.get(kind, 0), kind=kind)
+    exp.add("trainyard_node_join_requests", "gauge", "Heartbeats from unregistered nodes awaiting staff approval.",
+            NodeJoinRequest.objects.count())
 
 
 def collect_nodes(exp: Exposition) -> None:
@@ -251,6 +262,7 @@ def render() -> str:
     exp = Exposition()
     collect_jobs(exp)
     collect_nodes(exp)
+    collect_security(exp)
     collect_relay(exp)
     collect_processes(exp)
     return exp.render()

@@ -4,7 +4,8 @@ name (trainyard.launch); services validate them with the trainyard.launch models
 from __future__ import annotations
 
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
-                              HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK)
+                              HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
+                              ExitReport, RanksReport)
 
 from . import dispatch, services
 from .celery_app import app
@@ -50,26 +51,44 @@ def bundles_gc() -> list[str]:
     return services.bundles_gc().deleted
 
 
+# Every report is a trainyard.launch.Signed envelope: services.report_open checks the signature
+# against the registered node's credential (refused and counted as a security event otherwise)
+# before one service applies the body as that node's.
 @app.task(name=HEARTBEAT_TASK, **PERIODIC, time_limit=30, expires=10)
-def node_heartbeat(payload: dict) -> None:
-    node, orphans = services.node_heartbeat(payload)
+def node_heartbeat(envelope: dict) -> None:
+    opened = services.report_open(envelope, task=HEARTBEAT_TASK)
+    if opened is None:
+        return
+    node, orphans = services.node_heartbeat(opened[1], signer=opened[0].name)
     for attempt_id in orphans:
         # The agent runs an attempt the control plane has already ended: stop it there.
         dispatch.send_stop(node.name, 0, attempt_id, "orphan")
 
 
 @app.task(name=RANKS_TASK, shared=False, time_limit=30)
-def attempt_ranks(attempt_id: int, node: str, ranks: list) -> None:
-    services.attempt_ranks(int(attempt_id), node_name=str(node), ranks=ranks)
+def attempt_ranks(envelope: dict) -> None:
+    opened = services.report_open(envelope, task=RANKS_TASK)
+    if opened is not None:
+        report = RanksReport.model_validate(opened[1])
+        services.attempt_ranks(report.attempt_id, node_name=opened[0].name, ranks=report.ranks)
 
 
 @app.task(name=NODE_EXIT_TASK, shared=False, time_limit=30)
-def attempt_node_exit(attempt_id: int, node: str, result: dict) -> None:
-    services.attempt_node_exit(int(attempt_id), node_name=str(node), result=result)
+def attempt_node_exit(envelope: dict) -> None:
+    opened = services.report_open(envelope, task=NODE_EXIT_TASK)
+    if opened is not None:
+        report = ExitReport.model_validate(opened[1])
+        services.attempt_node_exit(report.attempt_id, node_name=opened[0].name, result=report.result)
 
 
 @app.task(name=CALIBRATION_REPORT_TASK, shared=False, time_limit=120)
-def calibration_report(payload: dict) -> int | None:
+def calibration_report(envelope: dict) -> int | None:
     """A node's calibration measurements: fit, evaluate, store (the new row's id, None if failed)."""
-    row = services.calibration_report(payload)
+    opened = services.report_open(envelope, task=CALIBRATION_REPORT_TASK)
+    if opened is None:
+        return None
+    if opened[1].get("node") != opened[0].name:
+        services.security_event("name_mismatch", opened[0].name, "calibration report names another node")
+        return None
+    row = services.calibration_report(opened[1])
     return row.pk if row is not None else None

@@ -19,7 +19,7 @@ from .errors import TooManyRequests, TransitionError
 from .payloads import checkpoint_dict, event_dict
 from .throttles import submit_refusal
 from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from .models import Job, MetricSample, Node, QuotaChange
+from .models import Job, MetricSample, Node, NodeJoinRequest, QuotaChange
 from trainyard.spec import SpecError, parse_text
 
 
@@ -241,7 +241,10 @@ def job_cancel(request, pk: int):
 
 @login_required
 def node_list(request):
-    return render(request, "jobs/node_list.html", {"nodes": _nodes(), **_control_plane(request.user)})
+    # Staff see the heartbeats refused from unregistered nodes (issue 16), to approve in the admin.
+    joins = list(NodeJoinRequest.objects.all()[:50]) if request.user.is_staff else []
+    return render(request, "jobs/node_list.html", {"nodes": _nodes(), "join_requests": joins,
+                                                   **_control_plane(request.user)})
 
 
 def _control_plane(user) -> dict:

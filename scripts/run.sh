@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 umask 077
 export WEB_PORT="${PORT:-8000}"
 export REDIS_PORT="${REDIS_PORT:-6390}"
+USER_REDIS_URL="${REDIS_URL:-}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:${REDIS_PORT}/0}"
 export TRAINYARD_VAR_DIR="${TRAINYARD_VAR_DIR:-$PWD/var}"
 export TRAINYARD_DATA_ROOT="${TRAINYARD_DATA_ROOT:-$TRAINYARD_VAR_DIR/data}"
@@ -27,6 +28,24 @@ done
 .venv/bin/python manage.py migrate --noinput -v 0
 .venv/bin/python manage.py collectstatic --noinput -v 0
 login=$(.venv/bin/python manage.py ensure_admin)
+# The two local agents are registered like any node (issue 16): a fresh credential each start, 0600 under
+# var/credentials/, which the Procfile hands them (--credential-file); their reports are signed with it.
+for node in "node-a 127.0.0.1" "node-b 127.0.0.2"; do
+  set -- $node
+  .venv/bin/python manage.py node_add "$1" --address "$2" --slots "$NODE_SLOTS" --labels rack=r1 --reissue \
+    --credential-out "$TRAINYARD_VAR_DIR/credentials/$1"
+done
+# Redis with ACL users (trainyard/redis_acl.py): the default user off, one user for the control plane and
+# one per agent, passwords 0600 under var/credentials/ (kept across restarts), only their SHA-256 in the ACL
+# file. A REDIS_URL you set yourself (another Redis) is used unchanged by every process.
+.venv/bin/python -m trainyard.redis_acl write --dir "$TRAINYARD_VAR_DIR" --nodes node-a node-b >/dev/null
+acl_url() { .venv/bin/python -m trainyard.redis_acl url --dir "$TRAINYARD_VAR_DIR" --user "$1" --base "$REDIS_URL"; }
+if [ -z "$USER_REDIS_URL" ]; then
+  REDIS_URL_NODE_A=$(acl_url node-a); REDIS_URL_NODE_B=$(acl_url node-b); REDIS_URL=$(acl_url trainyard-control)
+else
+  REDIS_URL_NODE_A=$REDIS_URL; REDIS_URL_NODE_B=$REDIS_URL
+fi
+export REDIS_URL REDIS_URL_NODE_A REDIS_URL_NODE_B
 redis_shown=$(.venv/bin/python -c "import os; from trainyard.private import redacted_url; print(redacted_url(os.environ['REDIS_URL']))")
 cat <<MSG
 

@@ -45,14 +45,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real redis-server (AOF on) in its own directory; stop()/start() keep port and data."""
 
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, acl_nodes: list[str] | None = None):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        # With acl_nodes: make run's ACL users (trainyard/redis_acl.py), the default user off; `url`
+        # is then the control plane's and `user_url(node)` a node's.
+        self.acl = None
+        if acl_nodes is not None:
+            from trainyard import redis_acl
+
+            self.acl = redis_acl.write(self.dir, acl_nodes)
+
+    def user_url(self, user: str) -> str:
+        from trainyard import redis_acl
+
+        password = redis_acl.password_path(self.dir, user).read_text().strip()
+        return redis_acl.url_for(f"redis://127.0.0.1:{self.port}/0", user, password)
 
     @property
     def url(self) -> str:
+        if self.acl is not None:
+            from trainyard import redis_acl
+
+            return self.user_url(redis_acl.CONTROL_USER)
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
@@ -62,7 +79,8 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"],
+             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+             *(["--aclfile", str(self.acl)] if self.acl is not None else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout_s
@@ -70,7 +88,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, with ACL users
                         return self
             except OSError:
                 pass

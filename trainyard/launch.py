@@ -8,11 +8,15 @@ format of the tasks below and did not change when these models were introduced.
 
     control plane --node.<name>--> agent     NODE_LAUNCH_TASK(Launch)   NODE_STOP_TASK(*Stop.args())
                                              NODE_CALIBRATE_TASK(CalibrateRequest)  a staff request
-    agent --control--> control plane         HEARTBEAT_TASK(Heartbeat)  every 2 s
-                                             RANKS_TASK(attempt_id, node, [RankInfo])  all ranks up
-                                             NODE_EXIT_TASK(attempt_id, node, NodeExit)  once per node
-                                             CALIBRATION_REPORT_TASK(CalibrationReport)  after a calibration
+    agent --control--> control plane         HEARTBEAT_TASK(Signed(Heartbeat))  every 2 s
+                                             RANKS_TASK(Signed(RanksReport))  all ranks up
+                                             NODE_EXIT_TASK(Signed(ExitReport))  once per node
+                                             CALIBRATION_REPORT_TASK(Signed(CalibrationReport))
     control plane --Redis key--> ranks       keys.preempt_key(attempt) = PreemptRequest
+
+Every report up the control queue is one `Signed` envelope (trainyard.nodeauth): the node's
+name and an HMAC over the task name and body with the node's credential; the control plane
+applies it only if the signature is the registered node's and the node owns what it reports on.
 
 Task names and queues (`trainyard.keys.CONTROL_QUEUE`, `node_queue`) are the only other thing
 both sides must agree on; each side sends by name, so neither imports the other's tasks.
@@ -43,15 +47,15 @@ ETA_REFRESH_TASK = "jobs.tasks.eta_refresh"
 BUNDLES_GC_TASK = "jobs.tasks.bundles_gc"
 """Control queue: queued jobs' predicted start times (beat every 5 s)."""
 HEARTBEAT_TASK = "jobs.tasks.node_heartbeat"
-"""Control queue: a node agent's heartbeat (args: [Heartbeat])."""
+"""Control queue: a node agent's heartbeat (args: [Signed(body=Heartbeat)])."""
 RANKS_TASK = "jobs.tasks.attempt_ranks"
-"""Control queue: every rank of an attempt on one node has started (args: [attempt_id, node, [RankInfo]])."""
+"""Control queue: every rank of an attempt on one node has started (args: [Signed(body=RanksReport)])."""
 NODE_EXIT_TASK = "jobs.tasks.attempt_node_exit"
-"""Control queue: an attempt's processes on one node have ended (args: [attempt_id, node, NodeExit])."""
+"""Control queue: an attempt's processes on one node have ended (args: [Signed(body=ExitReport)])."""
 NODE_CALIBRATE_TASK = "workers.tasks.node_calibrate"
 """Node queue: measure this node for the planner (args: [CalibrateRequest]); reports CALIBRATION_REPORT_TASK."""
 CALIBRATION_REPORT_TASK = "jobs.tasks.calibration_report"
-"""Control queue: a node's calibration measurements, or why there are none (args: [CalibrationReport])."""
+"""Control queue: a node's calibration measurements, or why there are none (args: [Signed(body=CalibrationReport)])."""
 
 # ---------------------------------------------------------------- Celery settings
 
@@ -145,6 +149,30 @@ class Heartbeat(_Message):
     mem_percent: float | None = None
     agent_id: str = Field("", description="changes when the agent restarts")
     attempts: list[int] = Field(default_factory=list, description="attempt ids with processes here")
+
+
+class Signed(_Message):
+    """The envelope of every node -> control plane report (trainyard.nodeauth.seal builds it)."""
+
+    node: str = Field(min_length=1, max_length=64, description="the sending node, as registered")
+    task: str = Field(max_length=200, description="the task name, signed with the body")
+    ts: float = Field(description="the sender's clock, Unix seconds")
+    body: dict[str, Any]
+    sig: str = Field(max_length=128, description="hex HMAC-SHA256; empty from an unregistered node")
+
+
+class RanksReport(_Message):
+    """RANKS_TASK's body: every rank of an attempt on the signing node has started."""
+
+    attempt_id: int
+    ranks: list[dict[str, Any]] = Field(description="RankInfo JSON, validated by the receiver")
+
+
+class ExitReport(_Message):
+    """NODE_EXIT_TASK's body: the signing node's NodeExit JSON for an attempt, as sent."""
+
+    attempt_id: int
+    result: dict[str, Any]
 
 
 class RankInfo(_Message):

@@ -2,7 +2,8 @@
 share of attempts, heartbeats to the control queue and forwards rank logs to the job's stream.
 
 It needs only Redis (broker, streams, the rendezvous-port handoff) -- never the database.
-Run: python -m workers.agent --name node-a --address 127.0.0.1 --slots 2 --labels rack=r1
+Run: python -m workers.agent --name node-a --address 127.0.0.1 --slots 2 --credential-file var/credentials/node-a
+Every report is signed with the node's credential (`manage.py node_add node-a` issues it; trainyard.nodeauth).
 """
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from pathlib import Path
 import psutil
 import redis
 
-from trainyard import keys
+from trainyard import keys, nodeauth
 from trainyard.private import private_dir, tighten
 from trainyard.keys import CONTROL_QUEUE, node_queue
-from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartbeat, Launch, NodeExit,
-                              RankFailure, RankInfo)
+from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, ExitReport, Heartbeat, Launch, NodeExit,
+                              RankFailure, RankInfo, RanksReport)
 
 from .celery_app import REDIS_URL, app
 from .launch_spec import InterfaceError
@@ -64,8 +65,9 @@ def start_gpu_monitor(device: str, slots: int) -> GpuMonitor | None:
 
 class Agent:
     def __init__(self, name: str, address: str, slots: int, labels: dict, device: str, run_base: Path,
-                 gpus: GpuMonitor | None = None):
+                 gpus: GpuMonitor | None = None, credential: str | None = None):
         self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
+        self.credential = credential  # None: unregistered, its heartbeats are a join request
         self.gpus = gpus
         self.run_base = run_base
         # 0700, tightened if older: run dirs hold config.json with the Redis URL and its password.
@@ -80,6 +82,11 @@ class Agent:
         self.cores_per_slot = max(1, (os.cpu_count() or 1) // slots)
 
     # ---------------------------------------------------------------- helpers
+    def report(self, task: str, body: dict, **options) -> None:
+        """Send a report to the control queue, signed with this node's credential."""
+        envelope = nodeauth.seal(self.credential, self.name, task, body, time.time())
+        app.send_task(task, args=[envelope], queue=CONTROL_QUEUE, **options)
+
     def _lock(self, attempt_id: int) -> threading.Lock:
         with self._registry_lock:
             return self._locks.setdefault(attempt_id, threading.Lock())
@@ -90,7 +97,7 @@ class Agent:
     def _callbacks(self, job_id: int, attempt_id: int, stream: str) -> dict:
         def on_ranks(ranks: list[dict]) -> None:
             infos = [RankInfo.model_validate(r).model_dump(mode="json") for r in ranks]
-            app.send_task(RANKS_TASK, args=[attempt_id, self.name, infos], queue=CONTROL_QUEUE)
+            self.report(RANKS_TASK, RanksReport(attempt_id=attempt_id, ranks=infos).model_dump(mode="json"))
 
         def on_log(rank: int, which: str, lines: list[str]) -> None:
             try:
@@ -103,7 +110,7 @@ class Agent:
             with self._registry_lock:
                 self.supervisors.pop(attempt_id, None)
             report = NodeExit.model_validate(dict(result, node=self.name))
-            app.send_task(NODE_EXIT_TASK, args=[attempt_id, self.name, report.wire()], queue=CONTROL_QUEUE)
+            self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
 
         return {"on_ranks": on_ranks, "on_log": on_log, "on_exit": on_exit}
 
@@ -201,7 +208,7 @@ class Agent:
     def _report_never_started(self, attempt_id: int, reason: str) -> None:
         report = NodeExit(attempt_id=attempt_id, node=self.name, exit_code=None, signal=None, stopped=True,
                           failures=[], log_tail={}, duration_s=0.0, reason=reason)
-        app.send_task(NODE_EXIT_TASK, args=[attempt_id, self.name, report.wire()], queue=CONTROL_QUEUE)
+        self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
 
     # ---------------------------------------------------------------- lifecycle
     def adopt_running(self) -> None:
@@ -240,8 +247,7 @@ class Agent:
     def heartbeat_forever(self) -> None:
         while not self._stop.is_set():
             try:
-                app.send_task(HEARTBEAT_TASK, args=[self.heartbeat_payload().model_dump(mode="json")],
-                              queue=CONTROL_QUEUE, expires=10)
+                self.report(HEARTBEAT_TASK, self.heartbeat_payload().model_dump(mode="json"), expires=10)
             except Exception as exc:  # Redis down: keep trying, the supervisors keep running
                 log.warning("heartbeat failed: %s", exc)
             self._stop.wait(HEARTBEAT_S)
@@ -260,6 +266,18 @@ def _labels(text: str) -> dict:
     return out
 
 
+def load_credential(path: str, name: str) -> str | None:
+    """The credential in `path` (refusing a file others may read), or None without a path."""
+    if not path:
+        log.warning("no --credential-file: node %s's heartbeats are refused until staff approve its join request "
+                    "(manage.py node_add %s, or the admin's join requests)", name, name)
+        return None
+    try:
+        return nodeauth.read_credential_file(path)
+    except nodeauth.CredentialFileError as exc:
+        raise SystemExit(f"--credential-file: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     global AGENT
     ap = argparse.ArgumentParser(prog="python -m workers.agent", description=__doc__.splitlines()[0])
@@ -270,13 +288,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--run-dir", default=str(keys.run_root()), help="default: TRAINYARD_RUN_DIR, else <var>/agents")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--credential-file", default=os.environ.get("TRAINYARD_NODE_CREDENTIAL_FILE", ""),
+                    help="this node's credential (manage.py node_add), a 0600 file; without one the node's "
+                         "heartbeats are refused and shown to staff as a join request")
     args = ap.parse_args(argv)
     if args.slots < 1:
         raise SystemExit("--slots must be at least 1")
+    credential = load_credential(args.credential_file, args.name)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     gpus = start_gpu_monitor(args.device, args.slots)
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
-                  Path(args.run_dir).resolve() / args.name, gpus)
+                  Path(args.run_dir).resolve() / args.name, gpus, credential)
     AGENT.adopt_running()
     from celery.signals import worker_shutting_down
 

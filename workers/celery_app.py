@@ -14,7 +14,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 app = Celery("trainyard-node", broker=REDIS_URL, include=["workers.tasks"])
 app.conf.update(CELERY_SETTINGS)
-# No remote control (Celery's pidbox broadcast channel) on node agents: a node's Redis user may not
-# use that channel (deploy/redis/users.acl), since whoever may subscribe to it may also publish on it,
-# and a broadcast `shutdown` reaches every worker, the control worker included.
+# No remote control (the pidbox): nothing sends agents broadcast commands, and a node's Redis user
+# (trainyard/redis_acl.py) has no pub/sub channels, so no node can broadcast `shutdown` to the
+# others or to the control worker through Celery's remote control.
 app.conf.worker_enable_remote_control = False

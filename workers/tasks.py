@@ -38,8 +38,6 @@ def node_calibrate(payload: dict) -> bool:
     import time
     from pathlib import Path
 
-    from trainyard.keys import CONTROL_QUEUE
-
     from . import agent
 
     req = CalibrateRequest.model_validate(payload)
@@ -52,5 +50,5 @@ def node_calibrate(payload: dict) -> bool:
     except HarnessFailed as e:
         report.error = str(e)[-4000:]
     report.wall_s = time.monotonic() - t0
-    app.send_task(CALIBRATION_REPORT_TASK, args=[report.model_dump(mode="json")], queue=CONTROL_QUEUE)
+    agent.AGENT.report(CALIBRATION_REPORT_TASK, report.model_dump(mode="json"))
     return report.measurements is not None

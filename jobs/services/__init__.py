@@ -26,6 +26,7 @@ from .attempts import attempt_preempt, attempts_check
 from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
 from .calibration import calibration_report, calibration_request, calibration_store
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
+from .identity import node_add, report_open, security_event
 from .ingest import telemetry_ingest, telemetry_owners
 from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
 from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
@@ -38,6 +39,6 @@ __all__ = [
     "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
     "job_rollback", "job_stream",
-    "job_submit", "launches_resend_due", "node_clear", "node_heartbeat", "node_set_schedulable", "nodes_check", "quota_audit",
-    "quotas_update", "schedule_tick", "telemetry_ingest",
+    "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
+    "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "telemetry_ingest",
 ]

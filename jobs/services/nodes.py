@@ -24,6 +24,7 @@ from ..policy import gpu_health
 from ..policy.scheduling.eligibility import summarize_devices
 from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
 from .events import job_event, job_set_status
+from .identity import join_request, security_event
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -31,38 +32,71 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def node_heartbeat(payload: dict) -> tuple[Node, list[int]]:
-    """Upsert a node from its agent's heartbeat. Returns the node and the attempts the agent runs
-    that the control plane no longer expects there (the caller tells the agent to stop them)."""
+def node_heartbeat(payload: dict, *, signer: str | None = None) -> tuple[Node | None, list[int]]:
+    """Apply a registered node's heartbeat (its signature already checked by
+    identity.report_open; `signer` is the node that signed it). Returns the node and the attempts
+    the agent runs that the control plane no longer expects there (the caller tells the agent to
+    stop them); (None, []) when refused: an unregistered node (a join request for staff) or a
+    heartbeat under another node's name.
+
+    A heartbeat never moves a node's registered address (a forged one became the next job's
+    rendezvous host) and never offers more slots than staff approved (it may offer fewer)."""
     beat = Heartbeat.model_validate(payload)
     name = beat.name
+    if signer is not None and signer != name:
+        security_event("name_mismatch", signer, f"heartbeat signed by {signer} names node {name[:64]}")
+        return None, []
     now = timezone.now()
     kind, gpus, gpu_memory = summarize_devices(beat.devices)
-    fields = {
-        "address": beat.address, "slots": beat.slots, "labels": beat.labels, "devices": beat.devices,
-        "device_kind": kind, "gpu_count": gpus, "gpu_memory_bytes": gpu_memory,
-        "cpu_percent": beat.cpu_percent, "mem_percent": beat.mem_percent, "agent_id": beat.agent_id,
-        "last_heartbeat": now,
-    }
     with transaction.atomic():
-        node, created = Node.objects.get_or_create(name=name, defaults=fields)
-        before = [] if created else node.devices
-        if not created:
-            was_lost = node.status == Node.Status.LOST
-            Node.objects.filter(pk=node.pk).update(**fields)
-            if was_lost:
-                back = (Node.Status.QUARANTINED if node.quarantined_at else
-                        Node.Status.CORDONED if node.drain_mode == "cordon" else
-                        Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
-                Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
-                log.info("node %s is back (%s)", name, back)
-            node.refresh_from_db()
+        node = Node.objects.select_for_update().filter(name=name).first()
+        if node is None:
+            join_request(name, payload)
+            return None, []
+        cap = node.slots_approved if node.slots_approved is not None else node.slots
+        fields = {
+            "slots": min(beat.slots, cap), "devices": beat.devices, "device_kind": kind, "gpu_count": gpus,
+            "gpu_memory_bytes": gpu_memory, "cpu_percent": beat.cpu_percent, "mem_percent": beat.mem_percent,
+            "agent_id": beat.agent_id, "last_heartbeat": now,
+        }
+        if not node.address:
+            fields["address"] = beat.address  # registered without one: the first signed heartbeat's
+        elif beat.address != node.address:
+            security_event("address_mismatch", name, f"heartbeat says {beat.address[:100]}, registered "
+                                                      f"{node.address}: kept {node.address}")
+        if beat.slots > cap:
+            security_event("slots_over_approved", name, f"heartbeat offers {beat.slots} slots, staff approved "
+                                                         f"{cap}: {cap} kept")
+        if not node.labels:
+            fields["labels"] = beat.labels  # staff's labels, when given at registration, win
+        before = node.devices
+        was_lost = node.status == Node.Status.LOST
+        Node.objects.filter(pk=node.pk).update(**fields)
+        if was_lost:
+            back = (Node.Status.QUARANTINED if node.quarantined_at else
+                    Node.Status.CORDONED if node.drain_mode == "cordon" else
+                    Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
+            Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
+            log.info("node %s is back (%s)", name, back)
+        node.refresh_from_db()
         if _new_gpu_faults(before, beat.devices) and node_maybe_quarantine(name):
             node.refresh_from_db()
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
         running = set(beat.attempts)
         expected = set(Allocation.objects.filter(node=node, active=True).values_list("attempt_id", flat=True))
         return node, sorted(running - expected)
+
+
+def _foreign(attempt_id: int, node_name: str, what: str) -> bool:
+    """True (and a security event) if the attempt exists but `node_name` holds no allocation of it:
+    a node reporting for another node's allocation. False for a duplicate report from its owner."""
+    if Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name).exists():
+        return False
+    if not Attempt.objects.filter(pk=attempt_id).exists():
+        return False
+    security_event("foreign_allocation", node_name, f"{what} for attempt {attempt_id}, which has no allocation "
+                                                    f"on {node_name}")
+    return True
 
 
 def _new_gpu_faults(before: list, after: list) -> bool:
@@ -78,6 +112,7 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
         alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name).select_related(
             "attempt__job").first()
         if alloc is None:
+            _foreign(attempt_id, node_name, "rank report")
             return
         infos = [RankInfo.model_validate(r) for r in ranks]
         Allocation.objects.filter(pk=alloc.pk).update(
@@ -98,10 +133,15 @@ def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
     """A node's processes for an attempt have exited (or were stopped, or never started).
     `result` is a NodeExit's JSON, stored as it came (the evidence diagnosis reads)."""
     report = NodeExit.model_validate(result)
+    if report.node is not None and report.node != node_name:
+        security_event("foreign_allocation", node_name, f"exit report for attempt {attempt_id} names node "
+                                                        f"{report.node[:64]}")
+        return
     with transaction.atomic():
         alloc = Allocation.objects.filter(attempt_id=attempt_id, node__name=node_name, active=True).select_related(
             "attempt", "node").first()
         if alloc is None:
+            _foreign(attempt_id, node_name, "exit report")
             return  # duplicate report, or the node was already written off as lost
         Allocation.objects.filter(pk=alloc.pk).update(active=False, result=result, ended_at=timezone.now())
         attempt = alloc.attempt

@@ -25,6 +25,7 @@ from tests.conftest import REPO
 
 from .conftest import login, screenshot
 from .test_dashboard import SMALL_MODEL, TERMINAL, assert_no_duplicates_or_gaps, chart_stats, wait_js
+from tests.nodes import node_up
 
 MODEL = {k.split(".")[1]: v for k, v in SMALL_MODEL.items()}
 BOB_PASSWORD = "bob-pw-12345"
@@ -73,12 +74,12 @@ def feed(page, msg: dict) -> None:
 @pytest.fixture
 def quiet(monkeypatch, settings, db):
     """No Celery/Channels sends, fast password hashing, two registered nodes."""
-    from jobs import dispatch, services
+    from jobs import dispatch
     for name in ("send_launch", "send_stop", "request_tick", "publish", "publish_cluster_changed"):
         monkeypatch.setattr(dispatch, name, lambda *a, **k: None)
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     for n, a in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")):
-        services.node_heartbeat({"name": n, "address": a, "slots": 2, "devices": [{"kind": "cpu", "index": 0}]})
+        node_up({"name": n, "address": a, "slots": 2, "devices": [{"kind": "cpu", "index": 0}]})
 
 
 @pytest.mark.django_db

@@ -21,6 +21,7 @@ from jobs import dispatch, services
 
 from .conftest import screenshot
 from .test_dashboard import TERMINAL, wait_js
+from tests.nodes import node_up
 
 FINISHED_MSG = "Telemetry unavailable: no attempt of this job sent metrics"
 
@@ -33,7 +34,7 @@ def alice_client(client, django_user_model, monkeypatch, settings, db):
         monkeypatch.setattr(dispatch, name, lambda *a, **k: None)
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     for n, a in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")):
-        services.node_heartbeat({"name": n, "address": a, "slots": 2, "cpu_percent": 1.0, "mem_percent": 1.0})
+        node_up({"name": n, "address": a, "slots": 2, "cpu_percent": 1.0, "mem_percent": 1.0})
     alice = django_user_model.objects.create_user("alice", password="pw-alice-123")
     client.force_login(alice)
     client.alice = alice

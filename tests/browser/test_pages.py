@@ -13,6 +13,7 @@ from django.test.utils import CaptureQueriesContext
 from jobs import dispatch, services
 from jobs.forms import field_groups, split_errors
 from jobs.models import Attempt, Job, MetricSample
+from tests.nodes import node_up
 
 pytestmark = pytest.mark.django_db
 
@@ -31,7 +32,7 @@ def alice(django_user_model):
 
 @pytest.fixture
 def nodes(db):
-    return [services.node_heartbeat({"name": n, "address": a, "slots": 2, "labels": {"rack": "r1"},
+    return [node_up({"name": n, "address": a, "slots": 2, "labels": {"rack": "r1"},
                                      "devices": [{"kind": "cpu", "index": 0}, {"kind": "cpu", "index": 1}],
                                      "cpu_percent": 12.0, "mem_percent": 34.0})[0]
             for n, a in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))]

@@ -1,6 +1,7 @@
 import pytest
 
 from jobs import dispatch
+from tests.nodes import node_up
 
 
 @pytest.fixture(autouse=True)
@@ -33,11 +34,10 @@ def staff(django_user_model):
 
 @pytest.fixture
 def nodes(db):
-    from jobs import services
 
     out = []
     for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")):
-        node, _ = services.node_heartbeat({"name": name, "address": addr, "slots": 2, "labels": {"rack": "r1"},
+        node, _ = node_up({"name": name, "address": addr, "slots": 2, "labels": {"rack": "r1"},
                                            "cpu_percent": 1.0, "mem_percent": 2.0})
         out.append(node)
     return out

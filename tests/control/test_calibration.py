@@ -11,6 +11,8 @@ from jobs import dispatch, planning, services, tasks
 from jobs.models import Allocation, Attempt, Calibration, Job, Node
 from jobs.policy.plan.constants import DeviceConstants
 from tests.policy.test_plan_calibration import TRUE, synthetic
+from tests.nodes import signed
+from trainyard.launch import CALIBRATION_REPORT_TASK
 
 pytestmark = pytest.mark.django_db
 URL = "/api/v1/calibrations/"
@@ -72,16 +74,20 @@ def test_command_refuses_bad_documents(tmp_path, content, message):
 
 
 def test_the_report_task_stores_a_nodes_measurements_and_logs_a_failure(staff, caplog):
-    assert tasks.calibration_report({"node": "node-a", "requested_by": staff.pk, "measurements": synthetic(),
-                                     "error": None, "wall_s": 12.0}) is not None
+    def report(body: dict):  # as node-a's agent sends it: signed (issue 16)
+        return tasks.calibration_report(signed(CALIBRATION_REPORT_TASK, body))
+
+    assert report({"node": "node-a", "requested_by": staff.pk, "measurements": synthetic(),
+                   "error": None, "wall_s": 12.0}) is not None
     row = Calibration.objects.get()
     assert row.node == "node-a" and row.created_by == staff
-    assert tasks.calibration_report({"node": "node-a", "error": "the harness exited 1: boom"}) is None
+    assert report({"node": "node-a", "error": "the harness exited 1: boom"}) is None
     assert "boom" in caplog.text
-    assert tasks.calibration_report({"node": "node-a", "surprise": 1}) is None
+    assert report({"node": "node-a", "surprise": 1}) is None
     bad = synthetic()
     bad["matmul"] = []
-    assert tasks.calibration_report({"node": "node-a", "measurements": bad}) is None
+    assert report({"node": "node-a", "measurements": bad}) is None
+    assert tasks.calibration_report({"node": "node-a", "measurements": synthetic()}) is None  # unsigned
     assert Calibration.objects.count() == 1
 
 

@@ -10,6 +10,7 @@ from jobs import services
 from jobs.models import Attempt, Checkpoint, Job, JobEvent, MetricSample, Node
 
 from .test_services import start, submit
+from tests.nodes import node_up
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("ckpt_root", "relay_alive")]
 
@@ -233,7 +234,7 @@ def test_two_failures_on_one_node_quarantine_it_until_an_admin_clears_it(user, n
     assert node.status == "QUARANTINED" and node.quarantined_at and "2 failures" in node.quarantine_reason
     assert JobEvent.objects.filter(job=job, kind="node_quarantined").count() == 1
     # no new work goes there, and a heartbeat does not lift it
-    services.node_heartbeat({"name": "node-b", "address": "127.0.0.2", "slots": 2})
+    node_up({"name": "node-b", "address": "127.0.0.2", "slots": 2})
     services.schedule_tick()
     job.refresh_from_db()
     assert job.status == "QUEUED" and "waiting for nodes" in job.status_reason

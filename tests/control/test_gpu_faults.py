@@ -13,6 +13,7 @@ from jobs.models import Node
 from .test_fault import kill
 from .test_prometheus import parse, value
 from .test_services import start, submit
+from tests.nodes import node_up
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("ckpt_root", "relay_alive")]
 
@@ -25,7 +26,7 @@ def gpu(index, *, xids=(), ecc=0, util=37, temp=41):
 
 
 def beat(devices, name="node-b"):
-    return services.node_heartbeat({"name": name, "address": "127.0.0.2", "slots": 2, "devices": devices})
+    return node_up({"name": name, "address": "127.0.0.2", "slots": 2, "devices": devices})
 
 
 def test_xid_errors_in_heartbeats_quarantine_the_node(nodes):

@@ -8,6 +8,7 @@ from jobs import services
 from jobs.models import Attempt, Job, JobEvent, Node, Quota, QuotaChange
 
 from .test_services import start, submit
+from tests.nodes import node_up
 
 pytestmark = pytest.mark.django_db
 
@@ -89,7 +90,7 @@ def test_cordon_and_drain_finish_stop_new_work_but_not_running_jobs(user, staff,
     services.schedule_tick()
     assert Job.objects.get(pk=second.pk).status == "QUEUED"
     # a heartbeat does not undo it; uncordon does
-    services.node_heartbeat({"name": other, "address": "127.0.0.9", "slots": 2})
+    node_up({"name": other, "address": "127.0.0.9", "slots": 2})
     assert Node.objects.get(name=other).status == "CORDONED"
     assert client_for(staff).post(f"/api/v1/nodes/{other}/uncordon/").json()["status"] == "READY"
     services.schedule_tick()

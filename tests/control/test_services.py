@@ -10,6 +10,7 @@ from jobs import services
 from jobs.errors import TransitionError
 from jobs.models import Allocation, Job, JobEvent, MetricSample, Node
 from trainyard.spec import SpecError
+from tests.nodes import node_up
 
 pytestmark = pytest.mark.django_db
 
@@ -149,12 +150,12 @@ def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, django_capt
     job.refresh_from_db()
     assert attempt.outcome == "lost" and job.status == "QUEUED" and job.restarts == 1
     # the lost node comes back on its next heartbeat
-    services.node_heartbeat({"name": "node-b", "address": "127.0.0.2", "slots": 2})
+    node_up({"name": "node-b", "address": "127.0.0.2", "slots": 2})
     assert Node.objects.get(name="node-b").status == "READY"
 
 
 def test_heartbeat_reports_orphan_attempts(user, nodes):
-    _, orphans = services.node_heartbeat({"name": "node-a", "address": "127.0.0.1", "slots": 2, "attempts": [999]})
+    _, orphans = node_up({"name": "node-a", "address": "127.0.0.1", "slots": 2, "attempts": [999]})
     assert orphans == [999]
 
 

@@ -44,7 +44,8 @@ class Cluster:
     def __init__(self, workdir: Path, *, slots: int = 2):
         self.dir = Path(workdir)
         self.slots = slots
-        self.redis = RedisServer(self.dir / "redis")
+        # Redis with make run's ACL users: the control plane's processes use self.redis.url, each agent its own.
+        self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"])
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ)
@@ -67,13 +68,16 @@ class Cluster:
             "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
                      "-s", str(self.dir / "celerybeat-schedule")],
             "relay": [PY, "manage.py", "relay"],
-            "node-a": agent + ["--name", "node-a", "--address", "127.0.0.1"],
-            "node-b": agent + ["--name", "node-b", "--address", "127.0.0.2"],
+            "node-a": agent + ["--name", "node-a", "--address", "127.0.0.1", "--credential-file",
+                               str(self.dir / "credentials" / "node-a")],
+            "node-b": agent + ["--name", "node-b", "--address", "127.0.0.2", "--credential-file",
+                               str(self.dir / "credentials" / "node-b")],
         }
 
     def start_proc(self, name: str) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(self.commands()[name], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        env = dict(self.env, REDIS_URL=self.redis.user_url(name)) if name.startswith("node-") else self.env
+        proc = subprocess.Popen(self.commands()[name], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 
@@ -87,7 +91,11 @@ class Cluster:
         self.env["REDIS_URL"] = self.redis.url
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):
+        # The agents are registered by staff like any node (issue 16): node_add writes each credential 0600.
+        register = [["node_add", name, "--address", addr, "--slots", str(self.slots), "--labels", "rack=r1",
+                     "--credential-out", str(self.dir / "credentials" / name)]
+                    for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))]
+        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], *register):
             subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
         self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
                                     capture_output=True, text=True).stdout.strip()
