@@ -5,6 +5,7 @@ import time
 import pytest
 
 from jobs import payloads, selectors, services
+from tests.nodes import node_up
 
 pytestmark = pytest.mark.django_db
 
@@ -27,7 +28,7 @@ def test_sockets_told_of_one_change_share_one_computation(staff, nodes, counted)
 def test_a_state_computed_before_a_change_is_not_served_after_it(staff, nodes, counted):
     before = payloads.cluster_state(staff, time.monotonic())
     changed = time.monotonic()
-    services.node_heartbeat({"name": "node-c", "address": "127.0.0.3", "slots": 2, "labels": {},
+    node_up({"name": "node-c", "address": "127.0.0.3", "slots": 2, "labels": {},
                              "cpu_percent": 1.0, "mem_percent": 2.0})
     after = payloads.cluster_state(staff, changed)
     assert [n["name"] for n in before["nodes"]] == ["node-a", "node-b"]

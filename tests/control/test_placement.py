@@ -8,6 +8,7 @@ import pytest
 from django.test import Client
 
 from jobs import services
+from tests.nodes import node_up
 from jobs.models import Job, Node
 
 pytestmark = pytest.mark.django_db
@@ -23,8 +24,8 @@ def gpu(index, mem_gib=80):
 
 
 def beat(name, addr, slots, devices, labels=None):
-    node, _ = services.node_heartbeat({"name": name, "address": addr, "slots": slots, "devices": devices,
-                                       "labels": labels or {}, "cpu_percent": 1.0, "mem_percent": 2.0})
+    node, _ = node_up({"name": name, "address": addr, "slots": slots, "devices": devices,
+                       "labels": labels or {}, "cpu_percent": 1.0, "mem_percent": 2.0})
     return node
 
 
