@@ -169,12 +169,14 @@ def test_delays_in_forward_optimizer_and_collectives_land_in_their_fields(
         reporter.close(timeout_s=0.1)
     calls = slow.calls - before
     assert calls == 1
-    assert s["comm_s"] == pytest.approx(COLLECTIVE_S, abs=0.03)
+    # Bounds that hold on a loaded 2-core machine (sleeps overshoot there) and still tell the old
+    # code (comm_s 0.0; the collective counted in compute_s and comm_s, parts over step_s by 50 ms).
+    assert COLLECTIVE_S - 0.005 <= s["comm_s"] <= COLLECTIVE_S + 0.045
     assert s["compute_s"] >= FORWARD_S and s["optim_s"] >= OPTIM_S
-    assert s["data_s"] < 0.05
+    assert s["data_s"] < 0.1
     # the collective waited for is in comm_s and not in compute_s too: the parts add up
     parts = s["data_s"] + s["compute_s"] + s["comm_s"] + s["optim_s"]
-    assert parts == pytest.approx(s["step_s"], abs=0.02)
+    assert parts == pytest.approx(s["step_s"], abs=0.035)
     assert fake_cuda.syncs == (checked if cuda else 0)  # one synchronisation a step
 
 
