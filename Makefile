@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps test-deps run test test-fast lint bench gpu-checks clean
+.PHONY: venv deps test-deps run test test-fast test-postgres lint bench gpu-checks clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -30,6 +30,15 @@ run: venv deps
 # Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
 test: venv test-deps
 	$(PYTEST) -q
+
+# The control-plane suite and the integration suite's control path, relay and chaos modules on a
+# real PostgreSQL server (Debian's postgresql, started by tests/postgres.py in a temporary directory
+# on a free port, stopped at the end). The rest of the integration suite is about processes and
+# HTTP, not the database: `make test-postgres PG_TESTS="tests/control tests/integration"` for all.
+PG_TESTS ?= tests/control $(addprefix tests/integration/,test_control_path.py test_chaos.py test_live.py)
+test-postgres: venv test-deps
+	@scripts/ensure_system_deps.sh postgresql
+	$(PYTEST) -q -p tests.postgres --postgres $(PG_TESTS)
 
 # ruff, and import-linter's layer contracts (pyproject.toml).
 lint: venv
