@@ -34,6 +34,17 @@ def test_settings_honour_sslmode_and_decode_the_url(tmp_path):
     assert db["CONN_MAX_AGE"] == 60 and db["CONN_HEALTH_CHECKS"] is True
 
 
+def test_the_web_process_holds_no_persistent_connection(tmp_path):
+    """Under ASGI (daphne imports controlplane.asgi) Django advises CONN_MAX_AGE 0; workers keep 60."""
+    show = ("import json, controlplane.asgi; from django.conf import settings; "
+            "print(json.dumps(settings.DATABASES['default']['CONN_MAX_AGE']))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "TRAINYARD_", "DATABASE_URL"))}
+    env |= {"TRAINYARD_VAR_DIR": str(tmp_path / "var"), "DATABASE_URL": "postgres://u@db/trainyard"}
+    r = subprocess.run([sys.executable, "-c", show], cwd=REPO, env=env, timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "0"
+
+
 def test_settings_refuse_a_misspelled_sslmode_instead_of_connecting_in_clear(tmp_path):
     r = settings_db(tmp_path, DATABASE_URL="postgres://u:pw@db/trainyard?sslmode=requir")
     assert r.returncode != 0
