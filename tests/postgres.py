@@ -163,6 +163,20 @@ def current_database_env() -> dict[str, str]:
 _server: PostgresServer | None = None
 
 
+def session_server_pids() -> set[int]:
+    """The session server's processes (postmaster and backends): what a test that kills every child
+    of the test process (Cluster.stop) must leave alone."""
+    if _server is None or _server.proc is None:
+        return set()
+    import psutil
+
+    try:
+        server = psutil.Process(_server.proc.pid)
+        return {server.pid} | {c.pid for c in server.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
 def pytest_addoption(parser):
     parser.addoption("--postgres", action="store_true",
                      help="run against a real PostgreSQL server started for the session (tests/postgres.py)")

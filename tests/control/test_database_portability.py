@@ -186,3 +186,35 @@ def test_nul_in_a_ranks_output_never_keeps_its_attempt_from_ending(user, nodes):
     assert attempt.status == Attempt.Status.ENDED
     stored = [a.result for a in Allocation.objects.filter(attempt=attempt)]
     assert all("\x00" not in str(r) for r in stored) and "garbage \ufffd\ufffd here" in str(stored)
+
+
+@pytest.mark.parametrize("body, field, why", [
+    ('{"username": "VO\\u0000D", "password": "pw-alice-123"}', "username", "NUL"),
+    ('{"username": "alice", "password": "pw\\u0000"}', "password", "NUL"),
+    ('{"username": "al\\udb8dice", "password": "pw-alice-123"}', "username", "lone surrogates"),
+])
+def test_a_login_with_text_no_database_can_hold_is_a_400_naming_the_field(user, body, field, why):
+    """Found by the API fuzz on PostgreSQL: a NUL in the username made the user lookup raise (500)."""
+    from django.core.cache import cache
+    from rest_framework.test import APIClient
+
+    cache.clear()  # the login throttle
+    r = APIClient().post("/api/v1/auth/token/", body, content_type="application/json")
+    assert r.status_code == 400, r.content
+    assert why in r.json()["errors"][field][0]
+
+
+@pytest.mark.parametrize("method, url, body, expected", [
+    ("get", "/api/v1/nodes/a%00b/", None, 404),
+    ("post", "/api/v1/nodes/a%00b/drain/", {}, 404),
+    ("get", "/api/v1/calibrations/?device=cpu%00", None, 400),
+    ("post", "/api/v1/calibrations/", {"node": "node-a\x00"}, 400),
+])
+def test_names_with_nul_in_urls_and_bodies_are_4xx(staff, nodes, method, url, body, expected):
+    """Also found by the fuzz on PostgreSQL: these looked a NUL up (500); no node or device has one."""
+    from rest_framework.test import APIClient
+
+    c = APIClient()
+    c.force_authenticate(staff)
+    r = getattr(c, method)(url, body, format="json") if body is not None else getattr(c, method)(url)
+    assert r.status_code == expected, r.content

@@ -87,8 +87,9 @@ class Cluster:
             proc = self.procs.pop(name)
             if proc.poll() is None:
                 proc.terminate()
-        redis_pid = self.redis.proc.pid if self.redis.proc else None
-        children = [p for p in psutil.Process().children(recursive=True) if p.pid != redis_pid]
+        keep = {self.redis.proc.pid} if self.redis.proc else set()
+        keep |= postgres.session_server_pids()  # the session's PostgreSQL server outlives every cluster
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
         _, alive = psutil.wait_procs(children, timeout=10)
         for p in alive:
             print(f"cluster.stop: {p.pid} {p.name()} ignored SIGTERM for 10 s; killing it")
