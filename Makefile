@@ -31,11 +31,12 @@ run: venv deps
 test: venv test-deps
 	$(PYTEST) -q
 
-# The control-plane suite and the integration suite's control path, relay and chaos modules on a
-# real PostgreSQL server (Debian's postgresql, started by tests/postgres.py in a temporary directory
-# on a free port, stopped at the end). The rest of the integration suite is about processes and
-# HTTP, not the database: `make test-postgres PG_TESTS="tests/control tests/integration"` for all.
-PG_TESTS ?= tests/control $(addprefix tests/integration/,test_control_path.py test_chaos.py test_live.py)
+# The control-plane suite and the integration suite's control path (relay SIGKILL included), chaos,
+# live telemetry (relay -> websocket) and API fuzz modules on a real PostgreSQL server (Debian's
+# postgresql, started by tests/postgres.py in a temporary directory on a free port, stopped at the
+# end). The rest of the integration suite is about processes and HTTP, not the database:
+# `make test-postgres PG_TESTS="tests/control tests/integration"` runs it all.
+PG_TESTS ?= tests/control $(addprefix tests/integration/,test_control_path.py test_chaos.py test_live.py test_api_fuzz.py)
 test-postgres: venv test-deps
 	@scripts/ensure_system_deps.sh postgresql
 	$(PYTEST) -q -p tests.postgres --postgres $(PG_TESTS)
