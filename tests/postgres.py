@@ -116,7 +116,9 @@ class PostgresServer:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
-    def stop(self) -> None:
+    def stop(self, *, keep_data: bool = False) -> None:
+        """Fast shutdown; the data directory is removed (when this object made it) unless keep_data
+        (then start() brings the same cluster back on the same port)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # "fast" shutdown (SIGTERM's "smart" one waits for clients)
             try:
@@ -125,7 +127,7 @@ class PostgresServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if self._owned_dir:
+        if self._owned_dir and not keep_data:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
