@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from itertools import chain
 from operator import itemgetter
 
 from django.db import transaction
@@ -77,20 +76,17 @@ def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
     return (job_id, attempt_id) + vals
 
 
-_TELEMETRY_SQL: dict[str, tuple[str, tuple[str, str, str], str]] = {}
-# Rows per INSERT on PostgreSQL: 18 parameters each stays far below its 65535 per statement.
-INSERT_CHUNK = 1000
+_TELEMETRY_SQL: dict[str, tuple[str, str, str]] = {}
 _ROW_KEY = itemgetter(0, 1, 2, 3)  # job, attempt, rank, step
 
 
-def _telemetry_sql(vendor: str) -> tuple[str, tuple[str, str, str], str]:
-    """(attempt -> job lookup, sample INSERT as (head, one row's VALUES, tail), job step UPDATE)
-    for this database.
+def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
+    """(attempt -> job lookup, sample INSERT, job step UPDATE) for this database.
 
     Raw SQL: the ORM's bulk_create spent ~95% of the relay's time building SQL and model
     instances (2.9k samples/s; ~40k/s with executemany), and the ORM lookup + update cost ~1.5 ms
     of a ~3 ms round at low rates. The INSERT skips (attempt, rank, step) duplicates: OR IGNORE on
-    SQLite, ON CONFLICT DO NOTHING on PostgreSQL (see _insert_rows)."""
+    SQLite, ON CONFLICT DO NOTHING on PostgreSQL."""
     from django.db import connection
     from django.db.models.constants import OnConflict
 
@@ -100,10 +96,11 @@ def _telemetry_sql(vendor: str) -> tuple[str, tuple[str, str, str], str]:
     meta, att, job = MetricSample._meta, Attempt._meta, Job._meta
     columns = [meta.get_field("job").column, meta.get_field("attempt").column,
                *(meta.get_field(f).column for f in METRIC_FIELDS), meta.get_field("extra").column]
-    insert = (" ".join([ops.insert_statement(on_conflict=OnConflict.IGNORE), qn(meta.db_table),
-                        "(" + ", ".join(qn(c) for c in columns) + ")", "VALUES"]),
-              "(" + ", ".join(["%s"] * len(columns)) + ")",
-              ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None) or "")
+    insert = " ".join(filter(None, [
+        ops.insert_statement(on_conflict=OnConflict.IGNORE), qn(meta.db_table),
+        "(" + ", ".join(qn(c) for c in columns) + ")",
+        "VALUES (" + ", ".join(["%s"] * len(columns)) + ")",
+        ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None)]))
     lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)}, {qn(att.get_field('status').column)} "
               f"FROM {qn(att.db_table)} "
               f"WHERE {qn(att.pk.column)} IN ")
@@ -111,19 +108,6 @@ def _telemetry_sql(vendor: str) -> tuple[str, tuple[str, str, str], str]:
     update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
     _TELEMETRY_SQL[vendor] = lookup, insert, update
     return lookup, insert, update
-
-
-def _insert_rows(cursor, insert: tuple[str, str, str], rows: list[tuple], *, multi_row: bool) -> None:
-    """executemany on SQLite (in-process: ~40k rows/s); on PostgreSQL one INSERT of up to
-    INSERT_CHUNK rows, since executemany there is a statement per row that the server parses
-    and plans one by one (7.6k samples/s against SQLite's 29.6k in bench/telemetry.py --postgres)."""
-    head, row, tail = insert
-    if not multi_row:
-        cursor.executemany(f"{head} {row} {tail}".rstrip(), rows)
-        return
-    for i in range(0, len(rows), INSERT_CHUNK):
-        chunk = rows[i:i + INSERT_CHUNK]
-        cursor.execute(f"{head} {', '.join([row] * len(chunk))} {tail}".rstrip(), list(chain.from_iterable(chunk)))
 
 
 def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, int]:
@@ -176,7 +160,7 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             # overlapping rows (a second relay, a replay) then wait on each other's unique-index
             # entries in one order, never in a cycle (PostgreSQL aborted one with "deadlock detected").
             rows.sort(key=_ROW_KEY)
-            _insert_rows(cursor, insert, rows, multi_row=connection.vendor == "postgresql")
+            cursor.executemany(insert, rows)
         for job_id, step in sorted(top.items()):
             cursor.execute(update, [step, job_id, step])
         now = timezone.now()

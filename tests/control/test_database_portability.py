@@ -131,7 +131,7 @@ def test_two_relays_inserting_the_same_samples_at_once_store_each_once(user, nod
     job = submit(user)
     attempt = start(job)
     batch = samples_for(attempt, range(1, 201))
-    batch += batch[:50]  # duplicates within one statement too (one multi-row INSERT on PostgreSQL)
+    batch += batch[:50]  # duplicates within one batch too
     results = in_threads(2, lambda i: services.telemetry_ingest(list(reversed(batch)) if i else batch, events=[]))
     assert not [r for r in results if isinstance(r, Exception)], results
     assert MetricSample.objects.filter(job=job).count() == 400
