@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps test-deps run test test-fast lint bench gpu-checks clean
+.PHONY: venv deps test-deps run test test-fast test-postgres lint bench gpu-checks clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -30,6 +30,19 @@ run: venv deps
 # Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
 test: venv test-deps
 	$(PYTEST) -q
+
+# The control-plane suite and the integration tests that pass on PostgreSQL today (chaos, API fuzz,
+# the control path's demo job, duplicate launch and relay SIGKILL) on a real PostgreSQL server
+# (Debian's postgresql, started by tests/postgres.py in a temporary directory on a free port,
+# stopped at the end). Not yet green there (issue 16 s2, open): test_control_path's cancel, node
+# lost, user error and tp/pp tests and test_live's slow-client test time out waiting for a job.
+# `make test-postgres PG_TESTS="tests/control tests/integration"` runs everything.
+PG_CONTROL_PATH := $(addprefix tests/integration/test_control_path.py::,test_demo_job_runs_on_both_agents_and_succeeds \
+	test_duplicate_launch_and_agent_restart_start_the_job_once test_relay_sigkill_mid_run_loses_and_duplicates_nothing)
+PG_TESTS ?= tests/control tests/integration/test_chaos.py tests/integration/test_api_fuzz.py $(PG_CONTROL_PATH)
+test-postgres: venv test-deps
+	@scripts/ensure_system_deps.sh postgresql
+	$(PYTEST) -q -p tests.postgres --postgres $(PG_TESTS)
 
 # ruff, and import-linter's layer contracts (pyproject.toml).
 lint: venv

@@ -1,5 +1,5 @@
 """Live telemetry path, end to end with real processes: rank -> Redis Stream -> relay -> SQLite
-+ Channels -> daphne -> websocket client.
+(or PostgreSQL with --postgres) + Channels -> daphne -> websocket client.
 
 Everything is real and runs on 127.0.0.1: a redis-server (AOF everysec, as `make run`), the
 database migrated by `manage.py migrate`, jobs and attempts created through `jobs.services`
@@ -24,6 +24,7 @@ Measured, in one run so the figures compare side by side:
 Prints ONE JSON object on stdout; progress goes to stderr. Stops by itself.
     python bench/telemetry.py            # ~14 min on 2 cores (10 min of it the memory run)
     python bench/telemetry.py --quick    # ~2 min: short phases, 40 s memory run
+    python bench/telemetry.py --quick --postgres   # + the drain phase on PostgreSQL, and the ratio
 """
 from __future__ import annotations
 
@@ -230,8 +231,11 @@ print(json.dumps(out))
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, db_env: dict | None = None, db_pid: int | None = None):
+        """db_env: the database's environment (default: a SQLite file in the work directory);
+        db_pid: the database server's pid, whose CPU (its backends' included) is counted."""
         self.args = args
+        self.db_pid = db_pid
         self.dir = Path(tempfile.mkdtemp(prefix="trainyard-bench-"))
         self.procs: dict[str, subprocess.Popen] = {}
         self.emitters: list[Child] = []
@@ -242,8 +246,9 @@ class Bench:
             "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings",
             "TRAINYARD_VAR_DIR": str(self.dir / "var"), "TRAINYARD_DB": str(self.dir / "db.sqlite3"),
             "TRAINYARD_DATA_ROOT": str(self.dir / "data"), "TRAINYARD_ADMIN_PASSWORD": "bench-pw-1",
-            "DJANGO_SECRET_KEY": "bench-only", "TRAINYARD_LOG_LEVEL": "WARNING",
+            "DJANGO_SECRET_KEY": "bench-only", "TRAINYARD_LOG_LEVEL": "WARNING", "DATABASE_URL": "",
         })
+        self.env.update(db_env or {})
 
     # ---------------------------------------------------------- processes
     def start(self) -> None:
@@ -359,6 +364,12 @@ class Bench:
                 return 0.0
 
         out = {name: used(self.procs[name].pid) for name in ("relay", "daphne", "redis")}
+        if self.db_pid:  # the PostgreSQL server and its backends (the relay's among them)
+            try:
+                server = psutil.Process(self.db_pid)
+                out["postgres"] = used(self.db_pid) + sum(used(c.pid) for c in server.children(recursive=True))
+            except psutil.Error:
+                out["postgres"] = 0.0
         out["ranks"] = sum(used(c.proc.pid) for c in self.emitters)
         out["clients"] = sum(used(c.proc.pid) for c in self.clients)
         me = os.times()
@@ -547,6 +558,33 @@ def memory_summary(rss: list) -> dict:
     return out
 
 
+def postgres_drain(args, sqlite: dict | None) -> dict:
+    """The throughput (drain) phase again, on a real PostgreSQL server (tests/postgres.py: Debian's
+    server in a temporary directory, fsync off as in the tests, so the figure is the relay's and
+    the database's CPU, not the disk's), next to SQLite's figure and the ratio."""
+    from tests.postgres import PostgresServer, postgres_bin_dir
+
+    server = PostgresServer().start()
+    try:
+        url = server.create_database("bench")
+        bench = Bench(args, db_env={"DATABASE_URL": url}, db_pid=server.proc.pid)
+        try:
+            bench.start()
+            bench.emit(1000, args.warmup_s)
+            say(f"throughput on PostgreSQL: backlog of {args.drain_samples} samples")
+            pg = bench.throughput(args.drain_samples, args.entry_samples)
+            say(f"  {pg}")
+        finally:
+            bench.stop()
+    finally:
+        server.stop()
+    out = {"server": str(postgres_bin_dir()), "settings": "fsync=off synchronous_commit=off", "throughput": pg}
+    if sqlite:
+        out["relay_samples_per_s"] = {"sqlite": sqlite["relay_samples_per_s"], "postgres": pg["relay_samples_per_s"]}
+        out["postgres_vs_sqlite"] = round(pg["relay_samples_per_s"] / sqlite["relay_samples_per_s"], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~2 min: 8 s phases, 40 s memory run, smaller backlog")
@@ -563,6 +601,9 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=3.0)
     ap.add_argument("--skip", default="", help="comma list of phases to skip: latency,throughput,memory")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
+    ap.add_argument("--postgres", action="store_true",
+                    help="then the throughput phase again on a real PostgreSQL server (Debian's postgresql), "
+                         "with both relay rates and their ratio")
     # internal roles
     ap.add_argument("--role", choices=["emitter", "client"])
     ap.add_argument("--redis")
@@ -614,6 +655,9 @@ def main() -> None:
             say(f"  relay {result['memory']['relay']} daphne {result['memory']['daphne']}")
     finally:
         bench.stop()
+    if args.postgres:
+        result["postgres"] = postgres_drain(args, result.get("throughput"))
+        say(f"  relay on PostgreSQL vs SQLite: {result['postgres'].get('relay_samples_per_s')}")
     lat = result.get("latency", {})
     targets = {}
     if "1000" in lat:

@@ -2,6 +2,9 @@
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+# Django's advice under ASGI: no persistent connections (each executor thread would keep its own,
+# closed only by that thread); the relay and the Celery workers keep theirs for 60 s.
+os.environ.setdefault("TRAINYARD_DB_CONN_MAX_AGE", "0")
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import psutil
 
-from controlplane import security
+from controlplane import database, security
 from trainyard import keys
 from trainyard.bundle import BundleLimits
 
@@ -90,30 +90,8 @@ TEMPLATES = [
 ASGI_APPLICATION = "controlplane.asgi.application"
 WSGI_APPLICATION = None
 
-# SQLite: WAL lets the relay write while web and control worker read; BEGIN IMMEDIATE takes the
-# write lock up front so two writers queue on busy_timeout instead of failing mid-transaction
-# with "database is locked" when a read lock tries to upgrade.
-_db_url = os.environ.get("DATABASE_URL", "")
-if _db_url.startswith(("postgres://", "postgresql://")):
-    from urllib.parse import urlparse
-
-    _u = urlparse(_db_url)
-    DATABASES = {"default": {
-        "ENGINE": "django.db.backends.postgresql", "NAME": _u.path.lstrip("/"), "USER": _u.username,
-        "PASSWORD": _u.password, "HOST": _u.hostname, "PORT": _u.port or 5432, "CONN_MAX_AGE": 60,
-    }}
-else:
-    DATABASES = {"default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": os.environ.get("TRAINYARD_DB", str(VAR_DIR / "db.sqlite3")),
-        "OPTIONS": {
-            "transaction_mode": "IMMEDIATE",
-            "timeout": 20,
-            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=20000;",
-        },
-        # A file, not :memory:, so tests with threads see the same locking as production.
-        "TEST": {"NAME": os.environ.get("TRAINYARD_TEST_DB", str(VAR_DIR / "test_db.sqlite3"))},
-    }}
+# SQLite by default, PostgreSQL with DATABASE_URL=postgres://...?sslmode=... (controlplane/database.py).
+DATABASES = {"default": database.database_config(os.environ, VAR_DIR)}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [

@@ -19,6 +19,7 @@ from trainyard import keys
 from trainyard.textdoc import echo
 
 from . import keptlogs, selectors, services
+from .dbtext import text_problem
 from .errors import Forbidden, InvalidInput, NotFound
 from .models import Node
 from .payloads import event_dict
@@ -225,7 +226,9 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     lookup_value_regex = "[^/]+"
 
     def get_object(self):
-        node = self.get_queryset().filter(name=self.kwargs["name"]).first()
+        name = self.kwargs["name"]
+        # no node has a name with NUL (PostgreSQL's text refuses it: the lookup raised, a 500)
+        node = None if text_problem(name) else self.get_queryset().filter(name=name).first()
         if node is None:
             raise NotFound({"node": [f"no node named {echo(self.kwargs['name'])}"]})
         return node

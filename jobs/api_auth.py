@@ -20,6 +20,7 @@ from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from . import tokens
+from .dbtext import text_problem
 from .errors import InvalidInput
 
 
@@ -54,6 +55,9 @@ class AuthTokenView(APIView):
                    if not isinstance(data.get(f), str) or not data.get(f)}
         if missing:
             raise InvalidInput(missing)
+        bad = {f: [why] for f in ("username", "password") if (why := text_problem(data[f]))}
+        if bad:  # PostgreSQL's text refuses NUL: the lookup raised (a 500) instead of failing the login
+            raise InvalidInput(bad)
         user = authenticate(request, username=data["username"], password=data["password"])
         if getattr(request, "axes_locked_out", False) or getattr(request._request, "axes_locked_out", False):
             raise Throttled(detail=LOCKED_OUT)

@@ -10,6 +10,7 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from .dbtext import text_problem
 from .errors import Forbidden, InvalidInput
 from .models import Calibration
 from .services import calibration as calibration_services
@@ -41,6 +42,8 @@ class CalibrationView(APIView):
         """Stored calibrations, newest first (paginated)."""
         rows = Calibration.objects.select_related("created_by").order_by("-id")
         device = request.query_params.get("device")
+        if device and (why := text_problem(device)):
+            raise InvalidInput({"device": [why]})
         if device:
             rows = rows.filter(device_name=device)
         pager = PageNumberPagination()

@@ -115,7 +115,7 @@ class Job(models.Model):
     status_reason = models.CharField(max_length=500, blank=True)
     priority = models.SmallIntegerField(default=1)
     slots = models.PositiveIntegerField(help_text="processes the job needs at once (nodes x procs_per_node)")
-    step = models.PositiveIntegerField(default=0)
+    step = models.PositiveBigIntegerField(default=0)
     restarts = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
     # Nodes the next attempt should not use (the node that failed to join a rendezvous, ...);
@@ -146,7 +146,7 @@ class Job(models.Model):
 class Checkpoint(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
     attempt = models.ForeignKey("Attempt", null=True, on_delete=models.SET_NULL, related_name="checkpoints")
-    step = models.PositiveIntegerField()
+    step = models.PositiveBigIntegerField()
     path = models.CharField(max_length=1000)
     size_bytes = models.BigIntegerField(default=0)
     blocking_s = models.FloatField(default=0)
@@ -177,9 +177,9 @@ class Attempt(models.Model):
     stop_reason = models.CharField(max_length=64, blank=True, help_text="why the control plane stopped it")
     failure = models.JSONField(default=dict, blank=True, help_text="evidence behind a failed outcome")
     resumed_from = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+    resumed_from_step = models.PositiveBigIntegerField(null=True, blank=True)
     # Progress as the relay committed it: the hang detector's evidence.
-    last_step = models.PositiveIntegerField(default=0)
+    last_step = models.PositiveBigIntegerField(default=0)
     last_progress_at = models.DateTimeField(null=True, blank=True)
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
     rank_plans = models.JSONField(default=dict, blank=True,
@@ -275,7 +275,7 @@ class MetricSample(models.Model):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
     attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metrics")
     rank = models.PositiveIntegerField()
-    step = models.PositiveIntegerField()
+    step = models.PositiveBigIntegerField()
     ts = models.FloatField()
     loss = models.FloatField(null=True)
     samples_per_s = models.FloatField(null=True)

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Install the Debian packages Trainyard needs when they are missing: redis-server (broker, streams,
-# channel layer). Root installs them with apt-get; anyone else gets the exact command to run.
+# channel layer), and those named as arguments (chromium, iproute2, postgresql for `make
+# test-postgres`). Root installs them with apt-get; anyone else gets the exact command to run.
 set -euo pipefail
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 for pkg in "$@"; do
   case "$pkg" in
     chromium) [ -x /usr/bin/chromium ] || missing+=(chromium) ;;
+    # the server binaries live in /usr/lib/postgresql/<version>/bin (tests/postgres.py finds them)
+    postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql) ;;
     *) dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg") ;;
   esac
 done

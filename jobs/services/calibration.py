@@ -18,6 +18,7 @@ from trainyard.calibration import MeasurementsError, parse_measurements
 from trainyard.launch import CalibrationReport
 
 from .. import dispatch
+from ..dbtext import text_problem
 from ..errors import Conflict, InvalidInput, NotFound
 from ..models import Allocation, Calibration, Node
 from ..policy.plan.calibration import evaluate, fit, held_out_split, peak_of
@@ -67,6 +68,8 @@ def calibration_request(node_name: object, *, quick: object = False, user) -> No
     uses its cores, and a job beside it would distort both."""
     if not isinstance(node_name, str) or not node_name:
         raise InvalidInput({"node": ["a node name is required"]})
+    if why := text_problem(node_name):
+        raise InvalidInput({"node": [why]})
     if not isinstance(quick, bool):
         raise InvalidInput({"quick": ["must be true or false"]})
     node = Node.objects.filter(name=node_name).first()

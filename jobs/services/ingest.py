@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import re
+from operator import itemgetter
 
 from django.db import transaction
 from django.utils import timezone
 
+from ..dbtext import storable
 from ..models import Attempt, Job, JobEvent, MetricSample
 from .checkpoints import checkpoint_register
 from .events import job_event
@@ -75,6 +77,7 @@ def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
 
 
 _TELEMETRY_SQL: dict[str, tuple[str, str, str]] = {}
+_ROW_KEY = itemgetter(0, 1, 2, 3)  # job, attempt, rank, step
 
 
 def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
@@ -153,17 +156,21 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
                         "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
         if rows:
+            # In (job, attempt, rank, step) order, and the updates in id order: two writers with
+            # overlapping rows (a second relay, a replay) then wait on each other's unique-index
+            # entries in one order, never in a cycle (PostgreSQL aborted one with "deadlock detected").
+            rows.sort(key=_ROW_KEY)
             cursor.executemany(insert, rows)
-        for job_id, step in top.items():
+        for job_id, step in sorted(top.items()):
             cursor.execute(update, [step, job_id, step])
         now = timezone.now()
-        for attempt_id, step in attempt_top.items():  # the hang detector's evidence
+        for attempt_id, step in sorted(attempt_top.items()):  # the hang detector's evidence
             Attempt.objects.filter(pk=attempt_id, last_step__lt=step).update(last_step=step, last_progress_at=now)
         for e in events:
             attempt_id = e.get("attempt")
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
             if job_id is not None:
-                _runtime_event(job_id, attempt_id, e)
+                _runtime_event(job_id, attempt_id, storable(e))  # no NUL reaches PostgreSQL's text
     late = ended.intersection(attempt_top)
     if late:  # the last steps of an attempt that already ended: its knowledge record takes them in
         knowledge_refresh(late)

@@ -18,6 +18,7 @@ from django.utils import timezone
 from trainyard.launch import Heartbeat, NodeExit, RankInfo
 
 from .. import dispatch
+from ..dbtext import storable
 from ..errors import NodeActionError
 from ..models import Allocation, Attempt, Job, Node
 from ..policy import gpu_health
@@ -131,7 +132,9 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
 
 def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
     """A node's processes for an attempt have exited (or were stopped, or never started).
-    `result` is a NodeExit's JSON, stored as it came (the evidence diagnosis reads)."""
+    `result` is a NodeExit's JSON, stored as it came (the evidence diagnosis reads), NULs in its
+    log tails made storable on PostgreSQL (jobs/dbtext.py)."""
+    result = storable(result)
     report = NodeExit.model_validate(result)
     if report.node is not None and report.node != node_name:
         security_event("foreign_allocation", node_name, f"exit report for attempt {attempt_id} names node "

@@ -1,4 +1,4 @@
-"""A real relay process (`manage.py relay`) on the test's database and Redis, for the abuse tests.
+"""A real relay process (`manage.py relay`) on the test's database (SQLite or PostgreSQL) and Redis, for the abuse tests.
 
 `python -m tests.control.relay_proc` runs the same management command after installing a fault
 at the database boundary, from TRAINYARD_TEST_DB_FAULT="<SQL prefix>|<times>|<error>": the
@@ -13,20 +13,21 @@ import sys
 import time
 from pathlib import Path
 
+from tests import postgres
 from tests.conftest import REPO
 
 FAULT_ENV = "TRAINYARD_TEST_DB_FAULT"
 
 
 class RelayProcess:
-    def __init__(self, workdir: Path, redis_url: str, *, db_name: str, checkpoint_root: Path,
+    def __init__(self, workdir: Path, redis_url: str, *, checkpoint_root: Path,
                  artifact_root: Path, fault: str | None = None):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.dir / "relay.log"
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
                     "DJANGO_SETTINGS_MODULE": "controlplane.settings", "REDIS_URL": redis_url,
-                    "TRAINYARD_DB": db_name, "TRAINYARD_VAR_DIR": str(self.dir / "var"),
+                    **postgres.current_database_env(), "TRAINYARD_VAR_DIR": str(self.dir / "var"),
                     "TRAINYARD_CHECKPOINT_ROOT": str(checkpoint_root),
                     "TRAINYARD_ARTIFACT_ROOT": str(artifact_root), "DJANGO_SECRET_KEY": "relay-tests-only"}
         self.cmd = [sys.executable, "manage.py", "relay"]

@@ -12,6 +12,7 @@ from django.core.management import CommandError, call_command
 
 from jobs.planning import constants_for
 from jobs.policy.plan import DEFAULT_CPU, DEFAULT_GPU
+from tests import postgres
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST = {"model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 256},
@@ -86,7 +87,7 @@ def test_plan_command_bad_input_raises_exit_code_2():
 @pytest.mark.procs
 def test_manage_py_plan_process_bad_input_one_line_exit_2(tmp_path):
     # the command reads the newest calibration: a migrated database of its own
-    env = {**os.environ, "TRAINYARD_DB": str(tmp_path / "db.sqlite3")}
+    env = {**os.environ, **postgres.fresh_database_env(tmp_path / "db.sqlite3")}
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=REPO, env=env, check=True,
                    capture_output=True, timeout=300)
     bad = json.dumps({**REQUEST, "model": {**REQUEST["model"], "heads": 3}})

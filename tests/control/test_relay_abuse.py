@@ -6,7 +6,6 @@ import json
 
 import pytest
 import redis
-from django.db import connection
 
 from jobs import prometheus, services
 from jobs.models import Checkpoint, JobEvent, MetricSample
@@ -46,7 +45,7 @@ def relay_for(redis_server, tmp_path, settings, ckpt_root):
 
     def make(fault=None):
         proc = RelayProcess(tmp_path / f"relay-{len(started)}", redis_server.url,
-                            db_name=connection.settings_dict["NAME"], checkpoint_root=ckpt_root,
+                            checkpoint_root=ckpt_root,
                             artifact_root=tmp_path / "artifacts", fault=fault)
         started.append(proc.start())
         return proc

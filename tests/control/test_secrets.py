@@ -78,7 +78,8 @@ def test_plaintext_tokens_from_drf_authtoken_are_migrated_to_their_hash(user, ot
     alice_key, bob_key = "9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b", "0123456789abcdef0123456789abcdef01234567"
     with connection.cursor() as cursor:
         cursor.execute('CREATE TABLE "authtoken_token" ("key" varchar(40) NOT NULL PRIMARY KEY, '
-                       '"created" datetime NOT NULL, "user_id" integer NOT NULL UNIQUE)')
+                       f'"created" {connection.data_types["DateTimeField"]} NOT NULL, '  # per database
+                       '"user_id" integer NOT NULL UNIQUE)')
         cursor.execute('INSERT INTO "authtoken_token" VALUES (%s, %s, %s), (%s, %s, %s), (%s, %s, %s)',
                        [alice_key, "2026-01-02 03:04:05", user.pk, bob_key, "2026-01-02 03:04:05", other.pk,
                         "f" * 40, "2026-01-02 03:04:05", 999999])  # a row whose user is gone is dropped

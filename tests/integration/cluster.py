@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from tests import postgres
 from tests.conftest import REPO, RedisServer, free_port
 
 PY = sys.executable
@@ -51,11 +52,14 @@ class Cluster:
         self.env = dict(os.environ)
         self.env.update({
             "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-            "TRAINYARD_VAR_DIR": str(self.dir / "var"), "TRAINYARD_DB": str(self.dir / "db.sqlite3"),
+            "TRAINYARD_VAR_DIR": str(self.dir / "var"),
             "TRAINYARD_DATA_ROOT": str(self.dir / "data"), "TRAINYARD_RUN_DIR": str(self.dir / "agents"),
             "TRAINYARD_CHECKPOINT_ROOT": str(self.dir / "ckpt"), "TRAINYARD_ADMIN_PASSWORD": "integration-pw-1",
             "REDIS_URL": "", "DJANGO_SECRET_KEY": "integration-tests-only",
         })
+        # Under `make test-postgres` (tests/postgres.py): a database of its own on the session's server,
+        # shared by every process of this cluster. Otherwise a SQLite file (TRAINYARD_DB).
+        self.env.update(postgres.fresh_database_env(self.dir / "db.sqlite3"))
         self.token = ""
 
     # ------------------------------------------------------------ processes
@@ -111,8 +115,9 @@ class Cluster:
             proc = self.procs.pop(name)
             if proc.poll() is None:
                 proc.terminate()
-        redis_pid = self.redis.proc.pid if self.redis.proc else None
-        children = [p for p in psutil.Process().children(recursive=True) if p.pid != redis_pid]
+        keep = {self.redis.proc.pid} if self.redis.proc else set()
+        keep |= postgres.session_server_pids()  # the session's PostgreSQL server outlives every cluster
+        children = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
         _, alive = psutil.wait_procs(children, timeout=10)
         for p in alive:
             print(f"cluster.stop: {p.pid} {p.name()} ignored SIGTERM for 10 s; killing it")

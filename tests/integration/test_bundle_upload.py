@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests import postgres
 from tests.conftest import REPO
 from tests.integration.cluster import PY, start_daphne
 from trainyard import keys
@@ -34,7 +35,7 @@ LIMIT = 4 * 1024 * 1024
 def web(tmp_path_factory):
     work = tmp_path_factory.mktemp("bundle-web")
     env = dict(os.environ, PYTHONPATH=str(REPO), DJANGO_SETTINGS_MODULE="controlplane.settings",
-               TRAINYARD_VAR_DIR=str(work / "var"), TRAINYARD_DB=str(work / "db.sqlite3"),
+               TRAINYARD_VAR_DIR=str(work / "var"), **postgres.fresh_database_env(work / "db.sqlite3"),
                TRAINYARD_ARTIFACT_ROOT=str(work / "artifacts"), DJANGO_SECRET_KEY="integration-tests-only",
                TRAINYARD_BUNDLE_MAX_BYTES=str(LIMIT), TRAINYARD_ADMIN_PASSWORD="integration-pw-1")
     for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):

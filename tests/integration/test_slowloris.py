@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests import postgres
 from tests.conftest import REPO
 from tests.integration.cluster import start_daphne
 
@@ -23,7 +24,7 @@ CLIENTS = 20
 @pytest.fixture
 def web(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), DJANGO_SETTINGS_MODULE="controlplane.settings",
-               TRAINYARD_VAR_DIR=str(tmp_path / "var"), TRAINYARD_DB=str(tmp_path / "db.sqlite3"),
+               TRAINYARD_VAR_DIR=str(tmp_path / "var"), **postgres.fresh_database_env(tmp_path / "db.sqlite3"),
                DJANGO_SECRET_KEY="integration-tests-only", TRAINYARD_HTTP_HEADER_TIMEOUT_S=str(DEADLINE_S))
     proc, port = start_daphne(env, tmp_path, probe="/api/v1/jobs/")
     yield port
