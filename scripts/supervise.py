@@ -69,9 +69,14 @@ def parse_procfile(text: str, env: dict[str, str]) -> dict[str, list[str]]:
         if name in procs:
             raise ValueError(f"Procfile line {n}: {name!r} is defined twice")
         try:
-            procs[name] = [expand(w, env) for w in shlex.split(command)]
+            argv = [expand(w, env) for w in shlex.split(command)]
         except ValueError as e:
             raise ValueError(f"Procfile line {n} ({name}): {e}") from None
+        # Leading NAME=value words set that process's environment, as in a shell; env(1) applies
+        # them, so the command still runs without a shell.
+        if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]):
+            argv = ["env", *argv]
+        procs[name] = argv
     if not procs:
         raise ValueError("the Procfile names no process")
     return procs

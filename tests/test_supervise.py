@@ -50,6 +50,17 @@ def test_procfile_is_split_like_a_shell_and_expands_variables_without_one():
             mod.parse_procfile(text, {})
 
 
+@pytest.mark.procs
+def test_a_procfile_line_may_set_its_process_environment_as_a_shell_would(tmp_path):
+    """make run's agents start as `REDIS_URL=<the node's ACL user URL> python -m workers.agent ...`."""
+    mod = _module()
+    procs = mod.parse_procfile("a: REDIS_URL=${U} X=1 python3 -c pass\n", {"U": "redis://node-a:pw@h/0"})
+    assert procs == {"a": ["env", "REDIS_URL=redis://node-a:pw@h/0", "X=1", "python3", "-c", "pass"]}
+    out = subprocess.run(mod.parse_procfile("a: GREETING=hi python3 -c 'import os; print(os.environ[\"GREETING\"])'\n",
+                                            {})["a"], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "hi"
+
+
 def _wait(pred, timeout, what):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
