@@ -167,7 +167,8 @@ def test_zero1_trains_checkpoints_and_resumes_like_adamw_and_recompute_changes_n
     for job_id, (name, parallel) in enumerate([("zero-resumed", {"dp": 2, "shard_optimizer": True}),
                                                ("adamw-from-zero", {"dp": 2})], start=33):
         samples, events, text = _run(tmp_path, url, env, name, job_id, parallel, resume=resume)
-        assert f"rank 1 resumed from step {EVERY} ({c4})" in text, text
+        # run_job copies the checkpoint into the resumed run's own checkpoint directory
+        assert f"rank 1 resumed from step {EVERY} (" in text and f"/{name}/ckpt/{Path(c4).name})" in text, text
         got = _per_rank(samples, 10)
         assert sorted(got) == [(r, s) for r in (0, 1) for s in range(EVERY + 1, STEPS + 1)], name
         assert got == {k: v for k, v in _per_rank(base, 9).items() if k[1] > EVERY}, name

@@ -201,7 +201,9 @@ def test_a_ddp_checkpoint_resumes_under_tp_and_fsdp_which_train_report_and_check
     for job_id, (name, parallel) in enumerate(plans.items(), start=22):
         samples, events, text = _run(tmp_path, url, repo_env, name, job_id, parallel, resume)
         for rank in (0, 1):
-            assert f"rank {rank} resumed from step {FROM} ({c3['path']})" in text, text
+            # run_job copies the checkpoint into the resumed run's own checkpoint directory
+            assert f"rank {rank} resumed from step {FROM} (" in text and \
+                f"/{name}/ckpt/{Path(c3['path']).name})" in text, text
         # it trains: every rank reports every resumed step, the loss keeps falling
         assert sorted((s["rank"], s["step"]) for s in samples) == [
             (r, s) for r in (0, 1) for s in range(FROM + 1, STEPS + 1)]

@@ -1,5 +1,6 @@
 """Real torchrun, 2 gloo ranks, real redis-server: the launch contract end to end."""
 import json
+import shutil
 import math
 import threading
 import time
@@ -51,7 +52,13 @@ def run_job(tmp_path: Path, url: str, env: dict, name: str, job_id: int, *, resu
     cfg = make_launch_config(tmp_path / name, url, **sections)
     cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}")
     if resume is not None:
-        cfg.update(resume=resume, attempt_id=cfg["attempt_id"] + 1)
+        # A rank resumes only from inside its job's checkpoint directory, as the next attempt of one
+        # job would: the checkpoint is copied into this run's own (several runs resume one checkpoint).
+        src = Path(resume["path"])
+        own = Path(cfg["checkpoint_dir"]) / src.name
+        own.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, own, dirs_exist_ok=True)
+        cfg.update(resume={**resume, "path": str(own)}, attempt_id=cfg["attempt_id"] + 1)
     proc = start_torchrun(write_launch_config(tmp_path / name, cfg), env, nproc=nproc)
     out = Output(proc)
     assert proc.wait(timeout_s) == 0, out.text()
