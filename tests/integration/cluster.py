@@ -95,12 +95,7 @@ class Cluster:
         self.env["REDIS_URL"] = self.redis.url
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        # The agents are registered by staff like any node (issue 16): node_add writes each credential 0600.
-        register = [["node_add", name, "--address", addr, "--slots", str(self.slots), "--labels", "rack=r1",
-                     "--credential-out", str(self.dir / "credentials" / name)]
-                    for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))]
-        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], *register):
-            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
+        self.prepare_database()
         self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
                                     capture_output=True, text=True).stdout.strip()
         for name in self.commands():
@@ -109,6 +104,15 @@ class Cluster:
         self.wait_for(lambda: {n["name"] for n in self.get("/api/v1/nodes/")["results"]
                                if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
         return self
+
+    def prepare_database(self) -> None:
+        """Migrate, the admin, and the two agents registered by staff like any node (issue 16):
+        node_add writes each credential 0600 under credentials/."""
+        register = [["node_add", name, "--address", addr, "--slots", str(self.slots), "--labels", "rack=r1",
+                     "--credential-out", str(self.dir / "credentials" / name)]
+                    for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))]
+        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], *register):
+            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
 
     def stop(self) -> None:
         for name in list(self.procs):

@@ -38,12 +38,14 @@ class SupervisedCluster(Cluster):
                         TRAINYARD_METRICS_TOKEN="chaos-metrics-token")
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):
-            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
+        self.prepare_database()
         self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
                                     capture_output=True, text=True).stdout.strip()
         procfile = self.dir / "Procfile"
-        procfile.write_text("".join(f"{name}: {shlex.join(argv)}\n" for name, argv in self.commands().items()))
+        # each agent with its own Redis ACL user's URL, as make run's Procfile starts them
+        procfile.write_text("".join(
+            f"{name}: {'REDIS_URL=' + shlex.quote(self.redis.user_url(name)) + ' ' if name.startswith('node-') else ''}"
+            f"{shlex.join(argv)}\n" for name, argv in self.commands().items()))
         self.status_file = self.dir / "var" / "supervisor.json"
         self.supervisor = subprocess.Popen(
             [PY, str(SCRIPT), "--procfile", str(procfile), "--status-file", str(self.status_file),
