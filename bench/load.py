@@ -243,8 +243,9 @@ def cpu_seconds(cluster, client_pids=()) -> dict:
             return sum(sum(q.cpu_times()[:2]) for q in procs if q.is_running())
         except psutil.Error:
             return 0.0
-    pids = {k: (proc.pid, False) for k, proc in cluster.procs.items() if k in ("web", "relay", "control", "beat")}
-    out = {{"web": "daphne"}.get(k, k): used(pid) for k, (pid, _) in pids.items()}
+    # web: controlplane.serve and its daphne workers
+    pids = {k: (proc.pid, k == "web") for k, proc in cluster.procs.items() if k in ("web", "relay", "control", "beat")}
+    out = {{"web": "daphne"}.get(k, k): used(pid, kids) for k, (pid, kids) in pids.items()}
     out["redis"] = used(cluster.redis.proc.pid) if cluster.redis.proc else 0.0
     out["agents_and_ranks"] = sum(used(cluster.procs[k].pid, True) for k in ("node-a", "node-b") if k in cluster.procs)
     out["ws_clients"] = sum(used(pid) for pid in client_pids)
@@ -268,7 +269,10 @@ def rss_mib(cluster) -> dict:
     out = {}
     for name, key in (("daphne", "web"), ("relay", "relay")):
         try:
-            out[name] = round(psutil.Process(cluster.procs[key].pid).memory_info().rss / 2**20, 1)
+            p = psutil.Process(cluster.procs[key].pid)
+            # daphne: the workers together (the launcher itself is a few MiB of stdlib)
+            procs = p.children() if key == "web" else [p]
+            out[name] = round(sum(q.memory_info().rss for q in procs) / 2**20, 1)
         except (KeyError, psutil.Error):
             out[name] = None
     return out
@@ -333,7 +337,7 @@ def renice_ranks(cluster, job_ids: list[int], nice: int) -> int:
 def run(args, workdir: Path) -> dict:
     from tests.integration.cluster import Cluster
 
-    cluster = Cluster(workdir)
+    cluster = Cluster(workdir, web_workers=args.web_workers)
     cluster.env.update(GENEROUS_LIMITS)
     try:
         log(f"starting the cluster in {workdir}")
@@ -382,7 +386,7 @@ def run(args, workdir: Path) -> dict:
                           **{k: ratio(full["by_kind"][k]["p99_ms"], baseline["by_kind"][k]["p99_ms"]) for k in MIX}},
             "errors_total": baseline["error_count"] + full["error_count"] + ws["error_count"],
             "config": {k: getattr(args, k) for k in ("duration", "rate", "sockets", "ramp", "cluster_every", "quick",
-                                                  "ranks_nice")}
+                                                  "ranks_nice", "web_workers")}
             | {"users": USERS, "rank_processes_reniced": reniced, "cpus": os.cpu_count()}}
 
 
@@ -397,6 +401,8 @@ def main(argv=None) -> None:
     p.add_argument("--ramp", type=float, default=20.0, help="websocket connects per second while opening")
     p.add_argument("--ranks-nice", type=int, default=19,
                    help="nice value for the jobs' torchrun and rank processes (0: leave them as started)")
+    p.add_argument("--web-workers", type=int, default=None,
+                   help="daphne processes (controlplane.serve; default as make run: the cores, at most 4)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, database)")
     p.add_argument("--ws-client", action="store_true", help=argparse.SUPPRESS)
     for name, kind in (("--port", int), ("--tokens-file", str), ("--targets", str), ("--first", int),
@@ -407,6 +413,10 @@ def main(argv=None) -> None:
         return ws_client_main(args)
     args.duration = args.duration or (15.0 if args.quick else 60.0)
     args.sockets = args.sockets if args.sockets is not None else (50 if args.quick else 200)
+    if args.web_workers is None:
+        from controlplane.serve import default_workers
+
+        args.web_workers = default_workers()
     workdir = Path(tempfile.mkdtemp(prefix="trainyard-load-"))
     try:
         result = run(args, workdir)

@@ -89,6 +89,8 @@ class JobSerializer(serializers.ModelSerializer):
                 "hang_timeout_s": round(timeout, 1), "hang_timeout_source": source}
 
     def get_queue_position(self, obj) -> int | None:
+        if obj.status != Job.Status.QUEUED:  # only queued jobs have one: no cluster view for a page without them
+            return None
         positions = self.context.get("queue_positions")
         if positions is None:
             positions = self.context["queue_positions"] = selectors.queue_positions()

@@ -201,9 +201,16 @@ def test_every_unit_starts_a_program_the_project_installs():
 def test_web_unit_runs_daphne_on_loopback_with_the_asgi_application():
     from daphne.cli import CommandLineInterface
 
+    from controlplane import serve
+
     argv = exec_argv("trainyard-web.service")
-    args = CommandLineInterface().parser.parse_args(argv[1:])
-    assert args.host == "127.0.0.1" and args.proxy_headers, args  # behind the TLS proxy only
+    assert argv[1:3] == ["-m", "controlplane.serve"], argv
+    launcher, daphne_args = serve.parse(argv[3:])
+    assert launcher.bind == "127.0.0.1", launcher  # behind the TLS proxy only
+    # what each worker runs: daphne's own parser must accept it, with the proxy headers on
+    worker = serve.Launcher(launcher, daphne_args, sock=type("S", (), {"fileno": lambda self: 3})()).command()
+    args = CommandLineInterface().parser.parse_args(worker[3:])
+    assert args.file_descriptor == 3 and args.proxy_headers, args
     module, _, attr = args.application.partition(":")
     assert importlib.util.find_spec(module) is not None
     assert re.search(rf"^{attr}\s*=", (REPO / (module.replace(".", "/") + ".py")).read_text(), re.M)

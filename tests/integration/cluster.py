@@ -42,9 +42,10 @@ def start_daphne(env: dict, workdir: Path, probe: str = "/accounts/login/") -> t
 
 
 class Cluster:
-    def __init__(self, workdir: Path, *, slots: int = 2):
+    def __init__(self, workdir: Path, *, slots: int = 2, web_workers: int = 1):
         self.dir = Path(workdir)
         self.slots = slots
+        self.web_workers = web_workers
         # Redis with make run's ACL users: the control plane's processes use self.redis.url, each agent its own.
         self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"])
         self.port = free_port()
@@ -66,7 +67,9 @@ class Cluster:
     def commands(self) -> dict[str, list[str]]:
         agent = [PY, "-m", "workers.agent", "--slots", str(self.slots), "--labels", "rack=r1"]
         return {
-            "web": [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "controlplane.asgi:application"],
+            # as make run starts it: controlplane.serve's daphne worker(s) on one socket
+            "web": [PY, "-m", "controlplane.serve", "--workers", str(self.web_workers), "-b", "127.0.0.1",
+                    "-p", str(self.port)],
             "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "-n", "control@%h",
                         "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
             "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
