@@ -7,7 +7,7 @@ accept on that socket (`daphne --fd`): the kernel hands each new connection to w
 is free to accept it, so a busy process does not take new work from an idle one. Everything the
 processes share lives outside them already: sessions and data in the database, websocket groups
 in the Redis channel layer. Per-process limits (the in-memory throttle counts, the per-user
-socket cap) then allow N times their figure (docs/architecture.md, section 9).
+socket cap) then allow N times their figure (docs/deploy.md, TRAINYARD_WEB_WORKERS).
 
 A worker that dies is started again (backoff from 1 s doubling to 30 s while it keeps dying
 within 30 s of its start); the socket stays open meanwhile, so connections wait in its backlog

@@ -171,6 +171,12 @@ TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMO
     psutil.virtual_memory().total / 1e9 / max(1, os.cpu_count() or 1), 1))
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
+# The node check runs every 2 s (beat); a longer gap between two checks that ran (worker or beat
+# down, the database locked) is a control-plane stall, and silence during it is not held against
+# any node (jobs/services/nodes.py, nodes_check). Default: half of TRAINYARD_NODE_LOST_S, at least
+# 3 check intervals (a limit near the interval would call ordinary jitter a stall, and a node
+# would never be judged).
+TRAINYARD_CONTROL_STALL_S = float(os.environ.get("TRAINYARD_CONTROL_STALL_S") or max(6.0, TRAINYARD_NODE_LOST_S / 2))
 # The control worker and beat stamp their liveness key (trainyard:alive:<role>) every fifth of this,
 # and the key expires after it: /metrics and the nodes page show a role down within this long.
 TRAINYARD_ALIVE_TTL_S = float(os.environ.get("TRAINYARD_ALIVE_TTL_S", "10"))

@@ -51,6 +51,26 @@ def publish_cluster_changed(what: str) -> None:
     publish("cluster", {"type": "cluster.changed", "what": what})
 
 
+FENCE_TTL_S = 30 * 86400  # a node may come back from a partition days later
+
+
+def fence(attempt_id: int, reason: str) -> None:
+    """Tell an attempt's ranks, wherever they still run, to exit at once: no checkpoint, no more
+    telemetry (the preemption key with `fenced`; trainyard/sdk/reporter.py). Best effort: the
+    relay and checkpoint_register refuse a fenced attempt's later data anyway."""
+    import json
+
+    import redis
+    from django.conf import settings
+
+    request = PreemptRequest(reason=reason, grace_s=0.0, fenced=True)
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(
+            preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=FENCE_TTL_S)
+    except redis.RedisError as exc:
+        log.warning("could not set the fence of attempt %s in Redis: %s", attempt_id, exc)
+
+
 def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
     """Ask an attempt's ranks to checkpoint and exit (trainyard/sdk/preempt.py). Best effort: if
     Redis is away the grace period ends in a stop anyway."""

@@ -92,6 +92,22 @@ class SecurityEvent(models.Model):
         return f"{self.kind} from {self.node} (x{self.count})"
 
 
+class ControlPlaneClock(models.Model):
+    """One row: when the node check last ran, and since when the control plane has been healthy
+    (checking on schedule, the database writable). Nodes are judged LOST only over healthy time:
+    after a stall (control worker or beat down, database locked) a node that went silent only
+    because its heartbeats could not be applied gets a whole TRAINYARD_NODE_LOST_S again."""
+
+    last_check_at = models.DateTimeField(null=True, blank=True)
+    healthy_since = models.DateTimeField(null=True, blank=True)
+    stalls = models.PositiveIntegerField(default=0, help_text="stalls seen (a gap between checks over the limit)")
+    last_stall_s = models.FloatField(null=True, blank=True, help_text="the latest stall's length")
+    last_stall_at = models.DateTimeField(null=True, blank=True, help_text="when the latest stall ended")
+
+    def __str__(self) -> str:
+        return f"control plane healthy since {self.healthy_since}"
+
+
 class Job(models.Model):
     class Status(models.TextChoices):
         QUEUED = "QUEUED"
@@ -180,6 +196,10 @@ class Attempt(models.Model):
     resumed_from_step = models.PositiveBigIntegerField(null=True, blank=True)
     # Progress as the relay committed it: the hang detector's evidence.
     last_step = models.PositiveBigIntegerField(default=0)
+    # Set when the control plane wrote the attempt off with a node it lost (jobs/services/nodes.py):
+    # the last step it had accepted. Nothing of the attempt beyond it is taken in: its ranks may
+    # still run behind a partition, and their later samples and checkpoints belong to no line.
+    fenced_step = models.PositiveBigIntegerField(null=True, blank=True)
     last_progress_at = models.DateTimeField(null=True, blank=True)
     stragglers = models.JSONField(default=list, blank=True, help_text="[{rank, node, ratio, ...}] flagged now")
     rank_plans = models.JSONField(default=dict, blank=True,

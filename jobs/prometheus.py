@@ -28,7 +28,7 @@ from django.http import HttpResponse
 from trainyard import keys
 
 from . import liveness, selectors
-from .models import Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
+from .models import ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -120,6 +120,19 @@ def collect_security(exp: Exposition) -> None:
                 totals.get(kind, 0), kind=kind)
     exp.add("trainyard_node_join_requests", "gauge", "Heartbeats from unregistered nodes awaiting staff approval.",
             NodeJoinRequest.objects.count())
+
+
+def collect_control_clock(exp: Exposition) -> None:
+    """The node check's own clock (jobs/services/nodes.py, control_plane_clock): stalls seen, the
+    latest one's length, and how long the current healthy stretch is (node silence is judged only
+    within it)."""
+    clock = ControlPlaneClock.objects.filter(pk=1).first()
+    exp.add("trainyard_control_plane_stalls_total", "counter", "Gaps between node checks over "
+            "TRAINYARD_CONTROL_STALL_S (worker or beat down, database locked).", clock.stalls if clock else 0)
+    exp.add("trainyard_control_plane_last_stall_seconds", "gauge", "Length of the latest control-plane stall.",
+            clock.last_stall_s if clock else None)
+    exp.add("trainyard_control_plane_healthy_seconds", "gauge", "Time since the current healthy stretch began.",
+            time.time() - clock.healthy_since.timestamp() if clock and clock.healthy_since else None)
 
 
 def collect_nodes(exp: Exposition) -> None:
@@ -262,6 +275,7 @@ def render() -> str:
     exp = Exposition()
     collect_jobs(exp)
     collect_nodes(exp)
+    collect_control_clock(exp)
     collect_security(exp)
     collect_relay(exp)
     collect_processes(exp)

@@ -129,10 +129,13 @@ class Stop(_Message):
 
 
 class PreemptRequest(_Message):
-    """The value of keys.preempt_key(attempt): the ranks checkpoint and exit within grace_s."""
+    """The value of keys.preempt_key(attempt): the ranks checkpoint and exit within grace_s; or,
+    `fenced`, exit at once without a checkpoint (the control plane wrote the attempt off with a
+    lost node and has restarted the job elsewhere: anything this attempt still writes is stale)."""
 
     reason: str
     grace_s: float
+    fenced: bool = False
 
 
 # ---------------------------------------------------------------- node agent -> control plane

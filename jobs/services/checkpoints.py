@@ -160,6 +160,12 @@ def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
         log.warning("ignoring checkpoint report of attempt %s: %s", attempt_id, why)
         return None
     step = data["step"]
+    if attempt.fenced_step is not None and step > attempt.fenced_step:
+        # Saved behind a partition after the attempt was written off (jobs/services/nodes.py,
+        # attempt_fence): the job went on elsewhere from an earlier step; never a resume point.
+        log.warning("refusing checkpoint %s of attempt %s: step %s is after its fence at step %s",
+                    path, attempt_id, step, attempt.fenced_step)
+        return None
     with transaction.atomic():
         existing = Checkpoint.objects.filter(job=job, path=str(path)).first()
         if existing is not None:

@@ -101,8 +101,8 @@ def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
         "(" + ", ".join(qn(c) for c in columns) + ")",
         "VALUES (" + ", ".join(["%s"] * len(columns)) + ")",
         ops.on_conflict_suffix_sql(None, OnConflict.IGNORE, None, None)]))
-    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)}, {qn(att.get_field('status').column)} "
-              f"FROM {qn(att.db_table)} "
+    lookup = (f"SELECT {qn(att.pk.column)}, {qn(att.get_field('job').column)}, {qn(att.get_field('status').column)}, "
+              f"{qn(att.get_field('fenced_step').column)} FROM {qn(att.db_table)} "
               f"WHERE {qn(att.pk.column)} IN ")
     step = qn(job.get_field("step").column)
     update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
@@ -122,13 +122,16 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
         # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
         attempts: dict[int, int] = {}
         ended: set[int] = set()
+        fences: dict[int, int] = {}  # attempt -> its fenced step (jobs/services/nodes.py, attempt_fence)
         if wanted:
             cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
-            for attempt_id, job_id, status in cursor.fetchall():
+            for attempt_id, job_id, status, fenced_step in cursor.fetchall():
                 attempts[attempt_id] = job_id
                 if status == Attempt.Status.ENDED:
                     ended.add(attempt_id)
-        rows, top, attempt_top, malformed, dropped_metrics = [], {}, {}, 0, 0
+                if fenced_step is not None:
+                    fences[attempt_id] = fenced_step
+        rows, top, attempt_top, malformed, dropped_metrics, fenced = [], {}, {}, 0, 0, 0
         extra_field = MetricSample._meta.get_field("extra")
         for s in samples:
             attempt_id = s.get("attempt")
@@ -138,6 +141,9 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             row = _metric_row(job_id, attempt_id, s)
             if row is None:
                 malformed += 1
+                continue
+            if attempt_id in fences and row[3] > fences[attempt_id]:
+                fenced += 1  # trained after its node was written off: in no line of the job
                 continue
             extra = None
             if "metrics" in s:
@@ -152,6 +158,8 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
                 attempt_top[attempt_id] = row[3]
         if malformed:
             log.warning("dropped %d malformed metric samples", malformed)
+        if fenced:
+            log.warning("dropped %d samples of fenced attempts (written after their node was lost)", fenced)
         if dropped_metrics:
             log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
                         "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)

@@ -20,7 +20,7 @@ from trainyard.launch import Heartbeat, NodeExit, RankInfo
 from .. import dispatch
 from ..dbtext import storable
 from ..errors import NodeActionError
-from ..models import Allocation, Attempt, Job, Node
+from ..models import Allocation, Attempt, ControlPlaneClock, Job, Node
 from ..policy import gpu_health
 from ..policy.scheduling.eligibility import summarize_devices
 from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
@@ -155,21 +155,65 @@ def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
             attempt_maybe_finish(attempt)
 
 
+def attempt_fence(attempt: Attempt, node: str) -> None:
+    """Fence an attempt written off with a lost node: its ranks may run on behind a partition.
+    From here on nothing of it beyond the last step the control plane accepted is taken in (the
+    relay drops its later samples, checkpoint_register refuses its later checkpoints), and the
+    fence is set in Redis, where every rank of it polls (trainyard/sdk/reporter.py): the moment a
+    rank reaches Redis again it exits, before it flushes another sample or starts a checkpoint."""
+    if attempt.fenced_step is not None:
+        return
+    Attempt.objects.filter(pk=attempt.pk, fenced_step__isnull=True).update(fenced_step=attempt.last_step)
+    attempt.fenced_step = attempt.last_step
+    job_event(attempt.job, "fenced", f"attempt {attempt.number} fenced at step {attempt.last_step}: node {node} "
+              f"was lost, so its ranks may still run; nothing of theirs after that step is kept",
+              attempt=attempt, node=node, step=attempt.last_step)
+    transaction.on_commit(partial(dispatch.fence, attempt.pk, f"node_lost:{node}"))
+
+
+def control_plane_clock(now) -> ControlPlaneClock:
+    """Record this node check on the control plane's clock (call inside the check's transaction)
+    and return it. A gap over TRAINYARD_CONTROL_STALL_S since the previous check, or no previous
+    check, starts a new healthy stretch at `now`: while the worker, beat or database stalled,
+    heartbeats could not be applied, so that time counts against no node."""
+    clock = ControlPlaneClock.objects.select_for_update().filter(pk=1).first()
+    if clock is None:
+        clock = ControlPlaneClock(pk=1)
+    gap = (now - clock.last_check_at).total_seconds() if clock.last_check_at else None
+    if gap is None or gap > settings.TRAINYARD_CONTROL_STALL_S:
+        clock.healthy_since = now
+        if gap is not None:
+            clock.stalls += 1
+            clock.last_stall_s, clock.last_stall_at = round(gap, 3), now
+            log.warning("control plane stalled for %.1f s (no node check ran): node silence is judged "
+                        "from now on, not over the stall", gap)
+    clock.last_check_at = now
+    clock.save()
+    return clock
+
+
 def nodes_check() -> list[str]:
-    """Write off nodes that stopped heartbeating and attempts stuck in launch."""
-    now = timezone.now()
+    """Write off nodes that stopped heartbeating and attempts stuck in launch, counting only the
+    time the control plane was healthy (control_plane_clock)."""
     lost: list[str] = []
     with transaction.atomic():
+        now = timezone.now()  # after the transaction's lock: a wait on a locked database is a stall too
+        healthy_since = control_plane_clock(now).healthy_since
+        # Silent for LOST_S of healthy time: its last heartbeat and the healthy stretch's start both
+        # before the cutoff (after a stall every node has a whole LOST_S to be heard from again).
         cutoff = now - timedelta(seconds=settings.TRAINYARD_NODE_LOST_S)
-        for node in Node.objects.exclude(status=Node.Status.LOST).filter(last_heartbeat__lt=cutoff):
+        silent = Node.objects.exclude(status=Node.Status.LOST).filter(last_heartbeat__lt=cutoff)
+        for node in silent if healthy_since < cutoff else ():
             Node.objects.filter(pk=node.pk).update(status=Node.Status.LOST)
             lost.append(node.name)
             for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
                 Allocation.objects.filter(pk=alloc.pk).update(
                     active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})
+                attempt_fence(alloc.attempt, node.name)
                 attempt_stop(alloc.attempt, reason=f"node_lost:{node.name}")
         launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
-        for attempt in Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff):
+        stuck = Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff)
+        for attempt in stuck if healthy_since < launch_cutoff else ():  # the same rule for launches
             attempt_stop(attempt, reason="launch_timeout")
     return lost
 

@@ -13,6 +13,7 @@ def sent(monkeypatch):
     monkeypatch.setattr(dispatch, "send_stop", lambda node, job_id, attempt_id, reason: calls.append(
         ("stop", node, attempt_id, reason)))
     monkeypatch.setattr(dispatch, "request_tick", lambda: calls.append(("tick",)))
+    monkeypatch.setattr(dispatch, "fence", lambda attempt_id, reason: calls.append(("fence", attempt_id, reason)))
     monkeypatch.setattr(dispatch, "publish", lambda group, message: calls.append(("publish", group, message)))
     return calls
 
@@ -85,3 +86,19 @@ def relay_alive(monkeypatch):
     from jobs import selectors
 
     monkeypatch.setattr(selectors, "relay_alive", lambda: True)
+
+
+@pytest.fixture
+def healthy_control_plane(db):
+    """The control plane's clock (jobs/services/nodes.py, control_plane_clock) as after a day of node
+    checks on schedule: silence is judged over the whole TRAINYARD_NODE_LOST_S. Without it the first
+    check of a test starts a healthy stretch and judges no node."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import ControlPlaneClock
+
+    now = timezone.now()
+    ControlPlaneClock.objects.update_or_create(pk=1, defaults={"last_check_at": now,
+                                                               "healthy_since": now - timedelta(days=1)})

@@ -136,7 +136,8 @@ def test_cancel_running_stops_all_nodes_then_cancelled(user, nodes, sent, django
         services.job_cancel(job, user=user)
 
 
-def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, django_capture_on_commit_callbacks):
+def test_node_lost_ends_attempt_lost_and_requeues(user, nodes, sent, healthy_control_plane,
+                                                 django_capture_on_commit_callbacks):
     job = submit(user)
     attempt = start(job)
     Node.objects.filter(name="node-b").update(last_heartbeat=timezone.now() - timedelta(seconds=30))

@@ -96,3 +96,101 @@ def test_preemption_request_is_seen_within_a_poll_period(redis_server):
     assert rep.preempt_requested.wait(5 * POLL_S)
     assert time.monotonic() - t0 <= 2 * POLL_S + 0.3
     rep.close()
+
+
+class _PartitionedRedis:
+    """A fake Redis client at the library boundary: every command fails while `down`; records the
+    order of reads of the preemption key and stream writes once it is back."""
+
+    def __init__(self, fence: bytes | None):
+        import threading
+
+        self.down = True
+        self.fence = fence
+        self.calls: list[str] = []
+        self.lock = threading.Lock()
+
+    def _check(self, what: str) -> None:
+        import redis
+
+        if self.down:
+            raise redis.ConnectionError("partitioned")
+        with self.lock:
+            self.calls.append(what)
+
+    def get(self, key):
+        self._check("get")
+        return self.fence
+
+    def exists(self, key):
+        self._check("get")
+        return self.fence is not None
+
+    def xadd(self, stream, fields):
+        self._check("xadd")
+
+    def pipeline(self, transaction=True):
+        client = self
+
+        class Pipe:
+            def xadd(self, stream, fields):
+                pass
+
+            def execute(self):
+                client._check("xadd")
+        return Pipe()
+
+    def close(self):
+        pass
+
+
+def _partitioned_reporter(monkeypatch, fake):
+    import redis
+
+    from trainyard.keys import preempt_key
+    from trainyard.sdk import reporter as mod
+
+    monkeypatch.setattr(mod, "BACKOFF_MAX_S", 0.2)
+    monkeypatch.setattr(redis.Redis, "from_url", classmethod(lambda cls, *a, **k: fake))
+    rep = Reporter("redis://partitioned", "s", rank=0, attempt=7, preempt_key=preempt_key(7))
+    fenced = []
+    monkeypatch.setattr(rep, "_fenced", lambda raw: (fenced.append(raw), rep._buf.clear()))
+    return rep, fenced
+
+
+def test_a_fenced_attempt_flushes_nothing_when_the_partition_heals(monkeypatch):
+    """Issue 16: the control plane wrote the attempt off while its node was cut off. When Redis
+    answers again, the rank reads the fence before it sends anything: the buffered samples (trained
+    after the fence) are dropped and the rank exits (here `_fenced` is recorded instead of exiting)."""
+    fence = json.dumps({"reason": "node_lost:node-b", "grace_s": 0.0, "fenced": True}).encode()
+    fake = _PartitionedRedis(fence)
+    rep, fenced = _partitioned_reporter(monkeypatch, fake)
+    for step in range(1, 50):
+        rep.metric(sample(step))
+    wait_for(lambda: rep.failures >= 2)
+    fake.down = False
+    wait_for(lambda: fenced)
+    time.sleep(0.5)
+    assert fenced == [fence] and "xadd" not in fake.calls and fake.calls[0] == "get"
+    rep.close(timeout_s=0.5)
+
+
+def test_after_a_partition_the_fence_is_read_before_any_flush(monkeypatch):
+    fake = _PartitionedRedis(None)  # not fenced: the samples go out, but only after the key was read
+    rep, fenced = _partitioned_reporter(monkeypatch, fake)
+    for step in range(1, 50):
+        rep.metric(sample(step))
+    wait_for(lambda: rep.failures >= 2)
+    fake.down = False
+    wait_for(lambda: "xadd" in fake.calls)
+    assert fake.calls[0] == "get" and not fenced
+    assert rep.close(timeout_s=2)
+
+
+def test_an_ordinary_preemption_request_is_not_a_fence():
+    from trainyard.sdk.reporter import _is_fence
+
+    assert _is_fence(b'{"reason": "node_lost:b", "grace_s": 0, "fenced": true}')
+    assert not _is_fence(b'{"reason": "preempt", "grace_s": 60}')
+    assert not _is_fence(b'{"reason": "preempt", "grace_s": 60, "fenced": "yes"}')
+    assert not _is_fence(b"{}") and not _is_fence(b"\xff") and not _is_fence(b"[1]")

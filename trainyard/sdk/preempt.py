@@ -11,4 +11,8 @@ the grace period, the control plane stops them.
 from __future__ import annotations
 
 PREEMPTED_EXIT_CODE = 83  # distinct from errors (1), signals (128+n) and torchrun's own codes
+# A fenced attempt (the request's `fenced`: written off with a lost node, the job restarted
+# elsewhere) exits with this at once, from the reporter thread, without a checkpoint: whatever
+# it would still write is stale (reporter.py).
+FENCED_EXIT_CODE = 84
 POLL_S = 0.5  # a preemption request is seen within half a second plus one step

@@ -50,6 +50,7 @@ IDLE_WAKE_S = 1.0  # the flush thread re-checks its state at least this often wh
 CHUNK_ENTRIES = 5_000  # buffered items per round trip, so one write fits the socket timeout
 BACKOFF_MAX_S = 2.0
 
+from .preempt import FENCED_EXIT_CODE  # noqa: E402
 from .preempt import POLL_S as PREEMPT_POLL_S  # noqa: E402
 METRIC, EVENT = "metrics", "event"
 _WAKE = ("wake", None)  # put by close(): the flush thread stops waiting for samples
@@ -59,6 +60,15 @@ try:  # ~10x faster than json for float-heavy samples (1 us vs 10 us a sample); 
     import orjson
 except ImportError:  # pragma: no cover - orjson is pinned in requirements.lock
     orjson = None
+
+
+def _is_fence(raw: bytes) -> bool:
+    """Whether a preemption key's value (trainyard.launch.PreemptRequest as JSON) is a fence."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(value, dict) and value.get("fenced") is True
 
 
 def _dumps(obj: Any) -> str | bytes:
@@ -118,6 +128,9 @@ class Reporter:
         self.preempt_requested = threading.Event()
         self._preempt_key = preempt_key
         self._next_preempt_poll = 0.0
+        # After Redis was unreachable nothing is flushed until the preemption key has been read
+        # again: a partitioned attempt may have been fenced meanwhile (_poll_preempt).
+        self._fence_unknown = False
         self._thread = threading.Thread(target=self._run, name="trainyard-reporter", daemon=True)
         self._thread.start()
 
@@ -165,9 +178,14 @@ class Reporter:
             self._poll_preempt()
             last_flush = time.monotonic()
             try:
+                if self._fence_unknown:
+                    raise redis.ConnectionError("the preemption key could not be read since Redis came back")
                 self._flush()
                 backoff = 0.0
             except redis.RedisError as e:
+                if self._preempt_key is not None:
+                    self._fence_unknown = True
+                    self._next_preempt_poll = 0.0  # read the fence first, the moment Redis answers
                 self.failures += 1
                 if self.failures == 1 or self.failures % 50 == 0:
                     log.warning("telemetry: redis unavailable (%s); buffering %d entries",
@@ -180,14 +198,34 @@ class Reporter:
                 backoff = min(backoff, max(0.0, self._deadline - time.monotonic()))
 
     def _poll_preempt(self) -> None:
-        if self._preempt_key is None or self.preempt_requested.is_set() or time.monotonic() < self._next_preempt_poll:
+        if self._preempt_key is None or time.monotonic() < self._next_preempt_poll:
+            return
+        if self.preempt_requested.is_set() and not self._fence_unknown:
             return
         self._next_preempt_poll = time.monotonic() + PREEMPT_POLL_S
         try:
-            if self._client.exists(self._preempt_key):
-                self.preempt_requested.set()
+            raw = self._client.get(self._preempt_key)
         except redis.RedisError:
-            pass  # Redis away: the control plane's grace period still ends the attempt
+            return  # Redis away: the control plane's grace period still ends the attempt
+        self._fence_unknown = False
+        if raw is None:
+            return
+        if _is_fence(raw):
+            self._fenced(raw)
+        self.preempt_requested.set()
+
+    def _fenced(self, raw: bytes) -> None:
+        """The control plane wrote this attempt off (its node was lost) and the job runs on
+        elsewhere: exit now, from this thread, so the training thread takes no further step and
+        saves no checkpoint, and drop what is buffered (stale telemetry). Fencing, not cleanup."""
+        self._buf.clear()
+        msg = (f"trainyard: attempt {self.attempt} was fenced by the control plane ({raw[:200]!r}): its node "
+               f"was written off and the job continues elsewhere; exiting now without a checkpoint "
+               f"(exit code {FENCED_EXIT_CODE})\n")
+        try:
+            os.write(2, msg.encode())
+        finally:
+            os._exit(FENCED_EXIT_CODE)
 
     def _wait_for_work(self) -> bool:
         """Block until something is queued (or close() was called); True once stopping."""
