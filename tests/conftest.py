@@ -45,10 +45,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real redis-server (AOF on) in its own directory; stop()/start() keep port and data."""
 
-    def __init__(self, workdir: Path, port: int | None = None, acl_nodes: list[str] | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, acl_nodes: list[str] | None = None,
+                 host: str = "127.0.0.1", prefix: list[str] | None = None):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # host: the address it listens on (and clients use); prefix: argv it runs under, e.g.
+        # `ip netns exec NS` for a server on a test host of its own (tests/integration/hosts.py).
+        self.host = host
+        self.prefix = list(prefix or [])
         self.proc: subprocess.Popen | None = None
         # With acl_nodes: make run's ACL users (trainyard/redis_acl.py), the default user off; `url`
         # is then the control plane's and `user_url(node)` a node's.
@@ -62,7 +67,7 @@ class RedisServer:
         from trainyard import redis_acl
 
         password = redis_acl.password_path(self.dir, user).read_text().strip()
-        return redis_acl.url_for(f"redis://127.0.0.1:{self.port}/0", user, password)
+        return redis_acl.url_for(f"redis://{self.host}:{self.port}/0", user, password)
 
     @property
     def url(self) -> str:
@@ -70,14 +75,14 @@ class RedisServer:
             from trainyard import redis_acl
 
             return self.user_url(redis_acl.CONTROL_USER)
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not installed: run `make deps` (installs Debian's redis-server)")
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            [*self.prefix, exe, "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
              "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
              "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
              *(["--aclfile", str(self.acl)] if self.acl is not None else [])],
@@ -86,7 +91,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, with ACL users
                         return self

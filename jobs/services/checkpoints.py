@@ -163,8 +163,11 @@ def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
     if attempt.fenced_step is not None and step > attempt.fenced_step:
         # Saved behind a partition after the attempt was written off (jobs/services/nodes.py,
         # attempt_fence): the job went on elsewhere from an earlier step; never a resume point.
-        log.warning("refusing checkpoint %s of attempt %s: step %s is after its fence at step %s",
+        log.warning("refusing checkpoint %s of attempt %s: step %s is after its fence at step %s; deleting it",
                     path, attempt_id, step, attempt.fenced_step)
+        # checkpoint_verify placed it inside this job's directory, complete and of this attempt:
+        # nothing else will ever register it, and retention only sees registered checkpoints.
+        transaction.on_commit(partial(_delete_checkpoint_files, str(path)))
         return None
     with transaction.atomic():
         existing = Checkpoint.objects.filter(job=job, path=str(path)).first()

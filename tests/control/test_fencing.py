@@ -4,6 +4,7 @@ for the ranks (dispatch.fence; trainyard/sdk/reporter.py exits on it), the relay
 later samples, and checkpoint_register (reports and the on-disk reconcile alike) refuses its later
 checkpoints, so neither a step trained twice nor a stale resume point enters the job's line."""
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -44,13 +45,16 @@ def test_a_lost_nodes_attempt_is_fenced_at_its_last_accepted_step(user, nodes, s
     assert MetricSample.objects.filter(attempt=attempt).order_by("-step").first().step == 12
     assert Job.objects.get(pk=job.pk).step == 12
     assert Attempt.objects.get(pk=attempt.pk).last_step == 12
+    stale = [write_ckpt(ckpt_root, job, attempt, 20), write_ckpt(ckpt_root, job, attempt, 30)]
     with django_capture_on_commit_callbacks(execute=True):
         services.telemetry_ingest([], events=[{"kind": "checkpoint", "rank": 0, "attempt": attempt.pk, "step": 20,
-                                               "path": str(write_ckpt(ckpt_root, job, attempt, 20)),
-                                               "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}])
-        write_ckpt(ckpt_root, job, attempt, 30)
+                                               "path": str(stale[0]), "size_bytes": 100, "blocking_s": 0.01,
+                                               "save_s": 0.2}])
+    with django_capture_on_commit_callbacks(execute=True):
         assert services.checkpoints_reconcile(job) == 0
     assert list(Checkpoint.objects.filter(job=job).values_list("step", flat=True)) == [10]
+    assert not any(d.exists() for d in stale)  # refused and deleted: no stale resume point on disk either
+    assert Path(good.path).is_dir()  # the checkpoint before the fence is kept
     assert Checkpoint.objects.get(job=job).pk == good.pk
 
     # Fencing is once: a second write-off (the other node lost too) keeps the first fence.

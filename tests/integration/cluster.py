@@ -46,6 +46,8 @@ class Cluster:
         self.dir = Path(workdir)
         self.slots = slots
         self.web_workers = web_workers
+        self.host = "127.0.0.1"  # where the web server listens (tests/integration/test_multihost.py: a test host)
+        self.node_addresses = {"node-a": "127.0.0.1", "node-b": "127.0.0.2"}
         # Redis with make run's ACL users: the control plane's processes use self.redis.url, each agent its own.
         self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"])
         self.port = free_port()
@@ -68,17 +70,15 @@ class Cluster:
         agent = [PY, "-m", "workers.agent", "--slots", str(self.slots), "--labels", "rack=r1"]
         return {
             # as make run starts it: controlplane.serve's daphne worker(s) on one socket
-            "web": [PY, "-m", "controlplane.serve", "--workers", str(self.web_workers), "-b", "127.0.0.1",
+            "web": [PY, "-m", "controlplane.serve", "--workers", str(self.web_workers), "-b", self.host,
                     "-p", str(self.port)],
             "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "-n", "control@%h",
                         "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
             "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
                      "-s", str(self.dir / "celerybeat-schedule")],
             "relay": [PY, "manage.py", "relay"],
-            "node-a": agent + ["--name", "node-a", "--address", "127.0.0.1", "--credential-file",
-                               str(self.dir / "credentials" / "node-a")],
-            "node-b": agent + ["--name", "node-b", "--address", "127.0.0.2", "--credential-file",
-                               str(self.dir / "credentials" / "node-b")],
+            **{name: agent + ["--name", name, "--address", addr, "--credential-file",
+                              str(self.dir / "credentials" / name)] for name, addr in self.node_addresses.items()},
         }
 
     def start_proc(self, name: str) -> subprocess.Popen:
@@ -113,7 +113,7 @@ class Cluster:
         node_add writes each credential 0600 under credentials/."""
         register = [["node_add", name, "--address", addr, "--slots", str(self.slots), "--labels", "rack=r1",
                      "--credential-out", str(self.dir / "credentials" / name)]
-                    for name, addr in (("node-a", "127.0.0.1"), ("node-b", "127.0.0.2"))]
+                    for name, addr in self.node_addresses.items()]
         for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], *register):
             subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
 
@@ -151,7 +151,7 @@ class Cluster:
     # ------------------------------------------------------------ HTTP
     def request(self, method: str, path: str, body=None, token: str | None = None) -> tuple[int, dict | list]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method, headers={
+        req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", data=data, method=method, headers={
             "Authorization": f"Token {token or self.token}", "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
