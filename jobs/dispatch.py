@@ -16,19 +16,39 @@ from .celery_app import app
 log = logging.getLogger(__name__)
 
 
+def sealed(node: str, task: str, body: dict) -> dict:
+    """A command for `node`, sealed with its credential (trainyard.nodeauth: HMAC of the master key
+    and the node's salt, so the database alone signs nothing): the agent runs only what verifies.
+    A node without a credential (never registered) gets an unsigned envelope, which it refuses."""
+    import time
+
+    from django.conf import settings
+
+    from trainyard import nodeauth
+
+    from .models import Node
+
+    salt = Node.objects.filter(name=node).values_list("credential_salt", flat=True).first()
+    credential = (nodeauth.derive_credential(settings.TRAINYARD_NODE_KEY.encode(), node, salt)
+                  if salt else None)
+    return nodeauth.seal(credential, node, task, body, time.time())
+
+
 def send_launch(node: str, payload: dict) -> None:
-    """Send a Launch message's JSON (built by the services) to the node's queue."""
-    app.send_task(NODE_LAUNCH_TASK, args=[payload], queue=node_queue(node))
+    """Send a Launch message's JSON (built by the services) to the node's queue, sealed."""
+    app.send_task(NODE_LAUNCH_TASK, args=[sealed(node, NODE_LAUNCH_TASK, payload)], queue=node_queue(node))
 
 
 def send_stop(node: str, job_id: int, attempt_id: int, reason: str) -> None:
     stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
-    app.send_task(NODE_STOP_TASK, args=stop.args(), queue=node_queue(node))
+    app.send_task(NODE_STOP_TASK, args=[sealed(node, NODE_STOP_TASK, stop.model_dump(mode="json"))],
+                  queue=node_queue(node))
 
 
 def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
     req = CalibrateRequest(quick=quick, requested_by=requested_by)
-    app.send_task(NODE_CALIBRATE_TASK, args=[req.model_dump(mode="json")], queue=node_queue(node))
+    app.send_task(NODE_CALIBRATE_TASK, args=[sealed(node, NODE_CALIBRATE_TASK, req.model_dump(mode="json"))],
+                  queue=node_queue(node))
 
 
 def request_tick() -> None:

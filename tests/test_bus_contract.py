@@ -61,7 +61,8 @@ def test_heartbeat_ranks_and_stop():
                          "agent_id", "attempts"}
     rank = {"rank": 1, "local_rank": 0, "pid": 4243, "node": "node-b"}
     assert RankInfo.model_validate(rank).model_dump(mode="json") == rank
-    assert Stop(job_id=0, attempt_id=9, reason="orphan").args() == [0, 9, "orphan"]
+    stop = {"job_id": 0, "attempt_id": 9, "reason": "orphan"}
+    assert Stop.model_validate(stop).model_dump(mode="json") == stop  # NODE_STOP_TASK's body, sealed
 
 
 def test_keys_keep_their_values():

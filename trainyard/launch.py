@@ -6,8 +6,8 @@ message has optional parts, so the JSON carries exactly the keys the sender set)
 validates what arrives with the same model instead of reading dict keys. The JSON is the wire
 format of the tasks below and did not change when these models were introduced.
 
-    control plane --node.<name>--> agent     NODE_LAUNCH_TASK(Launch)   NODE_STOP_TASK(*Stop.args())
-                                             NODE_CALIBRATE_TASK(CalibrateRequest)  a staff request
+    control plane --node.<name>--> agent     NODE_LAUNCH_TASK(Signed(Launch))   NODE_STOP_TASK(Signed(Stop))
+                                             NODE_CALIBRATE_TASK(Signed(CalibrateRequest))  a staff request
     agent --control--> control plane         HEARTBEAT_TASK(Signed(Heartbeat))  every 2 s
                                              RANKS_TASK(Signed(RanksReport))  all ranks up
                                              NODE_EXIT_TASK(Signed(ExitReport))  once per node
@@ -17,6 +17,10 @@ format of the tasks below and did not change when these models were introduced.
 Every report up the control queue is one `Signed` envelope (trainyard.nodeauth): the node's
 name and an HMAC over the task name and body with the node's credential; the control plane
 applies it only if the signature is the registered node's and the node owns what it reports on.
+Every command down a node's queue is one too, sealed by the control plane with that node's
+credential (which it derives from its master key and the node's salt): the agent runs only a
+command for its own name, under the task it arrived as, signed with its credential and at most
+COMMAND_MAX_AGE_S old, so nothing else that can write to its queue commands it.
 
 Task names and queues (`trainyard.keys.CONTROL_QUEUE`, `node_queue`) are the only other thing
 both sides must agree on; each side sends by name, so neither imports the other's tasks.
@@ -32,9 +36,12 @@ from .keys import CONTROL_QUEUE
 # ---------------------------------------------------------------- Celery task names
 
 NODE_LAUNCH_TASK = "workers.tasks.node_launch"
+# A command older than this is refused by the agent (launches wait in a node's queue while its
+# agent restarts, so this is generous; clocks of the hosts may differ by a few seconds).
+COMMAND_MAX_AGE_S = 3600.0
 """Node queue: start this node's share of an attempt (args: [Launch])."""
 NODE_STOP_TASK = "workers.tasks.node_stop"
-"""Node queue: stop an attempt's processes on this node (args: Stop.args())."""
+"""Node queue: stop an attempt's processes on this node (args: [Signed(Stop)])."""
 
 SCHEDULE_TICK_TASK = "jobs.tasks.schedule_tick"
 """Control queue: one scheduling pass (beat every 2 s, and on submit and attempt end)."""
@@ -123,9 +130,6 @@ class Stop(_Message):
     attempt_id: int
     reason: str
 
-    def args(self) -> list:
-        """The task's positional arguments: NODE_STOP_TASK takes (job_id, attempt_id, reason)."""
-        return [self.job_id, self.attempt_id, self.reason]
 
 
 class PreemptRequest(_Message):

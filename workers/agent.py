@@ -22,8 +22,8 @@ import redis
 from trainyard import keys, nodeauth
 from trainyard.private import private_dir, tighten
 from trainyard.keys import CONTROL_QUEUE, node_queue
-from trainyard.launch import (HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, ExitReport, Heartbeat, Launch, NodeExit,
-                              RankFailure, RankInfo, RanksReport)
+from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, ExitReport, Heartbeat,
+                              Launch, NodeExit, RankFailure, RankInfo, RanksReport)
 
 from .celery_app import REDIS_URL, app
 from .launch_spec import InterfaceError
@@ -68,6 +68,7 @@ class Agent:
                  gpus: GpuMonitor | None = None, credential: str | None = None):
         self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
         self.credential = credential  # None: unregistered, its heartbeats are a join request
+        self.refused_commands = 0
         self.gpus = gpus
         self.run_base = run_base
         # 0700, tightened if older: run dirs hold config.json with the Redis URL and its password.
@@ -86,6 +87,28 @@ class Agent:
         """Send a report to the control queue, signed with this node's credential."""
         envelope = nodeauth.seal(self.credential, self.name, task, body, time.time())
         app.send_task(task, args=[envelope], queue=CONTROL_QUEUE, **options)
+
+    def command_open(self, envelope: object, task: str) -> dict | None:
+        """The body of a command from the control plane, or None: a command runs only if it names
+        this node and the task it arrived as, carries this node's signature (the control plane
+        seals with the node's credential, jobs.dispatch.sealed) and is at most COMMAND_MAX_AGE_S
+        old. Anything else that could write to this node's queue is refused, and logged."""
+        why = ""
+        env = envelope if isinstance(envelope, dict) else {}
+        ts = env.get("ts")
+        if self.credential is None:
+            why = "this agent has no credential to check it with (--credential-file)"
+        elif env.get("node") != self.name or env.get("task") != task:
+            why = f"it is addressed to {str(env.get('node'))[:64]!r} as {str(env.get('task'))[:100]!r}"
+        elif not isinstance(env.get("body"), dict) or not nodeauth.signature_ok(self.credential, env):
+            why = "its signature is not this node's credential's"
+        elif not isinstance(ts, (int, float)) or abs(time.time() - ts) > COMMAND_MAX_AGE_S:
+            why = f"it is not recent (ts {ts!r}; at most {COMMAND_MAX_AGE_S:.0f} s)"
+        if why:
+            self.refused_commands += 1
+            log.warning("refused a %s command: %s", task.rsplit(".", 1)[-1], why)
+            return None
+        return env["body"]
 
     def _lock(self, attempt_id: int) -> threading.Lock:
         with self._registry_lock:

@@ -14,23 +14,30 @@ from .celery_app import app
 # process by default), so each side serves exactly its own queue's tasks even when both load.
 
 
+# Every command is a Signed envelope sealed by the control plane with this node's credential
+# (jobs.dispatch.sealed); Agent.command_open returns its body, or None (refused and logged).
+
+
 @app.task(name=NODE_LAUNCH_TASK, shared=False, time_limit=180, acks_late=False)
-def node_launch(payload: dict) -> bool:
+def node_launch(envelope: dict) -> bool:
     from . import agent
 
-    return agent.AGENT.launch(Launch.model_validate(payload))
+    payload = agent.AGENT.command_open(envelope, NODE_LAUNCH_TASK)
+    return payload is not None and agent.AGENT.launch(Launch.model_validate(payload))
 
 
 @app.task(name=NODE_STOP_TASK, shared=False, time_limit=60, acks_late=False)
-def node_stop(job_id: int, attempt_id: int, reason: str) -> None:
+def node_stop(envelope: dict) -> None:
     from . import agent
 
-    stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
-    agent.AGENT.stop(stop.attempt_id, stop.reason)
+    body = agent.AGENT.command_open(envelope, NODE_STOP_TASK)
+    if body is not None:
+        stop = Stop.model_validate(body)
+        agent.AGENT.stop(stop.attempt_id, stop.reason)
 
 
 @app.task(name=NODE_CALIBRATE_TASK, shared=False, time_limit=HARNESS_TIMEOUT_S[False] + 120, acks_late=False)
-def node_calibrate(payload: dict) -> bool:
+def node_calibrate(envelope: dict) -> bool:
     """Run the calibration harness on this node (a subprocess with a timeout, in a worker thread:
     launches and stops keep being served) and report its document, or its failure, to the
     control queue. True when measurements were sent."""
@@ -40,8 +47,11 @@ def node_calibrate(payload: dict) -> bool:
 
     from . import agent
 
+    payload = agent.AGENT.command_open(envelope, NODE_CALIBRATE_TASK)
+    if payload is None:
+        return False
     req = CalibrateRequest.model_validate(payload)
-    node = agent.AGENT.name if agent.AGENT is not None else "unknown"
+    node = agent.AGENT.name
     t0 = time.monotonic()
     report = CalibrationReport(node=node, requested_by=req.requested_by)
     try:

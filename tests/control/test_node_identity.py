@@ -177,3 +177,23 @@ def test_the_nodes_page_shows_join_requests_to_staff_only(sent, staff, user, cli
     client.force_login(staff)
     page = client.get("/nodes/").content.decode()
     assert 'id="join-requests"' in page and "gpu-9" in page and "10.0.0.9" in page
+
+
+def test_commands_down_a_nodes_queue_are_sealed_with_its_credential(nodes, monkeypatch):
+    """The control plane signs Launch, Stop and calibration requests with the node's credential,
+    derived from its master key and the node's salt (the database keeps no credential)."""
+    from jobs import dispatch
+    from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK
+
+    monkeypatch.undo()  # the real send_stop, with Celery's send_task recorded instead of sent
+    out = []
+    monkeypatch.setattr(dispatch.app, "send_task", lambda task, args, queue, **kw: out.append((task, args, queue)))
+    dispatch.send_stop("node-a", 3, 7, "cancel")
+    task, (envelope,), queue = out[0]
+    assert (task, queue, envelope["node"], envelope["task"]) == (NODE_STOP_TASK, "node.node-a", "node-a", NODE_STOP_TASK)
+    assert envelope["body"] == {"job_id": 3, "attempt_id": 7, "reason": "cancel"}
+    assert nodeauth.signature_ok(credential("node-a"), envelope)
+    assert not nodeauth.signature_ok(credential("node-b"), envelope)
+    launch = dispatch.sealed("node-b", NODE_LAUNCH_TASK, {"attempt_id": 1})
+    assert nodeauth.signature_ok(credential("node-b"), launch) and abs(launch["ts"] - time.time()) < 5
+    assert dispatch.sealed("never-registered", NODE_LAUNCH_TASK, {})["sig"] == ""

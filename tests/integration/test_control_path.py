@@ -11,6 +11,9 @@ import psutil
 import pytest
 from celery import Celery
 
+from trainyard import nodeauth
+from trainyard.launch import NODE_LAUNCH_TASK
+
 from .cluster import attempt_processes
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
@@ -77,13 +80,17 @@ def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
                "nproc": 1, "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": addr,
                "stream": f"trainyard:job:{job['id']}", "spec": spec}
         for rank, (name, addr) in enumerate((("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")))}
+    def sealed(name: str) -> dict:  # as the control plane seals a command (jobs.dispatch.sealed)
+        credential = (cluster.dir / "credentials" / name).read_text().strip()
+        return nodeauth.seal(credential, name, NODE_LAUNCH_TASK, payloads[name], time.time())
+
     for _ in range(2):  # the same launch message delivered twice to each agent
-        for name, payload in payloads.items():
-            app.send_task("workers.tasks.node_launch", args=[payload], queue=f"node.{name}")
+        for name in payloads:
+            app.send_task(NODE_LAUNCH_TASK, args=[sealed(name)], queue=f"node.{name}")
     # node-b's agent crashes and comes back; the launch is delivered once more after the restart
     cluster.kill_proc("node-b")
     cluster.start_proc("node-b")
-    app.send_task("workers.tasks.node_launch", args=[payloads["node-b"]], queue="node.node-b")
+    app.send_task(NODE_LAUNCH_TASK, args=[sealed("node-b")], queue="node.node-b")
     deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         seen |= torchruns()

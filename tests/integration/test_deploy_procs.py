@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from tests.conftest import REPO, free_port
+from trainyard import nodeauth
 from trainyard.launch import CELERY_SETTINGS, NODE_EXIT_TASK, NODE_STOP_TASK
 
 pytestmark = pytest.mark.procs
@@ -142,8 +143,12 @@ def test_node_user_runs_a_real_agent_and_reaches_nothing_else(acl_redis, tmp_pat
     url, admin = acl_redis
     env = dict(repo_env, REDIS_URL=url.format(user="gpu-1", pw=PASSWORDS["gpu-1"]),
                TRAINYARD_VAR_DIR=str(tmp_path / "var"))
+    credential = tmp_path / "gpu-1.credential"  # as node_add --credential-out writes it
+    credential.write_text("test-credential-of-gpu-1\n")
+    credential.chmod(0o600)
     agent = subprocess.Popen([sys.executable, "-m", "workers.agent", "--name", "gpu-1", "--address", "127.0.0.1",
-                              "--slots", "1", "--run-dir", str(tmp_path / "agents")], cwd=REPO, env=env,
+                              "--slots", "1", "--run-dir", str(tmp_path / "agents"),
+                              "--credential-file", str(credential)], cwd=REPO, env=env,
                              stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT)
     try:
         from celery import Celery
@@ -152,8 +157,12 @@ def test_node_user_runs_a_real_agent_and_reaches_nothing_else(acl_redis, tmp_pat
         control.conf.update(CELERY_SETTINGS)
         log = tmp_path / "agent.log"
         wait_for(lambda: admin.exists("_kombu.binding.node.gpu-1"), 30, "the agent to consume node.gpu-1", log)
-        control.send_task(NODE_STOP_TASK, args=[1, 77, "cancel"], queue="node.gpu-1")
-        control.send_task(NODE_STOP_TASK, args=[2, 78, "cancel"], queue="node.gpu-2")
+        stop = {"job_id": 1, "attempt_id": 77, "reason": "cancel"}
+        control.send_task(NODE_STOP_TASK, args=[nodeauth.seal("test-credential-of-gpu-1", "gpu-1", NODE_STOP_TASK,
+                                                               stop, time.time())], queue="node.gpu-1")
+        control.send_task(NODE_STOP_TASK, args=[nodeauth.seal("other", "gpu-2", NODE_STOP_TASK,
+                                                               {**stop, "attempt_id": 78}, time.time())],
+                          queue="node.gpu-2")
         # the agent received its stop and reported to the control queue; heartbeats got there too
         wait_for(lambda: NODE_EXIT_TASK in control_tasks(admin), 30, "the agent's exit report", log)
         assert "jobs.tasks.node_heartbeat" in control_tasks(admin)
