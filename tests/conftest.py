@@ -46,10 +46,13 @@ class RedisServer:
     """A real redis-server (AOF on) in its own directory; stop()/start() keep port and data."""
 
     def __init__(self, workdir: Path, port: int | None = None, acl_nodes: list[str] | None = None,
-                 host: str = "127.0.0.1", prefix: list[str] | None = None):
+                 host: str = "127.0.0.1", prefix: list[str] | None = None, tls: bool = False):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
+        # tls: no plaintext port; TLS on `port` with a certificate for `host` from a CA made here
+        # (make_test_ca), and rediss:// URLs that verify it, as docs/deploy.md configures Redis.
+        self.ca = make_test_ca(self.dir / "tls", host) if tls else None
         # host: the address it listens on (and clients use); prefix: argv it runs under, e.g.
         # `ip netns exec NS` for a server on a test host of its own (tests/integration/hosts.py).
         self.host = host
@@ -67,7 +70,13 @@ class RedisServer:
         from trainyard import redis_acl
 
         password = redis_acl.password_path(self.dir, user).read_text().strip()
-        return redis_acl.url_for(f"redis://{self.host}:{self.port}/0", user, password)
+        return redis_acl.url_for(self.base_url, user, password)
+
+    @property
+    def base_url(self) -> str:
+        if self.ca is None:
+            return f"redis://{self.host}:{self.port}/0"
+        return f"rediss://{self.host}:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.ca['ca']}"
 
     @property
     def url(self) -> str:
@@ -75,14 +84,14 @@ class RedisServer:
             from trainyard import redis_acl
 
             return self.user_url(redis_acl.CONTROL_USER)
-        return f"redis://{self.host}:{self.port}/0"
+        return self.base_url
 
     def start(self, timeout_s: float = 10.0) -> "RedisServer":
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not installed: run `make deps` (installs Debian's redis-server)")
         self.proc = subprocess.Popen(
-            [*self.prefix, exe, "--port", str(self.port), "--bind", self.host, "--dir", str(self.dir),
+            [*self.prefix, exe, *self._listen(), "--bind", self.host, "--dir", str(self.dir),
              "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
              "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
              *(["--aclfile", str(self.acl)] if self.acl is not None else [])],
@@ -91,7 +100,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                with self._probe() as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, with ACL users
                         return self
@@ -99,6 +108,20 @@ class RedisServer:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def _listen(self) -> list[str]:
+        if self.ca is None:
+            return ["--port", str(self.port)]
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.ca["cert"],
+                "--tls-key-file", self.ca["key"], "--tls-ca-cert-file", self.ca["ca"], "--tls-auth-clients", "no"]
+
+    def _probe(self):
+        sock = socket.create_connection((self.host, self.port), timeout=0.2)
+        if self.ca is None:
+            return sock
+        import ssl
+
+        return ssl.create_default_context(cafile=self.ca["ca"]).wrap_socket(sock, server_hostname=self.host)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -109,6 +132,27 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def make_test_ca(directory: Path, host: str) -> dict[str, str]:
+    """A throwaway CA and a server certificate for `host` (an IP address) signed by it, made with
+    the openssl command (argument lists, no shell); returns the paths of ca, cert and key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    p = {k: str(directory / f"{k}.pem") for k in ("ca", "ca_key", "cert", "key", "csr")}
+    ext = directory / "ext.cnf"
+    ext.write_text(f"subjectAltName=IP:{host}\n")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", p["ca_key"], "-out", p["ca"], "-days", "2",
+            "-subj", "/CN=trainyard-test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", p["key"], "-out", p["csr"], "-subj", f"/CN={host}")
+    openssl("x509", "-req", "-in", p["csr"], "-CA", p["ca"], "-CAkey", p["ca_key"], "-CAcreateserial",
+            "-out", p["cert"], "-days", "2", "-extfile", str(ext))
+    for k in ("ca_key", "key"):
+        os.chmod(p[k], 0o600)
+    return p
 
 
 @pytest.fixture

@@ -42,14 +42,14 @@ def start_daphne(env: dict, workdir: Path, probe: str = "/accounts/login/") -> t
 
 
 class Cluster:
-    def __init__(self, workdir: Path, *, slots: int = 2, web_workers: int = 1):
+    def __init__(self, workdir: Path, *, slots: int = 2, web_workers: int = 1, redis_tls: bool = False):
         self.dir = Path(workdir)
         self.slots = slots
         self.web_workers = web_workers
         self.host = "127.0.0.1"  # where the web server listens (tests/integration/test_multihost.py: a test host)
         self.node_addresses = {"node-a": "127.0.0.1", "node-b": "127.0.0.2"}
         # Redis with make run's ACL users: the control plane's processes use self.redis.url, each agent its own.
-        self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"])
+        self.redis = RedisServer(self.dir / "redis", acl_nodes=["node-a", "node-b"], tls=redis_tls)
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ)

@@ -31,6 +31,50 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
+def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes that still run (a zombie waits for its parent to reap it: it runs nothing)."""
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def restarted_elsewhere(cluster, job_id: int, node: str, timeout_s: float) -> tuple[dict, int]:
+    """The job's second attempt, running on another node from a checkpoint at or before the first
+    attempt's fence step; and that step."""
+    job = cluster.wait_for(lambda: (j := cluster.job(job_id))["status"] == "RUNNING" and len(j["attempts"]) == 2
+                           and j["attempts"][-1]["ranks"] and j, timeout_s, "the restart on the other node")
+    fenced_step = next(e for e in cluster.get(f"/api/v1/jobs/{job_id}/events/?page_size=500")["results"]
+                       if e["kind"] == "fenced")["data"]["step"]
+    second = job["attempts"][-1]
+    assert second["ranks"][0]["node"] != node
+    assert second["resumed_from_step"] is not None and second["resumed_from_step"] <= fenced_step
+    return second, fenced_step
+
+
+def assert_nothing_after_the_fence_and_cancel(cluster, job_id: int, attempt_id: int, fenced_step: int) -> None:
+    """No sample and no checkpoint of the fenced attempt after its fence step is in the job, which
+    still runs its second attempt; then cancel it."""
+    cluster.wait_for(lambda: cluster.job(job_id)["step"] > fenced_step + 5, 180, "the second attempt training on")
+    stale = [m for m in cluster.get(f"/api/v1/jobs/{job_id}/metrics/?attempt={attempt_id}&limit=10000")
+             if m["step"] > fenced_step]
+    assert stale == []
+    assert [c for c in checkpoints(cluster, job_id) if c["attempt"] == attempt_id and c["step"] > fenced_step] == []
+    job = cluster.job(job_id)
+    assert job["status"] == "RUNNING" and len(job["attempts"]) == 2, job
+    status, body = cluster.request("POST", f"/api/v1/jobs/{job_id}/cancel/")
+    assert status == 202, body
+    cluster.wait_status(job_id, {"CANCELLED"}, 120)
+
+
+def node_status(cluster, node: str) -> str:
+    return {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]}[node]
+
+
 def test_a_written_off_attempt_is_fenced_and_the_job_goes_on_elsewhere(cluster):
     job_id = cluster.submit(spec("fenced", 1_000_000, 5, resources={"nodes": 1, "procs_per_node": 1}))["id"]
     job = cluster.wait_running_ranks(job_id, 1)
@@ -43,43 +87,13 @@ def test_a_written_off_attempt_is_fenced_and_the_job_goes_on_elsewhere(cluster):
     agent = psutil.Process(cluster.procs[node].pid)
     agent.send_signal(signal.SIGSTOP)
     try:
-        cluster.wait_for(lambda: {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]}[node]
-                         == "LOST", 60, f"{node} written off")
-        # The ranks, still running and reaching Redis, read the fence and exit by themselves.
-        # (torchrun's wrapper stays a zombie until the frozen agent reaps it.)
-        def running(procs):
-            out = []
-            for p in procs:
-                try:
-                    if p.status() != psutil.STATUS_ZOMBIE:
-                        out.append(p)
-                except psutil.NoSuchProcess:
-                    pass
-            return out
+        cluster.wait_for(lambda: node_status(cluster, node) == "LOST", 60, f"{node} written off")
+        # The ranks, still running and reaching Redis, read the fence and exit by themselves
+        # (torchrun's wrapper stays a zombie until the frozen agent reaps it).
         cluster.wait_for(lambda: not running(attempt_processes(first["id"])), 30, "the fenced ranks to exit")
-        # The job runs again on the other node, from a checkpoint of the first attempt.
-        job = cluster.wait_for(lambda: (j := cluster.job(job_id))["status"] == "RUNNING" and len(j["attempts"]) == 2
-                               and j["attempts"][-1]["ranks"] and j, 120, "the restart on the other node")
-        second = job["attempts"][-1]
-        assert second["ranks"][0]["node"] != node
-        assert second["resumed_from_step"] is not None
-        fenced_step = next(e for e in cluster.get(f"/api/v1/jobs/{job_id}/events/?page_size=500")["results"]
-                           if e["kind"] == "fenced")["data"]["step"]
-        assert second["resumed_from_step"] <= fenced_step
+        _, fenced_step = restarted_elsewhere(cluster, job_id, node, 120)
         time.sleep(3)
     finally:
         agent.send_signal(signal.SIGCONT)
-    cluster.wait_for(lambda: {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]}[node]
-                     == "READY", 60, f"{node} back")
-    cluster.wait_for(lambda: cluster.job(job_id)["step"] > fenced_step + 5, 120, "the second attempt training on")
-
-    # Nothing of the first attempt after its fence step is in the job: no sample, no checkpoint.
-    stale = [m for m in cluster.get(f"/api/v1/jobs/{job_id}/metrics/?attempt={first['id']}&limit=10000")
-             if m["step"] > fenced_step]
-    assert stale == []
-    assert [c for c in checkpoints(cluster, job_id) if c["attempt"] == first["id"] and c["step"] > fenced_step] == []
-    job = cluster.job(job_id)
-    assert job["status"] == "RUNNING" and len(job["attempts"]) == 2, job
-    status, body = cluster.request("POST", f"/api/v1/jobs/{job_id}/cancel/")
-    assert status == 202, body
-    cluster.wait_status(job_id, {"CANCELLED"}, 120)
+    cluster.wait_for(lambda: node_status(cluster, node) == "READY", 60, f"{node} back")
+    assert_nothing_after_the_fence_and_cancel(cluster, job_id, first["id"], fenced_step)

@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from tests.conftest import REPO, RedisServer
@@ -28,6 +27,7 @@ from tests.conftest import REPO, RedisServer
 from . import hosts
 from .cluster import Cluster, attempt_processes
 from .test_chaos import checkpoints, spec
+from .test_fencing_procs import assert_nothing_after_the_fence_and_cancel, node_status, restarted_elsewhere, running
 
 ok, why = hosts.available()
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900),
@@ -159,17 +159,6 @@ def bad_signatures(cluster) -> float:
                       if line.startswith('trainyard_security_events_total{kind="bad_signature"}')))
 
 
-def running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_a_partitioned_nodes_attempt_is_fenced(cluster, net):
     job_id = cluster.submit(spec("partitioned", 1_000_000, 5, resources={"nodes": 1, "procs_per_node": 1}))["id"]
     job = cluster.wait_running_ranks(job_id, 1)
@@ -180,13 +169,8 @@ def test_a_partitioned_nodes_attempt_is_fenced(cluster, net):
     ckpt_dir = cluster.dir / "ckpt" / f"job-{job_id}"
     net.partition(PLACE[node])
     try:
-        cluster.wait_for(lambda: nodes(cluster)[node]["status"] == "LOST", 60, f"{node} written off")
-        events = cluster.get(f"/api/v1/jobs/{job_id}/events/?page_size=500")["results"]
-        fenced_step = next(e for e in events if e["kind"] == "fenced")["data"]["step"]
-        job = cluster.wait_for(lambda: (j := cluster.job(job_id))["status"] == "RUNNING" and len(j["attempts"]) == 2
-                               and j["attempts"][-1]["ranks"] and j, 180, "the restart on the other host")
-        second = job["attempts"][-1]
-        assert second["ranks"][0]["node"] != node and second["resumed_from_step"] <= fenced_step
+        cluster.wait_for(lambda: node_status(cluster, node) == "LOST", 60, f"{node} written off")
+        _, fenced_step = restarted_elsewhere(cluster, job_id, node, 180)
         # Behind the partition the stale rank trained on and kept checkpointing to the shared disk.
         cluster.wait_for(lambda: [d for d in ckpt_dir.glob(f"step-*-a{first['id']}")
                                   if int(d.name.split("-")[1]) > fenced_step], 120,
@@ -196,14 +180,5 @@ def test_a_partitioned_nodes_attempt_is_fenced(cluster, net):
         net.heal(PLACE[node])
     # Back on the network, the stale rank reads its fence first and exits; the node is READY again.
     cluster.wait_for(lambda: not running(attempt_processes(first["id"])), 120, "the fenced rank to exit")
-    cluster.wait_for(lambda: nodes(cluster)[node]["status"] == "READY", 120, f"{node} back")
-    cluster.wait_for(lambda: cluster.job(job_id)["step"] > fenced_step + 10, 180, "the job training on")
-    stale = [m for m in cluster.get(f"/api/v1/jobs/{job_id}/metrics/?attempt={first['id']}&limit=10000")
-             if m["step"] > fenced_step]
-    assert stale == []
-    assert [c for c in checkpoints(cluster, job_id) if c["attempt"] == first["id"] and c["step"] > fenced_step] == []
-    job = cluster.job(job_id)
-    assert job["status"] == "RUNNING" and len(job["attempts"]) == 2, job
-    status, body = cluster.request("POST", f"/api/v1/jobs/{job_id}/cancel/")
-    assert status == 202, body
-    cluster.wait_status(job_id, {"CANCELLED"}, 120)
+    cluster.wait_for(lambda: node_status(cluster, node) == "READY", 120, f"{node} back")
+    assert_nothing_after_the_fence_and_cancel(cluster, job_id, first["id"], fenced_step)
