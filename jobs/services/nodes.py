@@ -171,14 +171,17 @@ def attempt_fence(attempt: Attempt, node: str) -> None:
     transaction.on_commit(partial(dispatch.fence, attempt.pk, f"node_lost:{node}"))
 
 
-def control_plane_clock(now) -> ControlPlaneClock:
+def control_plane_clock() -> ControlPlaneClock:
     """Record this node check on the control plane's clock (call inside the check's transaction)
-    and return it. A gap over TRAINYARD_CONTROL_STALL_S since the previous check, or no previous
-    check, starts a new healthy stretch at `now`: while the worker, beat or database stalled,
-    heartbeats could not be applied, so that time counts against no node."""
+    and return it; its `last_check_at` is the check's "now", read once the clock's row is locked
+    (a wait on a locked database or on another check is part of the gap). A gap over
+    TRAINYARD_CONTROL_STALL_S since the previous check, or no previous check, starts a new healthy
+    stretch: while the worker, beat or database stalled, heartbeats could not be applied, so that
+    time counts against no node."""
     clock = ControlPlaneClock.objects.select_for_update().filter(pk=1).first()
     if clock is None:
         clock = ControlPlaneClock(pk=1)
+    now = timezone.now()
     gap = (now - clock.last_check_at).total_seconds() if clock.last_check_at else None
     if gap is None or gap > settings.TRAINYARD_CONTROL_STALL_S:
         clock.healthy_since = now
@@ -197,8 +200,8 @@ def nodes_check() -> list[str]:
     time the control plane was healthy (control_plane_clock)."""
     lost: list[str] = []
     with transaction.atomic():
-        now = timezone.now()  # after the transaction's lock: a wait on a locked database is a stall too
-        healthy_since = control_plane_clock(now).healthy_since
+        clock = control_plane_clock()
+        now, healthy_since = clock.last_check_at, clock.healthy_since
         # Silent for LOST_S of healthy time: its last heartbeat and the healthy stretch's start both
         # before the cutoff (after a stall every node has a whole LOST_S to be heard from again).
         cutoff = now - timedelta(seconds=settings.TRAINYARD_NODE_LOST_S)
