@@ -198,9 +198,9 @@ class Reporter:
                 backoff = min(backoff, max(0.0, self._deadline - time.monotonic()))
 
     def _poll_preempt(self) -> None:
+        # Polled on after a preemption request too: an attempt checkpointing its way out may still
+        # be fenced meanwhile (its node written off), and then it must not finish that checkpoint.
         if self._preempt_key is None or time.monotonic() < self._next_preempt_poll:
-            return
-        if self.preempt_requested.is_set() and not self._fence_unknown:
             return
         self._next_preempt_poll = time.monotonic() + PREEMPT_POLL_S
         try:
