@@ -17,6 +17,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -24,7 +25,7 @@ import pytest
 from tests.conftest import REPO
 
 from .cluster import PY, Cluster
-from .test_chaos import assert_each_step_once, spec
+from .test_chaos import assert_each_step_once, checkpoints, spec, wait_checkpoint
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]
 TTL_S = 2.0
@@ -133,3 +134,32 @@ def test_control_worker_killed_twice_while_a_job_trains(cluster):
     assert_only_restarted(cluster, before, {"control": 2})
     assert {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]} == {
         "node-a": "READY", "node-b": "READY"}
+
+
+def test_redis_sigkill_mid_run_loses_and_duplicates_nothing(cluster):
+    """Issue 16: Redis killed outright (no AOF rewrite, no clean exit) while a job trains, under
+    make run's supervisor. With appendfsync everysec Redis write()s its AOF before it answers a
+    client, so what it acknowledged survives the process (only a crash of the machine loses up to the
+    last second): the queued reports, the relay's consumer group and its pending entries come back.
+    The ranks buffer telemetry and checkpoint events meanwhile. Every step is stored once, every
+    checkpoint registered, one attempt.
+
+    The Celery control worker may die in kombu's reconnect while Redis is away (AttributeError in
+    kombu.transport.redis _connparams while restoring unacknowledged messages; kombu issues #582,
+    #970): seen once in three runs here. The supervisor restarts it, and the reports it had not
+    consumed wait in the control queue: nothing is lost, which is what this asserts; how often it
+    happened is not."""
+    steps = 200
+    job = cluster.submit(spec("redis-sigkill", steps, 10, max_restarts=0))
+    wait_checkpoint(cluster, job["id"], 10)
+    cluster.redis.proc.kill()  # SIGKILL
+    cluster.redis.proc.wait()
+    cluster.redis.proc = None
+    time.sleep(3.0)
+    cluster.redis.start()
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED" and len(done["attempts"]) == 1 and done["restarts"] == 0, done
+    cluster.wait_for(lambda: len(cluster.metrics(job["id"])) >= steps * 2, 60, "every metric")
+    assert_each_step_once(cluster, job["id"], steps)
+    registered = sorted(c["step"] for c in checkpoints(cluster, job["id"]))
+    assert registered == list(range(10, steps + 1, 10)), registered
