@@ -75,13 +75,17 @@ def node_status(cluster, node: str) -> str:
     return {n["name"]: n["status"] for n in cluster.get("/api/v1/nodes/")["results"]}[node]
 
 
-def test_a_written_off_attempt_is_fenced_and_the_job_goes_on_elsewhere(cluster):
-    job_id = cluster.submit(spec("fenced", 1_000_000, 5, resources={"nodes": 1, "procs_per_node": 1}))["id"]
-    job = cluster.wait_running_ranks(job_id, 1)
-    first = job["attempts"][-1]
-    node = first["ranks"][0]["node"]
+def training_with_a_checkpoint(cluster, name: str) -> tuple[int, dict, str]:
+    """A long 1-node job once its first attempt has a checkpoint: (job id, that attempt, its node)."""
+    job_id = cluster.submit(spec(name, 1_000_000, 5, resources={"nodes": 1, "procs_per_node": 1}))["id"]
+    first = cluster.wait_running_ranks(job_id, 1)["attempts"][-1]
     cluster.wait_for(lambda: any(c["attempt"] == first["id"] for c in checkpoints(cluster, job_id)), 180,
                      "a checkpoint of the first attempt")
+    return job_id, first, first["ranks"][0]["node"]
+
+
+def test_a_written_off_attempt_is_fenced_and_the_job_goes_on_elsewhere(cluster):
+    job_id, first, node = training_with_a_checkpoint(cluster, "fenced")
     assert attempt_processes(first["id"]), "the first attempt's processes"
 
     agent = psutil.Process(cluster.procs[node].pid)

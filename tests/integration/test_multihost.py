@@ -26,8 +26,9 @@ from tests.conftest import REPO, RedisServer
 
 from . import hosts
 from .cluster import Cluster, attempt_processes
-from .test_chaos import checkpoints, spec
-from .test_fencing_procs import assert_nothing_after_the_fence_and_cancel, node_status, restarted_elsewhere, running
+from .test_chaos import spec
+from .test_fencing_procs import (assert_nothing_after_the_fence_and_cancel, node_status, restarted_elsewhere,
+                                 running, training_with_a_checkpoint)
 
 ok, why = hosts.available()
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900),
@@ -160,12 +161,7 @@ def bad_signatures(cluster) -> float:
 
 
 def test_a_partitioned_nodes_attempt_is_fenced(cluster, net):
-    job_id = cluster.submit(spec("partitioned", 1_000_000, 5, resources={"nodes": 1, "procs_per_node": 1}))["id"]
-    job = cluster.wait_running_ranks(job_id, 1)
-    first = job["attempts"][-1]
-    node = first["ranks"][0]["node"]
-    cluster.wait_for(lambda: any(c["attempt"] == first["id"] for c in checkpoints(cluster, job_id)), 180,
-                     "a checkpoint of the first attempt")
+    job_id, first, node = training_with_a_checkpoint(cluster, "partitioned")
     ckpt_dir = cluster.dir / "ckpt" / f"job-{job_id}"
     net.partition(PLACE[node])
     try:
