@@ -78,6 +78,10 @@ CELERY_SETTINGS: dict[str, Any] = {
     "task_reject_on_worker_lost": True,
     "worker_prefetch_multiplier": 1,
     "broker_connection_retry_on_startup": True,
+    # kombu's Redis transport with the repairs a broker outage needs (trainyard.celery_redis):
+    # without them the control worker can die when Redis restarts, and the messages it held
+    # unacknowledged wait out the visibility timeout.
+    "broker_transport": "trainyard.celery_redis:Transport",
     "broker_transport_options": {"visibility_timeout": 3600},
     "worker_hijack_root_logger": False,
 }
