@@ -42,6 +42,7 @@ def start_daphne(env: dict, workdir: Path, probe: str = "/accounts/login/") -> t
 
 
 class Cluster:
+    _live: set["Cluster"] = set()  # started and not stopped: another cluster's stop leaves them alone
     def __init__(self, workdir: Path, *, slots: int = 2, web_workers: int = 1, redis_tls: bool = False):
         self.dir = Path(workdir)
         self.slots = slots
@@ -94,13 +95,12 @@ class Cluster:
         proc.wait(30)
 
     def start(self) -> "Cluster":
+        Cluster._live.add(self)
         self.redis.start()
         self.env["REDIS_URL"] = self.redis.url
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        self.prepare_database()
-        self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
-                                    capture_output=True, text=True).stdout.strip()
+        self.token = self.prepare_database()
         for name in self.commands():
             self.start_proc(name)
         self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
@@ -108,22 +108,25 @@ class Cluster:
                                if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
         return self
 
-    def prepare_database(self) -> None:
+    def prepare_database(self) -> str:
         """Migrate, the admin, and the two agents registered by staff like any node (issue 16):
-        node_add writes each credential 0600 under credentials/."""
-        register = [["node_add", name, "--address", addr, "--slots", str(self.slots), "--labels", "rack=r1",
-                     "--credential-out", str(self.dir / "credentials" / name)]
-                    for name, addr in self.node_addresses.items()]
-        for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], *register):
-            subprocess.run([PY, "manage.py", *args], cwd=REPO, env=self.env, check=True, capture_output=True)
+        node_add writes each credential 0600 under credentials/. Returns the admin's API token.
+        One process runs the management commands (tests/integration/prepare.py)."""
+        nodes = [f"{name}={addr}={self.dir / 'credentials' / name}" for name, addr in self.node_addresses.items()]
+        out = subprocess.run([PY, "-m", "tests.integration.prepare", *nodes, "--slots", str(self.slots)],
+                             cwd=REPO, env=self.env, check=True, capture_output=True, text=True)
+        return out.stdout.strip()
 
     def stop(self) -> None:
         for name in list(self.procs):
             proc = self.procs.pop(name)
             if proc.poll() is None:
                 proc.terminate()
+        Cluster._live.discard(self)
         keep = {self.redis.proc.pid} if self.redis.proc else set()
         keep |= postgres.session_server_pids()  # the session's PostgreSQL server outlives every cluster
+        for other in Cluster._live:  # a cluster shared by a package (tests/browser) outlives this module's
+            keep |= other.pids()
         children = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
         _, alive = psutil.wait_procs(children, timeout=10)
         for p in alive:
@@ -140,6 +143,17 @@ class Cluster:
                 except psutil.Error:
                     pass
         self.redis.stop()
+
+    def pids(self) -> set[int]:
+        """This cluster's Redis and processes, with their descendants."""
+        roots = [p.pid for p in self.procs.values()] + ([self.redis.proc.pid] if self.redis.proc else [])
+        pids = set(roots)
+        for pid in roots:
+            try:
+                pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        return pids
 
     def logs(self, tail: int = 60) -> str:
         out = []

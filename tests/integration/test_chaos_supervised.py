@@ -39,9 +39,7 @@ class SupervisedCluster(Cluster):
                         TRAINYARD_METRICS_TOKEN="chaos-metrics-token")
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        self.prepare_database()
-        self.token = subprocess.run([PY, "manage.py", "api_token", "admin"], cwd=REPO, env=self.env, check=True,
-                                    capture_output=True, text=True).stdout.strip()
+        self.token = self.prepare_database()
         procfile = self.dir / "Procfile"
         # each agent with its own Redis ACL user's URL, as make run's Procfile starts them
         procfile.write_text("".join(
