@@ -1,7 +1,7 @@
 """Browser tests: Playwright (sync API) driving Debian's Chromium (/usr/bin/chromium, installed by
 `make test`; Playwright's own browser downloads are never used) against one real Trainyard
 (tests/integration/cluster.py: redis, daphne, Celery control worker + beat, relay, two node agents)
-shared by the whole module."""
+shared by the browser modules."""
 from __future__ import annotations
 
 import os
@@ -20,8 +20,11 @@ PASSWORD = "integration-pw-1"  # what Cluster gives `admin` (TRAINYARD_ADMIN_PAS
 SCREENSHOTS = os.environ.get("TRAINYARD_SCREENSHOTS", "")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory):
+    """One cluster for every browser module (a module may override it: test_preemption.py), so
+    each module's tests must not count on a cluster no other module used: they find their own
+    jobs by id or name."""
     c = Cluster(tmp_path_factory.mktemp("browser-cluster"))
     try:
         c.start()
