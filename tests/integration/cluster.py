@@ -43,6 +43,7 @@ def start_daphne(env: dict, workdir: Path, probe: str = "/accounts/login/") -> t
 
 class Cluster:
     _live: set["Cluster"] = set()  # started and not stopped: another cluster's stop leaves them alone
+
     def __init__(self, workdir: Path, *, slots: int = 2, web_workers: int = 1, redis_tls: bool = False):
         self.dir = Path(workdir)
         self.slots = slots
