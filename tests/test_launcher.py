@@ -160,10 +160,13 @@ def test_env_per_process(tmp_path, monkeypatch):
     assert env["OMP_NUM_THREADS"] == "3" and env["TRAINYARD_NODE"] == "node-b"
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["FOO"] == "1"
     assert env["GLOO_SOCKET_IFNAME"] in psutil.net_if_addrs()
-    assert "TORCHELASTIC_ERROR_FILE" not in env and env["PATH"] == os.environ["PATH"]
+    assert "TORCHELASTIC_ERROR_FILE" not in env
+    assert env["PATH"] == f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
+    assert env["HOME"] == os.path.join(os.path.abspath(req.run_dir), "home")
+    assert env["TMPDIR"] == os.path.join(os.path.abspath(req.run_dir), "tmp")
     assert launch_spec.REPO_ROOT in env["PYTHONPATH"].split(os.pathsep)
     cpu = launcher.build_env(req)
-    assert cpu.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert "CUDA_VISIBLE_DEVICES" not in cpu
     # gloo and NCCL on the interface holding the node's address (tests/test_nccl_setup.py)
     assert cpu["GLOO_SOCKET_IFNAME"] == cpu["NCCL_SOCKET_IFNAME"]
 
@@ -185,9 +188,10 @@ def test_user_code_argv_runs_the_script_or_module_under_the_jobs_python(tmp_path
     args = get_args_parser().parse_args(launcher.build_argv(module, "/r/config.json", "/r/logs")[3:])
     assert args.module and args.training_script == "mypkg.train"
     assert args.training_script_args == ["--lr", "3e-4", "-m", "x"]
-    assert script.cwd == code and dataclasses.replace(base, code_dir="").cwd == os.path.abspath(base.run_dir)
+    home = os.path.join(os.path.abspath(base.run_dir), "home")
+    assert script.cwd == code and dataclasses.replace(base, code_dir="").cwd == home
     builtin = request(tmp_path, "n", port=29400)
-    assert builtin.cwd is None and launcher.build_argv(builtin, "/c", "/l")[0] == sys.executable
+    assert builtin.cwd == home and launcher.build_argv(builtin, "/c", "/l")[0] == sys.executable
 
 
 def test_user_code_env_puts_the_bundle_and_the_sdk_on_the_path_and_the_run_config_everywhere(tmp_path, monkeypatch):
@@ -196,12 +200,33 @@ def test_user_code_env_puts_the_bundle_and_the_sdk_on_the_path_and_the_run_confi
     req = request(tmp_path, "n", user_code=True, code_dir=code, script=f"{code}/train.py",
                   env={"HF_HOME": "/data/hf", "GLOO_SOCKET_IFNAME": "eth9"})
     env = launcher.build_env(req)
-    assert env["PYTHONPATH"].split(os.pathsep) == [code, launch_spec.REPO_ROOT, "/site/extra"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [code, launch_spec.REPO_ROOT]  # not the agent's
     assert env["HF_HOME"] == "/data/hf" and env["GLOO_SOCKET_IFNAME"] == "eth9"  # the job's own, kept
     assert env["TRAINYARD_RUN_CONFIG"] == os.path.join(os.path.abspath(req.run_dir), "config.json")
     builtin = launcher.build_env(request(tmp_path, "n"))  # the built-in runtime reads it the same way
     assert builtin["TRAINYARD_RUN_CONFIG"] == env["TRAINYARD_RUN_CONFIG"]
-    assert builtin["PYTHONPATH"].split(os.pathsep) == [launch_spec.REPO_ROOT, "/site/extra"]
+    assert builtin["PYTHONPATH"].split(os.pathsep) == [launch_spec.REPO_ROOT]
+
+
+def test_the_ranks_get_nothing_of_the_agents_environment_but_what_the_operator_names(tmp_path):
+    """Issue 21 s2: by allow-list. Before, every rank inherited the agent's whole environment:
+    its REDIS_URL with the node's password, TRAINYARD_VAR_DIR (the control plane's secrets under
+    make run), the node credential file's path."""
+    agent = {"REDIS_URL": "redis://node-a:s3cret@127.0.0.1:6379/0", "TRAINYARD_VAR_DIR": "/srv/var",
+             "TRAINYARD_NODE_CREDENTIAL_FILE": "/srv/cred", "DJANGO_SECRET_KEY": "k", "AWS_SECRET_ACCESS_KEY": "x",
+             "PATH": "/evil/bin:/usr/bin", "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so", "LANG": "de_DE.UTF-8",
+             "NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "INFO", "UCX_TLS": "rc", "TORCHELASTIC_RUN_ID": "x",
+             "NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+    req = request(tmp_path, "n", env={"WANDB_MODE": "offline"})
+    env = launch_spec.build_env(req, agent)
+    leaked = {k for k in env if k in agent and agent[k] == env[k]}
+    assert leaked == {"LANG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}, leaked  # locale and the fabric binding
+    assert env["WANDB_MODE"] == "offline" and "secret" not in json.dumps(env).lower()
+    passed = launch_spec.build_env(req, agent, passes=lambda n: n == "NCCL_IB_HCA" or n.startswith("UCX_"))
+    assert (passed["NCCL_IB_HCA"], passed["UCX_TLS"]) == ("mlx5_0", "rc") and "NCCL_DEBUG" not in passed
+    trainyard_named = launch_spec.build_env(req, agent, passes=lambda n: True)  # an operator's "*"
+    assert "REDIS_URL" in trainyard_named and not any(k in trainyard_named for k in (
+        "TRAINYARD_VAR_DIR", "TRAINYARD_NODE_CREDENTIAL_FILE", "TORCHELASTIC_RUN_ID"))
 
 
 @pytest.mark.parametrize("change", [
@@ -262,14 +287,41 @@ def test_log_tailer_labels_only_known_ranks_and_flushes_partial_lines_at_the_end
 
 
 def test_error_file_time_has_sub_second_resolution(tmp_path):
-    path = tmp_path / "error.json"
+    rank_dir = tmp_path / "logs" / "attempt-1_abc" / "attempt_0" / "0"
+    rank_dir.mkdir(parents=True)
+    path = rank_dir / "error.json"
     now = time.time()
     path.write_text(json.dumps({"message": {"message": "ValueError: bad", "extraInfo": {
         "py_callstack": "Traceback ...", "timestamp": str(int(now))}}}))
     os.utime(path, (now, int(now) + 0.25))
-    err = launcher_logs.read_error_file(str(path))
+    err = launcher_logs.read_error_file(launcher_logs.LogTailer(str(tmp_path / "logs"), nproc=1), 0)
     assert err == {"message": "ValueError: bad", "traceback": "Traceback ...",
                    "timestamp": pytest.approx(int(now) + 0.25, abs=1e-3)}
+
+
+def test_files_a_job_planted_in_its_logs_are_never_followed(tmp_path):
+    """Issue 21 s5: logs/ and ranks/ are the job's; a symlink there must not make the agent read
+    (and stream back to the job's owner) a file only the agent can read."""
+    secret = tmp_path / "secret_key"
+    secret.write_text("the control plane's secret\n" * 3)
+    run = tmp_path / "run"
+    rank_dir = run / "logs" / "attempt-1_abc" / "attempt_0"
+    (rank_dir / "0").mkdir(parents=True)
+    (rank_dir / "0" / "stdout.log").symlink_to(secret)
+    (rank_dir / "0" / "stderr.log").symlink_to(secret)
+    (rank_dir / "0" / "error.json").symlink_to(secret)
+    os.mkfifo(rank_dir / "0" / "fifo")
+    (rank_dir / "1").symlink_to(secret.parent)  # a whole rank directory elsewhere
+    (run / "ranks").mkdir()
+    (run / "ranks" / "0.json").symlink_to(secret)
+    tailer = launcher_logs.LogTailer(str(run / "logs"), nproc=2)
+    got = tailer.poll(final=True, ready=lambda lr: True)
+    assert not any("secret" in line for _, _, lines in got for line in lines), got
+    assert launcher_logs.read_error_file(tailer, 0) is None and tailer.stderr_tail(0, 10) == []
+    assert tailer.read_file(0, "fifo", 100) is None  # refused at once, not blocking the agent
+    assert launcher_logs.read_run_json(str(run), "ranks/0.json") is None
+    failures = launcher_logs.collect_failures(tailer, str(run / "none.log"), lambda lr: lr, {}, 0.0)
+    assert "secret" not in json.dumps(failures)
 
 
 SUMMARY = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:

@@ -42,7 +42,7 @@ def test_both_transports_bind_to_the_interface_holding_the_nodes_address(tmp_pat
     env = launcher.build_env(req)
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == lo_name()
     assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(os.path.abspath(req.run_dir), "nccl_trace_rank_")
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(os.path.abspath(req.run_dir), "logs", "nccl_trace_rank_")
 
 
 def test_a_lan_address_binds_to_its_own_interface_not_only_loopback(tmp_path, clean_env, monkeypatch):

@@ -9,6 +9,7 @@ umask 022: any local user could read the session-signing key and the admin passw
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -39,8 +40,10 @@ def tighten(path: str | os.PathLike) -> bool:
 
 def write_private(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically, 0600 from its first byte (never briefly world-readable)."""
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    # A unique name made with O_EXCL | O_NOFOLLOW: nothing planted beside `path` (a symlink where
+    # the temporary file would go) can be written through.
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}.{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)  # a leftover temporary file keeps its old mode through O_CREAT
         with os.fdopen(fd, "w") as f:

@@ -19,6 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping
 
 import psutil
 
@@ -56,6 +57,7 @@ class LaunchRequest:
     args: tuple[str, ...] = ()  # user code: the entrypoint's arguments, passed as they are
     python: str = ""  # absolute path of the interpreter for torchrun and the ranks; "" = the agent's own
     code_dir: str = ""  # the extracted bundle (read-only): cwd and first on PYTHONPATH; "" = none
+    gpu_ids: tuple[str, ...] = ()  # cuda in a sandbox: the slots' GPU UUIDs (CUDA_VISIBLE_DEVICES)
 
     @property
     def interpreter(self) -> str:
@@ -67,11 +69,9 @@ class LaunchRequest:
         return os.path.join(os.path.abspath(self.run_dir), "config.json")
 
     @property
-    def cwd(self) -> str | None:
-        """User code runs in its bundle (or, without one, its run directory); the runtime wherever the agent runs."""
-        if not self.user_code:
-            return None
-        return self.code_dir or os.path.abspath(self.run_dir)
+    def cwd(self) -> str:
+        """User code runs in its bundle, anything else in its home (<run_dir>/home)."""
+        return self.code_dir or os.path.join(os.path.abspath(self.run_dir), "home")
 
 
 def validate(req: LaunchRequest) -> None:
@@ -208,49 +208,72 @@ TRACE_BUFFER_ENTRIES = "2000"
 TRACE_FILE_PREFIX = "nccl_trace_rank_"  # in the run dir; torch appends the global rank
 
 
-def _comm_env(req: LaunchRequest, env: dict[str, str]) -> None:
-    """Interface binding and flight recorder; what the job or the agent's environment already
-    sets wins (an operator who knows the fabric, e.g. NCCL_SOCKET_IFNAME=ib0)."""
-    if not ("GLOO_SOCKET_IFNAME" in env and "NCCL_SOCKET_IFNAME" in env):
+def _comm_env(req: LaunchRequest, env: dict[str, str], agent_env: Mapping[str, str]) -> None:
+    """Interface binding and flight recorder. What the job sets wins, then what the operator set in
+    the agent's environment for the fabric (e.g. NCCL_SOCKET_IFNAME=ib0, always honoured for these
+    two names), then the interface holding the node's address."""
+    for name in IFNAME_VARS:
+        if name not in env and agent_env.get(name):
+            env[name] = agent_env[name]
+    if not all(name in env for name in IFNAME_VARS):
         ifname = interface_for(req.local_addr)
-        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
-        env.setdefault("NCCL_SOCKET_IFNAME", ifname)
+        for name in IFNAME_VARS:
+            env.setdefault(name, ifname)
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
         env.setdefault("TORCH_FR_BUFFER_SIZE", TRACE_BUFFER_ENTRIES)
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
-        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(os.path.abspath(req.run_dir), TRACE_FILE_PREFIX))
+        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(os.path.abspath(req.run_dir), "logs", TRACE_FILE_PREFIX))
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
-def build_env(req: LaunchRequest, base: dict | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    agent_visible = env.get("CUDA_VISIBLE_DEVICES")  # the agent's own, before the job's env
-    # An agent started under torchrun would pass these on; torchrun would then dump its
-    # root cause into someone else's error file and take defaults from PET_* variables.
-    for key in [k for k in env if k.startswith(("TORCHELASTIC_", "PET_"))]:
-        del env[key]
-    # The bundle first (the script's own imports), then the directory holding `trainyard` (the
-    # SDK, in any interpreter; and the runtime: the agent may run from any cwd), then the rest.
-    front = ([req.code_dir] if req.code_dir else []) + [REPO_ROOT]
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in front]
-    env["PYTHONPATH"] = os.pathsep.join(front + paths)
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+LOCALE_VARS = ("LANG", "LC_ALL", "LC_CTYPE", "TZ")
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Test-only fault injection (workers/runtime/chaos.py): passed on when the agent was started with it.
+CHAOS_VAR = "TRAINYARD_CHAOS_DIR"
+
+
+def build_env(req: LaunchRequest, base: Mapping[str, str] | None = None, *,
+              passes: Callable[[str], bool] = lambda name: False, user: str = "") -> dict[str, str]:
+    """The ranks' whole environment, by allow-list (issue 21): a minimal PATH, HOME and TMPDIR in
+    the run directory, the locale, the job's own `env`, what torchrun and Trainyard set per rank,
+    the CUDA/NCCL/GLOO variables set here, and the agent variables the operator named
+    (`passes`, from TRAINYARD_SANDBOX_PASS_ENV). Nothing else of the agent's environment (`base`,
+    default os.environ): never its REDIS_URL, credentials, TRAINYARD_VAR_DIR or a TORCHELASTIC_*/
+    PET_* left by a launcher above it."""
+    agent_env = os.environ if base is None else base
+    run_dir = os.path.abspath(req.run_dir)
+    env = {name: agent_env[name] for name in agent_env
+           if passes(name) and not name.startswith(("TORCHELASTIC_", "PET_", "TRAINYARD_"))}
+    env.update({name: agent_env[name] for name in LOCALE_VARS if agent_env.get(name)})
+    env.setdefault("LANG", "C.UTF-8")
+    env.update({"PATH": os.pathsep.join([os.path.dirname(req.interpreter), SYSTEM_PATH]),
+                "HOME": os.path.join(run_dir, "home"), "TMPDIR": os.path.join(run_dir, "tmp")})
+    if user:
+        env["USER"] = env["LOGNAME"] = user
+    if agent_env.get(CHAOS_VAR):
+        env[CHAOS_VAR] = agent_env[CHAOS_VAR]
+    # The bundle first (the script's own imports), then the directory holding `trainyard` (the SDK,
+    # in any interpreter; and the runtime).
+    env["PYTHONPATH"] = os.pathsep.join(([req.code_dir] if req.code_dir else []) + [REPO_ROOT])
     env["PYTHONUNBUFFERED"] = "1"
     env["OMP_NUM_THREADS"] = str(req.cores_per_slot)
     # The job's own variables (JobSpec `env`; the spec refuses TRAINYARD_*, torchrun's and
-    # PYTHONPATH/LD_* names): over the agent's environment, under what Trainyard sets below.
+    # PYTHONPATH/LD_* names), under what Trainyard sets below.
     env.update({str(k): str(v) for k, v in req.env.items()})
     env["TRAINYARD_RUN_CONFIG"] = req.config_path
     env["TRAINYARD_NODE"] = req.node
-    env["TRAINYARD_RUN_DIR"] = os.path.abspath(req.run_dir)
+    env["TRAINYARD_RUN_DIR"] = run_dir
     env["TRAINYARD_JOB_ID"] = str(req.job_id)
     env["TRAINYARD_ATTEMPT_ID"] = str(req.attempt_id)
     env["TRAINYARD_LOCAL_ADDR"] = req.local_addr  # for a runtime that binds gloo/NCCL to it
     if req.device == "cuda":
         # Slot i is the agent's i-th visible GPU (its own CUDA_VISIBLE_DEVICES: Slurm, containers),
-        # numbered in PCI bus order as NVML numbers them, which is how the agent counted them.
+        # numbered in PCI bus order as NVML numbers them, which is how the agent counted them; in a
+        # sandbox, by UUID (only the attempt's GPUs' device nodes are there: CUDA renumbers them).
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot_devices(req.slots, agent_visible))
-    _comm_env(req, env)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(req.gpu_ids or slot_devices(req.slots, agent_env.get("CUDA_VISIBLE_DEVICES")))
+    _comm_env(req, env, agent_env)
     return env
 
 

@@ -46,10 +46,11 @@ from typing import Callable
 
 import psutil
 
-from trainyard.private import private_dir
+from trainyard.private import private_dir, write_private
+from workers import sandbox
 from workers.launch_spec import (  # noqa: F401 - the launcher's public API
-    LaunchRequest, build_argv, build_env, pick_free_port, validate)
-from workers.launcher_logs import LogTailer, collect_failures, read_json, tail_lines
+    SYSTEM_PATH, LaunchRequest, build_argv, build_env, pick_free_port, validate)
+from workers.launcher_logs import LogTailer, collect_failures, read_json, read_run_json, tail_lines
 from workers.procwrap import (
     WrapperHandle, kill_all, live_process, pidfd, write_json_atomic)
 
@@ -69,6 +70,13 @@ def catches_signal(pid: int, signum: int) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return bool(caught >> (signum - 1) & 1)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return time.time()
 
 
 def launched_attempts(base_dir) -> list[str]:
@@ -94,9 +102,11 @@ class Supervisor:
     """
 
     def __init__(self, req: LaunchRequest, *, on_ranks: Callable, on_log: Callable,
-                 on_exit: Callable):
+                 on_exit: Callable, sandbox: "sandbox.SandboxPlan | None" = None):
         validate(req)
         self.req = req
+        self.sandbox = sandbox  # None: unsandboxed, no agent variable passed on (tests of the launcher)
+        self.sandboxed = sandbox is not None and sandbox.enabled
         self.run_dir = os.path.abspath(req.run_dir)
         self._on_ranks, self._on_log, self._on_exit = on_ranks, on_log, on_exit
         self._thread: threading.Thread | None = None
@@ -127,12 +137,7 @@ class Supervisor:
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()} {time.time()}\n")
         try:
-            os.makedirs(self._path("ranks"), exist_ok=True)
-            config_path = self._path("config.json")
-            write_json_atomic(config_path, self.req.config)
-            cmd = [sys.executable, "-m", "workers.procwrap", "--exit-file", self._path("exit.json"),
-                   "--", *build_argv(self.req, config_path, self._path("logs"))]
-            env = build_env(self.req)
+            cmd, env, cwd = self._command()
         except BaseException:  # nothing started: let a retried message try again
             os.unlink(self._path("launched"))
             raise
@@ -141,7 +146,7 @@ class Supervisor:
             with open(self._path("torchrun.stdout.log"), "ab") as out, \
                     open(self._path("torchrun.stderr.log"), "ab") as err:
                 popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=err, start_new_session=True, cwd=self.req.cwd)
+                                         stderr=err, start_new_session=True, cwd=cwd)
         except OSError as exc:  # reported through on_exit like any other failed launch
             log.error("attempt %s: cannot start procwrap: %s", self.req.attempt_id, exc)
             write_json_atomic(self._path("exit.json"), {"exit_code": None, "signal": None,
@@ -152,9 +157,30 @@ class Supervisor:
         write_json_atomic(self._path("supervisor.json"), {
             "wrapper_pid": self._wrap and self._wrap.pid,
             "wrapper_create_time": self._wrap and self._wrap.create_time,
-            "started_at": self._started_at, "request": dataclasses.asdict(self.req)})
+            "started_at": self._started_at, "request": dataclasses.asdict(self.req),
+            "sandboxed": self.sandboxed})
         self._spawn_thread()
         return True
+
+    def _command(self) -> tuple[list[str], dict[str, str], str]:
+        """procwrap's argv, environment and cwd: torchrun directly, or bwrap reading the sandbox's
+        arguments from a root-only file (the ranks' environment travels there, not in procwrap's)."""
+        for name in sandbox.SANDBOX_DIRS:  # HOME, TMPDIR, torchrun's logs, the ranks' files
+            os.makedirs(self._path(name), mode=0o700, exist_ok=True)
+        config_path = self._path("config.json")
+        write_json_atomic(config_path, self.req.config)
+        argv = build_argv(self.req, config_path, self._path("logs"))
+        passes = self.sandbox.cfg.passes if self.sandbox is not None else (lambda name: False)
+        env = build_env(self.req, passes=passes, user=self.sandbox.user if self.sandbox else "")
+        wrap = [sys.executable, "-m", "workers.procwrap", "--exit-file", self._path("exit.json")]
+        if not self.sandboxed:
+            return [*wrap, "--", *argv], env, self.req.cwd
+        self.sandbox.prepare()
+        bwrap, options, command = self.sandbox.command(env, argv, self.req.cwd)
+        args_path = self._path("sandbox.args")
+        write_private(args_path, sandbox.encode_args(options).decode())
+        outer = {"PATH": SYSTEM_PATH, "LANG": "C.UTF-8", "PYTHONPATH": sandbox.REPO_ROOT.as_posix()}
+        return [*wrap, "--sandbox-args", args_path, "--", bwrap, "--", *command], outer, "/"
 
     @classmethod
     def adopt(cls, run_dir, *, on_ranks, on_log, on_exit) -> "Supervisor | None":
@@ -170,6 +196,7 @@ class Supervisor:
             return None
         fields = dict(info["request"], slots=tuple(info["request"]["slots"]), run_dir=run_dir)
         sup = cls(LaunchRequest(**fields), on_ranks=on_ranks, on_log=on_log, on_exit=on_exit)
+        sup.sandboxed = bool(info.get("sandboxed"))
         if info.get("wrapper_pid"):
             sup._wrap = WrapperHandle(info["wrapper_pid"], info.get("wrapper_create_time"))
         sup._started_at = info.get("started_at", sup._started_at)
@@ -287,6 +314,7 @@ class Supervisor:
                 if fd is not None:
                     os.close(fd)
             self._rank_fds.clear()
+            self._tailer.close()
 
     def _ended(self) -> bool:
         if os.path.exists(self._path("exit.json")):
@@ -298,17 +326,23 @@ class Supervisor:
             if lr in self._ranks:
                 continue
             path = os.path.join(self.run_dir, "ranks", f"{lr}.json")
-            info = read_json(path) or self._rank_from_tree(lr, path)
+            # The agent's own record (a host pid) first; then what the rank wrote (its pid in the
+            # sandbox: translated); then the tree (a host pid, recorded by the agent).
+            info, host = read_json(self._path(f"rank-{lr}.agent.json")), True
+            if info is None:
+                info, host = read_run_json(self.run_dir, f"ranks/{lr}.json"), False
+            if info is None:
+                info, host = self._rank_from_tree(lr), True
             try:
-                self._ranks[lr] = {"rank": int(info["rank"]), "local_rank": lr,
-                                   "pid": int(info["pid"]),
-                                   "node": info.get("node") or self.req.node}
+                pid = self._host_pid(int(info["pid"]), host=host)
+                self._ranks[lr] = {"rank": int(info["rank"]), "local_rank": lr, "pid": pid,
+                                   "node": self.req.node}
             except (TypeError, KeyError, ValueError):  # not written yet, or not the contract
                 continue
             self._snapshot_tree()  # the tree is complete enough to remember once ranks run
-            proc = live_process(int(info["pid"]), None)
+            proc = live_process(pid, None) if pid > 0 else None
             if proc is None or proc.create_time() < self._started_at - 1:
-                self._died_at.setdefault(lr, (os.stat(path).st_mtime, time.time()))  # gone already
+                self._died_at.setdefault(lr, (_mtime(path), time.time()))  # gone already
                 continue
             self._alive_at[lr] = time.time()
             self._known[proc.pid] = proc.create_time()
@@ -320,11 +354,21 @@ class Supervisor:
             self._ranks_sent = True
             self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
 
-    def _rank_from_tree(self, lr: int, path: str) -> dict | None:
+    def _host_pid(self, pid: int, host: bool) -> int:
+        """A rank's pid on this host. A rank in a sandbox reports its pid inside the sandbox's PID
+        namespace (and may report any number): translated among this attempt's own processes, or
+        -1 when none has it (a rank that already exited, or a made-up pid)."""
+        if not self.sandboxed or host:
+            return pid
+        found = sandbox.outer_pid(pid, [p.pid for p in self._wrap.descendants()] if self._wrap else [])
+        return -1 if found is None else found
+
+    def _rank_from_tree(self, lr: int) -> dict | None:
         """A rank that wrote no ranks/<lr>.json (user code that never imports the SDK): found
         among torchrun's children by the environment torchrun gave it (RANK is its global rank,
-        the one the runtime would have written). Recorded in the same file, so that an adopting
-        agent and the death bookkeeping see it the same way."""
+        the one the runtime would have written), with its host pid. Recorded in the agent's own
+        rank-<lr>.agent.json (not in ranks/, which the job writes), so that an adopting agent and
+        the death bookkeeping see it the same way."""
         run_id = f"attempt-{self.req.attempt_id}"
         for proc in self._wrap.descendants() if self._wrap else ():
             try:
@@ -335,10 +379,10 @@ class Supervisor:
                 if parent is not None and "LOCAL_RANK" in parent.environ():
                     continue  # a process the rank started (a data loader worker): not the rank
                 info = {"rank": int(env["RANK"]), "local_rank": lr, "pid": proc.pid,
-                        "node": self.req.node, "source": "torchrun"}
+                        "node": self.req.node, "source": "agent"}
             except (psutil.Error, KeyError, ValueError):
                 continue
-            write_json_atomic(path, info)
+            write_json_atomic(self._path(f"rank-{lr}.agent.json"), info)
             return info
         return None
 

@@ -14,6 +14,12 @@ the agent's death does not touch it) outlives it and leaves `exit.json` for the 
   `exit.json`, so "exit.json exists" means "no process of this attempt is alive".
 - exit.json = {"exit_code": int|None, "signal": "SIGKILL"|None, "ended_at": unix float}; a
   child killed by a signal gets exit_code = -signum (the subprocess convention).
+- `--sandbox-args FILE` (workers/sandbox.py): the command is bubblewrap, and its arguments (binds,
+  the ranks' environment, the drop to the attempt's uid, torchrun's argv) are read by bwrap from
+  FILE through `--args FD`, so none of them shows in `ps`; bwrap runs with the umask that makes the
+  job's checkpoint files group-shared (007). bwrap forwards no signal, so a stop signal goes to the
+  sandboxed command itself (the children of the sandbox's init, found from here), and bwrap's
+  exit status 128+n for a command killed by signal n is reported as -n, as without the sandbox.
 """
 from __future__ import annotations
 
@@ -168,9 +174,22 @@ def reap_any(timeout_s: float) -> None:
             time.sleep(0.01)
 
 
+SANDBOX_UMASK = 0o007  # the job's files: the attempt's uid and the job's group (sandbox.py)
+
+
+def sandboxed_targets(bwrap_pid: int) -> list[int]:
+    """The processes a stop signal is for inside a sandbox: the children of its init (bwrap's
+    child, pid 1 of the sandbox's PID namespace), i.e. torchrun and whatever was re-parented there."""
+    try:
+        return [c.pid for init in psutil.Process(bwrap_pid).children() for c in init.children()]
+    except psutil.Error:
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.procwrap")
     parser.add_argument("--exit-file", required=True)
+    parser.add_argument("--sandbox-args", default="", help="bwrap's --args file (the command is bwrap)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -180,22 +199,35 @@ def main(argv: list[str] | None = None) -> int:
     become_subreaper()
     child: subprocess.Popen | None = None
     pending: list[int] = []
+    sandboxed = bool(args.sandbox_args)
 
     def forward(signum, _frame):
         if child is None:  # a stop that races the spawn is delivered right after it
             pending.append(signum)
             return
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
+        targets = sandboxed_targets(child.pid) if sandboxed else []
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if not targets:  # not sandboxed, or the sandbox is still being set up: its group (bwrap dies, and all with it)
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
 
     # Handlers before the spawn: a SIGTERM between spawn and handler would kill the wrapper
     # by default action and orphan a running torchrun.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    popen: dict = {}
+    if sandboxed:
+        args_fd = os.open(args.sandbox_args, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        cmd = [cmd[0], "--args", str(args_fd), *cmd[1:]]  # bwrap --args FD -- <command>
+        popen = {"pass_fds": (args_fd,), "umask": SANDBOX_UMASK}
     try:
-        child = subprocess.Popen(cmd, start_new_session=True)
+        child = subprocess.Popen(cmd, start_new_session=True, **popen)
     except OSError as exc:
         print(f"procwrap: cannot start {cmd[0]!r}: {exc}", file=sys.stderr, flush=True)
         write_json_atomic(args.exit_file, {"exit_code": 127, "signal": None,
@@ -215,16 +247,22 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        try:
-            sig_name = signal.Signals(signum).name
-        except ValueError:  # real-time signals have no name
-            sig_name = f"SIG{signum}"
+        sig_name = _signame(signum)
         code = -signum
     else:
         code, sig_name = os.WEXITSTATUS(status), None
+        if sandboxed and 128 < code <= 128 + 64:  # bwrap: the command died of signal code - 128
+            code, sig_name = 128 - code, _signame(code - 128)
     write_json_atomic(args.exit_file, {"exit_code": code, "signal": sig_name,
                                        "ended_at": ended_at})
     return code if code >= 0 else 128 - code
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # real-time signals have no name
+        return f"SIG{signum}"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ recorder), trainyard/sdk/run.py passes the control plane's collective timeout.
 - nccl_timeout_flight_recorder (2 GPUs): torchrun with 2 ranks over NCCL, the launcher's
   environment and a 10 s collective timeout through the SDK's init_process_group; rank 1 never
   joins rank 0's all-reduce. ok: rank 0's watchdog times the collective out well before torch's
-  10-minute default, and the flight recorder writes its dump to <run_dir>/nccl_trace_rank_<r>
+  10-minute default, and the flight recorder writes its dump to <run_dir>/logs/nccl_trace_rank_<r>
   (TORCH_FR_DUMP_TEMP_FILE), whose entries name the all-reduce.
 
 Run as a script with `--worker ...` it is the ranks' code of these checks.
@@ -48,7 +48,11 @@ def _launch_env(nproc: int, run_dir: str) -> dict[str, str]:
                         local_addr="127.0.0.1", config={}, run_dir=run_dir)
     base = {k: v for k, v in os.environ.items()
             if k not in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES")}
-    return build_env(req, base)
+    for name in ("home", "tmp", "logs"):  # what an agent makes for every attempt (HOME, TMPDIR, the dumps)
+        os.makedirs(os.path.join(run_dir, name), exist_ok=True)
+    # The ranks' environment is an allow-list (issue 21); a GPU host's driver libraries may need
+    # LD_LIBRARY_PATH, which an operator passes on with TRAINYARD_SANDBOX_PASS_ENV.
+    return build_env(req, base, passes=lambda name: name == "LD_LIBRARY_PATH")
 
 
 def _free_port() -> int:
@@ -106,7 +110,7 @@ def check_timeout_flight_recorder() -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
         elapsed = time.monotonic() - started
-        dumps = {p.name: _summarise_dump(p) for p in sorted(Path(run_dir).glob("nccl_trace_rank_*"))}
+        dumps = {p.name: _summarise_dump(p) for p in sorted((Path(run_dir) / "logs").glob("nccl_trace_rank_*"))}
     timed_out = bool(re.search(r"Watchdog caught collective operation timeout|timed out|Timeout", out))
     rank0 = dumps.get("nccl_trace_rank_0", {})
     ok = (proc.returncode != 0 and timed_out and elapsed < 90
