@@ -181,7 +181,7 @@ class JobConsumer(_FlowControlled):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def job_telemetry(self, event):
-        encoded = event.get("samples_json")  # the relay's form: see jobs.telemetry.telemetry_message
+        encoded = event.get("samples_json")  # the relay's form: see jobs.relay_publish.telemetry_message
         if encoded is None:
             samples = event["samples"]
             if not samples:

@@ -105,3 +105,78 @@ def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
             preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=int(max(600, 4 * grace_s)))
     except redis.RedisError as exc:
         log.warning("could not request preemption of attempt %s: %s", attempt_id, exc)
+
+
+# ---------------------------------------------------------------- the attempts' own Redis users
+
+def _redis():
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+def _acl_save(client) -> None:
+    """Persist the ACL (a Redis restart keeps the attempts' users); a server without an ACL file
+    keeps them only in memory, and services.busaccess re-creates missing ones every few seconds."""
+    import redis
+
+    try:
+        client.execute_command("ACL", "SAVE")
+    except redis.ResponseError as exc:
+        if "ACL file" not in str(exc):
+            raise
+
+
+def bus_user_grant(attempt_id: int, job_id: int, password: str, *, fenced: bool = False) -> None:
+    """Create (or reset) an attempt's Redis user: XADD to its stream, GET its preemption key.
+    `fenced`: only the GET, so ranks behind a partition read their fence and exit, and write nothing."""
+    import hashlib
+
+    import redis
+
+    from trainyard import keys, redis_acl
+
+    rule = redis_acl.attempt_rule(attempt_id, stream=keys.attempt_stream(job_id, attempt_id),
+                                  preempt_key=preempt_key(attempt_id),
+                                  password_sha=hashlib.sha256(password.encode()).hexdigest())
+    if fenced:
+        rule += ["resetkeys", f"%R~{preempt_key(attempt_id)}", "-xadd"]
+    try:
+        client = _redis()
+        client.execute_command("ACL", "SETUSER", redis_acl.attempt_user(attempt_id), *rule)
+        _acl_save(client)
+    except redis.RedisError as exc:  # the periodic check grants it again
+        log.warning("could not create the Redis user of attempt %s: %s", attempt_id, exc)
+
+
+def bus_user_revoke(attempt_ids: list[int]) -> None:
+    """Delete attempts' Redis users (Redis disconnects their clients)."""
+    import redis
+
+    from trainyard import redis_acl
+
+    if not attempt_ids:
+        return
+    try:
+        client = _redis()
+        client.execute_command("ACL", "DELUSER", *(redis_acl.attempt_user(a) for a in attempt_ids))
+        _acl_save(client)
+    except redis.RedisError as exc:
+        log.warning("could not delete the Redis users of attempts %s: %s", attempt_ids, exc)
+
+
+def bus_users() -> set[int] | None:
+    """The attempts whose Redis users exist; None when Redis is away."""
+    import redis
+
+    from trainyard import redis_acl
+
+    prefix = redis_acl.ATTEMPT_USER_PREFIX
+    try:
+        names = _redis().execute_command("ACL", "USERS")
+    except redis.RedisError as exc:
+        log.warning("could not list the attempts' Redis users: %s", exc)
+        return None
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    return {int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}

@@ -1,14 +1,17 @@
 """The schema of a job stream's entries, and the relay's dead letters (no database here).
 
-Writers (trainyard/sdk/reporter.py, workers/agent.py) XADD to `trainyard:job:<id>`:
+Writers (trainyard/sdk/reporter.py, workers/agent.py) XADD to their attempt's own stream
+`trainyard:job:<job>:a<attempt>` (trainyard.keys.attempt_stream), which only that attempt's Redis
+user may write (trainyard.redis_acl), so the stream is the proof of who wrote an entry:
     {type: metrics, data: <JSON list of samples, at most MAX_SAMPLES>}
     {type: event,   data: <JSON {"kind": ..., "attempt": a, "rank": r, ...}>}
     {type: log,     data: <JSON {"attempt": a, "rank": r, "stream": "stdout", "lines": [...]}>}
 `parse_entry` accepts exactly these (pydantic, strict: a bool is not an int, a string not a
 number) or raises EntryError with the reason; the relay moves a refused entry to the dead-letter
 stream (keys.DEADLETTER_STREAM, capped at DEADLETTER_MAXLEN entries of at most DEADLETTER_DATA_MAX
-bytes of the original data), acknowledges it on its own stream and counts it. Which attempt an
-entry may name (one of its stream's job's) needs the database: the relay checks that.
+bytes of the original data), acknowledges it on its own stream and counts it. An entry may name
+only its stream's attempt (`entry_attempts`), and that attempt must be its stream's job's (the
+relay checks that against the database).
 
 Validation costs ~1.6 us a sample on the 2-core dev VM (a TypedDict, validated only: the relay
 keeps orjson's dicts); the relay's ingest costs ~3 us a sample on top.
@@ -32,7 +35,7 @@ DEADLETTER_MAXLEN = 1000
 DEADLETTER_DATA_MAX = 2048
 REASON_MAX = 500
 
-_STREAM = re.compile(re.escape(keys.JOB_STREAM_PREFIX) + r"([1-9][0-9]{0,17})")
+_STREAM = re.compile(re.escape(keys.JOB_STREAM_PREFIX) + r"([1-9][0-9]{0,17}):a([1-9][0-9]{0,17})")
 
 Id = Annotated[int, Field(ge=1, lt=2**63)]
 Count = Annotated[int, Field(ge=0, lt=2**63)]
@@ -112,10 +115,10 @@ class EntryError(ValueError):
     """Why an entry cannot be applied: the dead letter's reason."""
 
 
-def stream_job_id(stream: str) -> int | None:
-    """The job a stream's name names, or None for any name `keys.job_stream` never makes."""
+def stream_ids(stream: str) -> tuple[int, int] | None:
+    """(job, attempt) a stream's name names, or None for any name `keys.attempt_stream` never makes."""
     m = _STREAM.fullmatch(stream)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _why(exc: ValidationError) -> str:

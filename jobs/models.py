@@ -5,6 +5,8 @@ from django.conf import settings
 from django.contrib.auth.models import Group
 from django.db import models
 
+from trainyard import attemptauth
+
 
 class Node(models.Model):
     class Status(models.TextChoices):
@@ -209,6 +211,9 @@ class Attempt(models.Model):
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
     preempt_for = models.PositiveIntegerField(null=True, blank=True, help_text="the queued job its slots go to")
+    # With the master key, derives the attempt's bus password, manifest-proof key and rendezvous
+    # token (trainyard/attemptauth.py); not a secret on its own.
+    bus_salt = models.CharField(max_length=64, default=attemptauth.new_salt, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)

@@ -33,6 +33,7 @@ def schedule_tick() -> list[int]:
 def nodes_check() -> list[str]:
     lost = services.nodes_check()
     services.launches_resend_due()  # launches a killed control worker never sent
+    services.attempt_access_reconcile()  # the attempts' Redis users, in line with the database
     return lost
 
 

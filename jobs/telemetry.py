@@ -1,12 +1,18 @@
 """The relay: job Redis Streams -> database (batched), acknowledged only after commit.
 
 Runtimes XADD entries {type: metrics|event, data: json} and agents XADD {type: log, data: json}
-to `trainyard:job:<id>`. The relay reads every job stream with the consumer group `relay`.
+to their attempt's stream `trainyard:job:<job>:a<attempt>`, which only that attempt's own Redis user
+may write: the stream is the proof of the attempt behind an entry (issue 21). The relay reads the
+streams of attempts the database knows with the consumer group `relay`; a stream of no known
+attempt is never read.
 An entry is XACKed (and XDELed) only after the transaction holding its rows committed, so a relay
 killed between read and ack re-reads the entry from its pending list on restart; the unique
 (attempt, rank, step) constraint turns the replay into a no-op instead of a duplicate.
 
-One round: one XREADGROUP over all streams (up to `batch` entries each, blocking only when idle),
+One round: XREADGROUPs over all streams, READ_STREAMS at a time, up to `batch` entries each (a
+stream that sent an entry over BIG_ENTRY_BYTES is read one entry a round until it sends small
+ones again, so memory per round stays bounded by Redis' proto-max-bulk-len, not by what a job
+chooses to send), blocking only when idle,
 one transaction for everything read, then the committed samples go to the Channels groups
 `job.<id>` (through a long-lived publisher thread, in order, at most PUBLISH_MAX_SAMPLES per
 message), the log lines go to the kept files on disk (jobs.keptlogs: a writer thread, so a slow
@@ -25,10 +31,8 @@ raises otherwise is dead-lettered after POISON_TRIES tries, and run_forever surv
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
-import threading
 import time
 
 from typing import Any, NamedTuple
@@ -42,7 +46,8 @@ from trainyard import keys
 
 from . import entries, services
 from .keptlogs import LogKeeper, Lines
-from .models import Job
+from .relay_publish import ChannelsPublisher, telemetry_message
+from .models import Attempt
 
 log = logging.getLogger("trainyard.relay")
 LOG_KEEP_LINES = 5000
@@ -54,6 +59,10 @@ PUBLISH_MAX_SAMPLES = 500
 POISON_TRIES = 3  # an entry whose processing raised this often is dead-lettered, not re-read forever
 DB_BACKOFF_MIN_S, DB_BACKOFF_MAX_S = 0.05, 2.0
 ERROR_BACKOFF_MAX_S = 5.0
+READ_STREAMS = 64  # streams per XREADGROUP
+BATCH = 32  # entries per stream per round: a reporter's entry holds up to 500 samples (< 256 KB)
+BIG_ENTRY_BYTES = 1 << 20  # no reporter writes one; a stream that does is read one entry a round
+IGNORED_FORGET_S = 60.0  # streams of no known attempt are looked up again after this
 
 
 class Parsed(NamedTuple):
@@ -61,6 +70,7 @@ class Parsed(NamedTuple):
 
     stream: str
     job_id: int
+    attempt_id: int
     entry_id: bytes
     fields: dict
     kind: str
@@ -71,89 +81,17 @@ class _Abandon(Exception):
     """Asked to stop while the database refused the round: leave it unacknowledged."""
 
 
-def telemetry_message(samples: list[dict]) -> dict:
-    """The `job.telemetry` group message: the samples already encoded as the JSON array that every
-    socket of the group sends as is (jobs.consumers splices it into the frame), so neither msgpack
-    in channels_redis nor json in daphne walks each sample once per client; `first_step` is what
-    a congested consumer needs to know about the batch it skips."""
-    steps = [s["step"] for s in samples if type(s.get("step")) is int]
-    return {"type": "job.telemetry", "samples_json": orjson.dumps(samples).decode(),
-            "first_step": min(steps) if steps else 0, "count": len(samples)}
-
-
-class ChannelsPublisher:
-    """Sends to Channels groups from one long-lived event loop thread, in submission order.
-
-    dispatch.publish (async_to_sync) builds a new event loop, thread and Redis connection for
-    every message; here one loop keeps channels_redis' connection pool. The relay thread only
-    enqueues; at most `max_queued` messages wait, after that it blocks, so a stalled channel
-    layer slows the relay down instead of growing its memory. Delivery is best effort, as in
-    dispatch.publish: a browser that misses a live message is repaired by its next snapshot."""
-
-    def __init__(self, max_queued: int = 256):
-        self._slots = threading.BoundedSemaphore(max_queued)
-        self._loop = asyncio.new_event_loop()
-        self._queue: asyncio.Queue | None = None
-        self._ready = threading.Event()
-        self.errors = 0
-        self.sent = 0
-        self._thread = threading.Thread(target=self._run, name="relay-publisher", daemon=True)
-        self._thread.start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._queue = asyncio.Queue()
-        self._task = self._loop.create_task(self._sender())
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _sender(self) -> None:
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        while True:
-            group, message = await self._queue.get()
-            try:
-                await layer.group_send(group, message)
-                self.sent += 1
-            except Exception as exc:  # Redis briefly away: the state is in the database
-                self.errors += 1
-                if self.errors == 1 or self.errors % 100 == 0:
-                    log.warning("publish to %s failed (%d failures so far): %s", group, self.errors, exc)
-            finally:
-                self._queue.task_done()
-                self._slots.release()
-
-    def __call__(self, group: str, message: dict) -> None:
-        if not self._slots.acquire(timeout=10):
-            self.errors += 1
-            log.warning("publisher stalled for 10 s; dropping a message to %s", group)
-            return
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (group, message))
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (for at most timeout_s), then stop the loop."""
-        async def drain():
-            await self._queue.join()
-            self._task.cancel()
-
-        try:
-            asyncio.run_coroutine_threadsafe(drain(), self._loop).result(timeout_s)
-        except Exception:
-            log.warning("publisher closed with messages unsent")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
-
-
 class Relay:
-    def __init__(self, redis_url: str | None = None, consumer: str = "relay-1", batch: int = 500,
+    def __init__(self, redis_url: str | None = None, consumer: str = "relay-1", batch: int = BATCH,
                  block_ms: int = 200, publish=None, min_round_s: float = MIN_ROUND_S, keeper: LogKeeper | None = None):
         self.r = redis.Redis.from_url(redis_url or settings.REDIS_URL, socket_timeout=10)
         self.consumer, self.batch, self.block_ms = consumer, batch, block_ms
         self.min_round_s = min_round_s
         self._round_start = 0.0
         self.streams: dict[str, str] = {}  # stream -> next id to read ("0" = own pending first, then ">")
+        self._big: set[str] = set()  # streams read one entry a round (they sent a big entry)
+        self._ignored: set[str] = set()  # streams of no known attempt (forgotten every IGNORED_FORGET_S)
+        self._ignored_at = time.monotonic()
         self._last_scan = 0.0
         self._last_gc = time.monotonic()
         self._last_progress = 0.0
@@ -194,22 +132,41 @@ class Relay:
             self.keeper.submit(lines)
 
     def discover(self) -> None:
+        """Find new attempt streams (SCAN); read only those of attempts the database knows."""
+        if time.monotonic() - self._ignored_at > IGNORED_FORGET_S:
+            self._ignored, self._ignored_at = set(), time.monotonic()
+        found: dict[str, tuple[int, int]] = {}
         for key in self.r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000):
             try:
                 name = key.decode()
-            except UnicodeDecodeError:  # never a job stream's name (and redis-py could not name it back)
+            except UnicodeDecodeError:  # never a stream's name (and redis-py could not name it back)
                 continue
-            if name in self.streams:
+            if name in self.streams or name in self._ignored:
                 continue
-            try:
-                self.r.xgroup_create(name, keys.RELAY_GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):  # e.g. the key stopped being a stream since SCAN
-                    log.warning("cannot read %s: %s", name[:200], exc)
+            ids = entries.stream_ids(name)
+            if ids is None:
+                self._ignored.add(name)
+                continue
+            found[name] = ids
+        if found:
+            _, owners = self._retry_db(lambda: services.telemetry_owners(set(), {a for _, a in found.values()}))
+            for name, (job_id, attempt_id) in found.items():
+                if owners.get(attempt_id) != job_id:
+                    self._ignored.add(name)  # no such attempt of that job: nothing of it is read
+                    self._stats_delta["orphaned_total"] += 1
                     continue
-            # Start from "0": entries this consumer read but never acked (a crash) come back first.
-            self.streams[name] = "0"
+                self._add_stream(name)
         self._last_scan = time.monotonic()
+
+    def _add_stream(self, name: str) -> None:
+        try:
+            self.r.xgroup_create(name, keys.RELAY_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):  # e.g. the key stopped being a stream since SCAN
+                log.warning("cannot read %s: %s", name[:200], exc)
+                return
+        # Start from "0": entries this consumer read but never acked (a crash) come back first.
+        self.streams[name] = "0"
 
     def step(self) -> int:
         """Read and commit one round of entries; returns how many entries were handled."""
@@ -220,21 +177,8 @@ class Relay:
         if not self.streams:
             time.sleep(self.block_ms / 1000)
             return 0
-        pending = {s: i for s, i in self.streams.items() if i == "0"}
-        block = None if pending else self.block_ms
         self._round_start = time.monotonic()
-        resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, pending or self.streams, count=self.batch, block=block)
-        read = []
-        for stream, got in resp or []:
-            stream = stream.decode()
-            if not got and stream in pending:
-                self.streams[stream] = ">"  # own pending list drained
-                continue
-            if got:
-                read.append((stream, got))
-        for s in pending:
-            if not any(st.decode() == s for st, _ in resp or []):
-                self.streams[s] = ">"
+        read = self._read()
         handled = self.handle(read) if read else 0
         if time.monotonic() - self._last_gc > 30:
             self.gc()
@@ -246,6 +190,40 @@ class Relay:
             if rest > 0:
                 time.sleep(rest)
         return handled
+
+    def _read(self) -> list[tuple[str, list]]:
+        """One round's entries: own pending entries first (after a restart), then new ones; at most
+        READ_STREAMS streams per call, `batch` entries per stream (1 for a stream sending big ones)."""
+        pending = [s for s, i in self.streams.items() if i == "0"]
+        groups = [(pending, None)] if pending else []
+        rest = [s for s in self.streams if self.streams[s] != "0"]
+        groups += [(rest, self.block_ms)] if rest and not pending else []
+        read = []
+        for names, block in groups:
+            for i in range(0, len(names), READ_STREAMS):
+                chunk = names[i:i + READ_STREAMS]
+                for small in (True, False):
+                    part = [s for s in chunk if (s in self._big) != small]
+                    if not part:
+                        continue
+                    resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, {s: self.streams[s] for s in part},
+                                             count=self.batch if small else 1, block=block)
+                    got = {st.decode(): entries_ for st, entries_ in resp or []}
+                    for s in part:
+                        if s in got and got[s]:
+                            read.append((s, got[s]))
+                            self._note_size(s, got[s])
+                        elif self.streams[s] == "0":
+                            self.streams[s] = ">"  # own pending list drained
+                    block = None  # only the first call of a round waits
+        return read
+
+    def _note_size(self, stream: str, got: list) -> None:
+        big = any(len(v) > BIG_ENTRY_BYTES for _, fields in got for v in fields.values())
+        if big:
+            self._big.add(stream)
+        elif stream in self._big and len(got) == 1:
+            self._big.discard(stream)
 
     def handle(self, read: list[tuple[str, list]]) -> int:
         """Check, commit, fan out and acknowledge the entries of one XREADGROUP (all streams
@@ -307,28 +285,33 @@ class Relay:
         parsed: list[Parsed] = []
         dead: list[tuple] = []
         for stream, stream_entries in read:
-            job_id = entries.stream_job_id(stream)
+            ids = entries.stream_ids(stream)
             for entry_id, fields in stream_entries:
                 tries = self._failures.get((stream, entry_id), 0)
                 try:
                     if tries >= POISON_TRIES:
                         raise entries.EntryError(f"processing it failed {tries} times, last: {self._last_error}")
-                    if job_id is None:
-                        raise entries.EntryError(f"stream {stream[:100]!r} is not named {keys.JOB_STREAM_PREFIX}<id>")
+                    if ids is None:
+                        raise entries.EntryError(
+                            f"stream {stream[:100]!r} is not named {keys.JOB_STREAM_PREFIX}<job>:a<attempt>")
                     kind, data = entries.parse_entry(fields)
                 except entries.EntryError as exc:
                     dead.append((stream, entry_id, fields, str(exc)))
                     continue
-                parsed.append(Parsed(stream, job_id, entry_id, fields, kind, data))
-        named = [entries.entry_attempts(p.kind, p.data) for p in parsed]
-        jobs, owners = self._retry_db(lambda: services.telemetry_owners({p.job_id for p in parsed}, set().union(*named)))
+                parsed.append(Parsed(stream, ids[0], ids[1], entry_id, fields, kind, data))
+        jobs, owners = self._retry_db(lambda: services.telemetry_owners(
+            {p.job_id for p in parsed}, {p.attempt_id for p in parsed}))
         ok = []
-        for p, attempts in zip(parsed, named):
+        for p in parsed:
             if p.job_id not in jobs:
                 self._stats_delta["orphaned_total"] += 1
                 continue
-            foreign = sorted(a for a in attempts if owners.get(a) != p.job_id)
-            why = f"attempt {foreign[0]} is not an attempt of job {p.job_id}" if foreign else ""
+            # Only the stream's attempt's own Redis user can write it: an entry naming any other
+            # attempt was written by that attempt's ranks about someone else's.
+            foreign = sorted(a for a in entries.entry_attempts(p.kind, p.data) if a != p.attempt_id)
+            why = (f"it names attempt {foreign[0]} but arrived on attempt {p.attempt_id}'s stream" if foreign
+                   else f"attempt {p.attempt_id} is not an attempt of job {p.job_id}"
+                   if owners.get(p.attempt_id) != p.job_id else "")
             if not why and p.kind == "event" and p.data["kind"] == "checkpoint":
                 why = services.checkpoint_verify(p.job_id, p.data["attempt"], p.data["step"], p.data["path"])[1]
             if why:
@@ -426,15 +409,17 @@ class Relay:
         self._stats_written = time.monotonic()
 
     def gc(self) -> None:
-        """Forget drained streams of finished jobs (the stream key itself stays until empty)."""
+        """Forget drained streams of ended attempts (the stream key itself stays until empty): its
+        Redis user was deleted with its end, so nothing more can arrive."""
         self._last_gc = time.monotonic()
-        for stream in list(self.streams):
-            job_id = entries.stream_job_id(stream)
-            # a stream no job owns (misnamed, or its job deleted) goes once drained, like a finished job's
-            done = job_id is None or not Job.objects.filter(pk=job_id).exclude(status__in=Job.TERMINAL).exists()
-            if done and self.r.xlen(stream) == 0:
+        ids = {s: entries.stream_ids(s) for s in self.streams}
+        live = set(Attempt.objects.filter(pk__in={i[1] for i in ids.values() if i}).exclude(
+            status=Attempt.Status.ENDED).values_list("pk", flat=True))
+        for stream, i in ids.items():
+            if (i is None or i[1] not in live) and self.r.xlen(stream) == 0:
                 self.r.delete(stream)
                 self.streams.pop(stream, None)
+                self._big.discard(stream)
 
     def close(self) -> None:
         if self._keeper is not None:

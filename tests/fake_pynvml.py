@@ -95,6 +95,9 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle):
         return self._gpu(handle).uuid
 
+    def nvmlDeviceGetMinorNumber(self, handle):
+        return 10 + handle  # not the index: the device node's number is the driver's own
+
     def nvmlDeviceGetMemoryInfo(self, handle):
         g = self._gpu(handle)
         return types.SimpleNamespace(total=g.total, used=g.used, free=g.total - g.used)

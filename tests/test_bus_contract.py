@@ -16,14 +16,16 @@ from trainyard.launch import (CELERY_SETTINGS, HEARTBEAT_TASK, NODE_EXIT_TASK, N
 def launch_dict(resume):
     return {"job_id": 7, "attempt_id": 9, "node": "node-a", "node_rank": 0, "nnodes": 2, "nproc": 1,
             "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": "127.0.0.1",
-            "stream": "trainyard:job:7", "spec": {"name": "x", "train": {"steps": 3}}, "resume": resume,
+            "stream": "trainyard:job:7:a9", "redis_user": "trainyard-attempt-9", "redis_password": "pw",
+            "proof_key": "ab" * 32, "rdzv_token": "cd" * 16, "spec": {"name": "x", "train": {"steps": 3}}, "resume": resume,
             "collective_timeout_s": None}
 
 
 @pytest.mark.parametrize("resume", [None, {"path": "/ck/job-7/step-00000005-a8", "step": 5, "checkpoint_id": 3}])
 def test_launch_json_is_the_dict_the_agent_always_read(resume):
     msg = Launch(job_id=7, attempt_id=9, node="node-a", node_rank=0, nnodes=2, nproc=1, slots=[0], device="cpu",
-                 rdzv_host="127.0.0.1", local_addr="127.0.0.1", stream=keys.job_stream(7),
+                 rdzv_host="127.0.0.1", local_addr="127.0.0.1", stream=keys.attempt_stream(7, 9),
+                 redis_user="trainyard-attempt-9", redis_password="pw", proof_key="ab" * 32, rdzv_token="cd" * 16,
                  spec={"name": "x", "train": {"steps": 3}}, resume=Resume(**resume) if resume else None)
     wire = msg.model_dump(mode="json")
     assert wire == launch_dict(resume) and list(wire) == list(launch_dict(resume))
@@ -66,9 +68,9 @@ def test_heartbeat_ranks_and_stop():
 
 
 def test_keys_keep_their_values():
-    assert keys.job_stream(7) == "trainyard:job:7" and keys.stream_job_id("trainyard:job:7") == 7
+    assert keys.attempt_stream(7, 9) == "trainyard:job:7:a9" and keys.stream_ids("trainyard:job:7:a9") == (7, 9)
     assert keys.job_log_key(7) == "trainyard:joblog:7"
-    assert keys.preempt_key(9) == "trainyard:preempt:9" and keys.rdzv_port_key(9) == "trainyard:rdzv:9"
+    assert keys.preempt_key(9) == "trainyard:preempt:9" and keys.rdzv_port_key(9, "t0k") == "trainyard:rdzv:9:t0k"
     assert (keys.RELAY_GROUP, keys.RELAY_STATS_KEY, keys.RELAY_ALIVE_KEY) == (
         "relay", "trainyard:relay:stats", "trainyard:relay:alive")
     assert (keys.CONTROL_QUEUE, keys.node_queue("node-a")) == ("control", "node.node-a")

@@ -183,3 +183,26 @@ def test_a_fresh_agent_process_never_initialises_cuda(tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"calls": [], "initialized": False, "devices": 2, "torch_cuda_loaded": True}
+
+
+def test_a_sandbox_gets_only_its_slots_gpu_device_nodes_named_by_uuid(nvml, tmp_path, monkeypatch):
+    """Issue 21 s1: a sandbox binds /dev/nvidia<minor> of its slots' GPUs alone, so CUDA inside
+    renumbers them from 0; the ranks name them by UUID, which stays right."""
+    from tests.test_launcher import request
+    from workers import sandbox
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,2")
+    monitor = gpus.GpuMonitor("3,1,2").start()
+    uuids, nodes = monitor.slot_nodes((1, 2))
+    fake = fake_pynvml.node(4)
+    assert uuids == [fake.gpus[1].uuid, fake.gpus[2].uuid] and nodes == ["/dev/nvidia11", "/dev/nvidia12"]
+    req = dataclasses.replace(request(tmp_path, "node-a", nproc=2), slots=(1, 2), device="cuda", gpu_ids=tuple(uuids))
+    assert launch_spec.build_env(req)["CUDA_VISIBLE_DEVICES"] == ",".join(uuids)
+    m = sandbox.Mounts(run_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), data_root=str(tmp_path / "d"),
+                       devices=tuple(nodes), cuda=True)
+    args = sandbox.bwrap_args(sandbox.SandboxConfig(), m, uid=1, gid=1, env={}, argv=["x"], cwd="/")
+    devs = [args[i + 1] for i, a in enumerate(args) if a == "--dev-bind-try"]
+    assert [d for d in devs if d[len("/dev/nvidia"):].isdigit()] == nodes  # no other GPU's node
+    assert "/dev/nvidiactl" in devs and "/dev/nvidia-uvm" in devs
+    with pytest.raises(gpus.NvmlUnavailable):
+        monitor.slot_nodes((5,))

@@ -100,9 +100,10 @@ def test_catches_signal_reads_the_handler_table():
 def _agent(tmp_path, address, monkeypatch, rec):
     from workers import agent as agent_mod
 
-    agent = agent_mod.Agent("n", address, 2, {}, "cpu", tmp_path / "runs")  # Redis: never used here
-    monkeypatch.setattr(agent, "_rdzv_port", lambda attempt_id, node_rank: 29555)
-    monkeypatch.setattr(agent, "_callbacks", lambda job_id, attempt_id, stream: rec.callbacks())
+    agent = agent_mod.Agent("n", address, 2, {}, "cpu", tmp_path / "runs",  # Redis: never used here
+                            sandbox_cfg=agent_mod.sandbox.SandboxConfig(enabled=False))
+    monkeypatch.setattr(agent, "_rdzv_port", lambda attempt_id, node_rank, token: 29555)
+    monkeypatch.setattr(agent, "_callbacks", lambda job_id, attempt_id, stream, url: rec.callbacks())
     return agent, agent_mod
 
 
@@ -110,7 +111,8 @@ def _launch(**kw):
     from trainyard.launch import Launch
 
     return Launch(job_id=7, attempt_id=3, node="n", node_rank=0, nnodes=1, nproc=1, slots=[0], device="cpu",
-                  rdzv_host="127.0.0.1", local_addr="127.0.0.1", stream="s", spec={}, **kw)
+                  rdzv_host="127.0.0.1", local_addr="127.0.0.1", stream="s", spec={}, redis_user="u",
+                  redis_password="p", proof_key="ab" * 32, rdzv_token="cd" * 16, **kw)
 
 
 def test_the_agent_passes_the_timeout_and_asks_for_stacks_only_when_stopping_a_hung_attempt(
@@ -118,7 +120,7 @@ def test_the_agent_passes_the_timeout_and_asks_for_stacks_only_when_stopping_a_h
     made = []
 
     class FakeSup:
-        def __init__(self, req, **cbs):
+        def __init__(self, req, sandbox=None, **cbs):
             self.req, self.stops = req, []
             made.append(self)
 

@@ -9,7 +9,8 @@ seven Redis names lived in five files.
 Redis (one database, shared by Celery, the streams and the Channels layer):
     control                      Celery queue of the control worker (schedule, reports)
     node.<name>                  Celery queue of one node agent (launch, stop)
-    trainyard:job:<id>           a job's telemetry stream: runtimes and agents XADD, the relay reads
+    trainyard:job:<id>:a<attempt>  one attempt's telemetry stream: only that attempt's own Redis user
+                                 (its ranks, and its agents forwarding its logs) may XADD; the relay reads
     relay                        the relay's consumer group on every job stream
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
@@ -17,7 +18,8 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:alive:<role>       liveness stamps of `control` (worker) and `beat` (TTL expiry, jobs/liveness.py)
     trainyard:relay:deadletter   stream: entries the relay refused (unparseable, forged, poison), capped
     trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (trainyard/sdk/preempt.py)
-    trainyard:rdzv:<attempt>     the rank-0 node's torchrun rendezvous port, for its peer nodes
+    trainyard:rdzv:<attempt>:<token>  the rank-0 node's torchrun rendezvous port, for its peer nodes;
+                                 the token is in the sealed Launch, so no other node can name the key
 
 Disk (each root from one environment variable, resolved to an absolute path here):
     <checkpoint root>/job-<id>/step-<S:08d>-a<attempt>/trainyard.json   a complete checkpoint and its
@@ -46,7 +48,7 @@ def node_queue(node: str) -> str:
 # ---------------------------------------------------------------- Redis keys and streams
 
 JOB_STREAM_PREFIX = "trainyard:job:"
-"""Prefix of the per-job telemetry streams; `JOB_STREAM_PREFIX + "*"` finds them all (SCAN)."""
+"""Prefix of the telemetry streams; `JOB_STREAM_PREFIX + "*"` finds them all (SCAN)."""
 
 RELAY_GROUP = "relay"
 """The consumer group the relay reads every job stream with (entries XACKed after commit)."""
@@ -72,14 +74,17 @@ DEADLETTER_STREAM = "trainyard:relay:deadletter"
 JOB_STREAM_PREFIX, so the relay never reads its own dead letters as a job stream."""
 
 
-def job_stream(job_id: int) -> str:
-    """The Redis Stream a job's runtimes (metrics, events) and agents (logs) write to."""
-    return f"{JOB_STREAM_PREFIX}{int(job_id)}"
+def attempt_stream(job_id: int, attempt_id: int) -> str:
+    """The Redis Stream one attempt's ranks (metrics, events) and agents (its logs) write to. One
+    stream per attempt, writable only by that attempt's Redis user (trainyard.redis_acl): the
+    stream an entry arrived on is the proof of the attempt that wrote it."""
+    return f"{JOB_STREAM_PREFIX}{int(job_id)}:a{int(attempt_id)}"
 
 
-def stream_job_id(stream: str) -> int:
-    """The job id a job stream's name carries (the inverse of `job_stream`)."""
-    return int(stream.rsplit(":", 1)[1])
+def stream_ids(stream: str) -> tuple[int, int]:
+    """(job id, attempt id) of an attempt stream's name (the inverse of `attempt_stream`)."""
+    job, attempt = stream[len(JOB_STREAM_PREFIX):].split(":a")
+    return int(job), int(attempt)
 
 
 def job_log_key(job_id: int) -> str:
@@ -92,9 +97,14 @@ def preempt_key(attempt_id: int) -> str:
     return f"trainyard:preempt:{int(attempt_id)}"
 
 
-def rdzv_port_key(attempt_id: int) -> str:
-    """The torchrun rendezvous port the attempt's node_rank-0 agent picked, read by its peers."""
-    return f"trainyard:rdzv:{int(attempt_id)}"
+RDZV_PREFIX = "trainyard:rdzv:"
+
+
+def rdzv_port_key(attempt_id: int, token: str) -> str:
+    """The torchrun rendezvous port the attempt's node_rank-0 agent picked, read by its peers.
+    `token` comes in the sealed Launch (trainyard.launch.Launch.rdzv_token): a node that is not
+    in the attempt cannot name the key, so it cannot plant a port there."""
+    return f"{RDZV_PREFIX}{int(attempt_id)}:{token}"
 
 
 # ---------------------------------------------------------------- directories

@@ -118,7 +118,15 @@ class Launch(_Message):
     device: str = Field(description="cpu | cuda (the JobSpec's resources.device)")
     rdzv_host: str = Field(description="advertised address of the node_rank-0 node")
     local_addr: str = Field(description="this node's advertised address")
-    stream: str = Field(description="the job's telemetry stream (keys.job_stream)")
+    stream: str = Field(description="the attempt's telemetry stream (keys.attempt_stream)")
+    # The attempt's own secrets (trainyard.attemptauth): its Redis user's password (only XADD to
+    # `stream` and GET of its preemption key), the key its ranks sign checkpoint manifests with,
+    # and the token in its rendezvous-port key. The agent hands the first two to the ranks (in
+    # config.json, readable by the attempt's uid alone) and nothing of its own.
+    redis_user: str = Field(max_length=100, description="trainyard.redis_acl.attempt_user(attempt_id)")
+    redis_password: str = Field(max_length=200)
+    proof_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    rdzv_token: str = Field(pattern=r"^[0-9a-f]{32}$")
     spec: dict[str, Any] = Field(description="the job's validated JobSpec as stored")
     resume: Resume | None = None
     collective_timeout_s: float | None = Field(

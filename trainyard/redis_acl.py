@@ -104,3 +104,19 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+ATTEMPT_USER_PREFIX = "trainyard-attempt-"
+
+
+def attempt_user(attempt_id: int) -> str:
+    """The Redis user of one attempt's ranks (created at launch by the control plane, deleted at its end)."""
+    return f"{ATTEMPT_USER_PREFIX}{int(attempt_id)}"
+
+
+def attempt_rule(attempt_id: int, *, stream: str, preempt_key: str, password_sha: str) -> list[str]:
+    """`ACL SETUSER <attempt_user(attempt_id)>` arguments: XADD to its own stream (in MULTI/EXEC),
+    GET its own preemption key, the connection handshake; nothing else."""
+    return ["reset", "on", f"#{password_sha}", f"%W~{stream}", f"%R~{preempt_key}", "resetchannels", "-@all",
+            "+xadd", "+get", "+multi", "+exec", "+ping", "+auth", "+hello", "+client|setinfo", "+client|setname",
+            "+select", "+quit", "+reset"]

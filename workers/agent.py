@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from trainyard import keys, nodeauth
+from trainyard import keys, nodeauth, redis_acl
 from trainyard.private import private_dir, tighten
 from trainyard.keys import CONTROL_QUEUE, node_queue
 from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, ExitReport, Heartbeat,
@@ -28,8 +28,10 @@ from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK,
 from .celery_app import REDIS_URL, app
 from .launch_spec import InterfaceError
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
-from .entrypoint import UserCodeError, prepare
+from .entrypoint import UserCodeError, check_python_runs, prepare
 from .gpus import GpuMonitor, NvmlUnavailable
+from . import sandbox
+from .launch_spec import CHAOS_VAR
 
 log = logging.getLogger("trainyard.agent")
 HEARTBEAT_S = 2.0
@@ -65,8 +67,10 @@ def start_gpu_monitor(device: str, slots: int) -> GpuMonitor | None:
 
 class Agent:
     def __init__(self, name: str, address: str, slots: int, labels: dict, device: str, run_base: Path,
-                 gpus: GpuMonitor | None = None, credential: str | None = None):
+                 gpus: GpuMonitor | None = None, credential: str | None = None,
+                 sandbox_cfg: sandbox.SandboxConfig | None = None):
         self.name, self.address, self.slots, self.labels, self.device = name, address, slots, labels, device
+        self.sandbox_cfg = sandbox_cfg if sandbox_cfg is not None else sandbox.SandboxConfig.from_env()
         self.credential = credential  # None: unregistered, its heartbeats are a join request
         self.refused_commands = 0
         self.gpus = gpus
@@ -117,14 +121,18 @@ class Agent:
     def run_dir(self, attempt_id: int) -> Path:
         return self.run_base / f"attempt-{int(attempt_id)}"
 
-    def _callbacks(self, job_id: int, attempt_id: int, stream: str) -> dict:
+    def _callbacks(self, job_id: int, attempt_id: int, stream: str, redis_url: str) -> dict:
+        # The attempt's logs go to its own stream with its own Redis user (the node's user cannot
+        # write any job's stream: trainyard/redis_acl.py).
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+
         def on_ranks(ranks: list[dict]) -> None:
             infos = [RankInfo.model_validate(r).model_dump(mode="json") for r in ranks]
             self.report(RANKS_TASK, RanksReport(attempt_id=attempt_id, ranks=infos).model_dump(mode="json"))
 
         def on_log(rank: int, which: str, lines: list[str]) -> None:
             try:
-                self.redis.xadd(stream, {"type": "log", "data": json.dumps(
+                client.xadd(stream, {"type": "log", "data": json.dumps(
                     {"attempt": attempt_id, "rank": rank, "stream": which, "lines": lines, "node": self.name})})
             except redis.RedisError as exc:  # logs are best effort; the files stay on disk
                 log.warning("log forward failed for attempt %s: %s", attempt_id, exc)
@@ -132,14 +140,17 @@ class Agent:
         def on_exit(result: dict) -> None:
             with self._registry_lock:
                 self.supervisors.pop(attempt_id, None)
+            client.close()
             report = NodeExit.model_validate(dict(result, node=self.name))
             self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
 
         return {"on_ranks": on_ranks, "on_log": on_log, "on_exit": on_exit}
 
     # ---------------------------------------------------------------- tasks
-    def _rdzv_port(self, attempt_id: int, node_rank: int) -> int:
-        key = keys.rdzv_port_key(attempt_id)
+    def _rdzv_port(self, attempt_id: int, node_rank: int, token: str) -> int:
+        """The attempt's rendezvous port: picked by its node_rank-0 agent, read by the others, under
+        a key named with the token of the sealed Launch (no node outside the attempt can name it)."""
+        key = keys.rdzv_port_key(attempt_id, token)
         if node_rank == 0:
             # SET NX: a redelivered launch reuses the port its first delivery announced.
             self.redis.set(key, pick_free_port(self.address), nx=True, ex=86400)
@@ -147,7 +158,10 @@ class Agent:
         while time.monotonic() < deadline:
             value = self.redis.get(key)
             if value is not None:
-                return int(value)
+                text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+                if not text.isdigit() or not 0 < int(text) < 65536:
+                    raise ValueError(f"the rendezvous key of attempt {attempt_id} holds {text[:40]!r}, not a port")
+                return int(text)
             time.sleep(0.1)
         raise TimeoutError(f"rank-0 node did not publish a rendezvous port for attempt {attempt_id}")
 
@@ -157,24 +171,37 @@ class Agent:
         if (run_dir / "launched").exists():
             log.info("attempt %s was already launched on %s: ignoring duplicate launch", attempt_id, self.name)
             return False
-        cbs = self._callbacks(job_id, attempt_id, msg.stream)
+        redis_url = redis_acl.url_for(REDIS_URL, msg.redis_user, msg.redis_password)
+        cbs = self._callbacks(job_id, attempt_id, msg.stream, redis_url)
         try:
-            port = self._rdzv_port(attempt_id, msg.node_rank)
-        except (TimeoutError, redis.RedisError) as exc:
+            port = self._rdzv_port(attempt_id, msg.node_rank, msg.rdzv_token)
+        except (TimeoutError, ValueError, redis.RedisError) as exc:
             self._report_failed_start(cbs, attempt_id, f"RendezvousError: {exc}")
             return False
+        private_dir(run_dir)
+        checkpoint_dir = keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)
+        plan = self._sandbox_plan(msg, run_dir, checkpoint_dir)
         try:  # user code: the job's python, its bundle verified and unpacked into run_dir/code
-            user_code = prepare(msg.spec, run_dir, node=self.name)
+            gpu_ids, devices = self._gpus(msg)
+            user_code = prepare(msg.spec, run_dir, node=self.name, ro_roots=plan.ro_roots())
+            plan = self._sandbox_plan(msg, run_dir, checkpoint_dir, code_dir=user_code.get("code_dir", ""),
+                                      devices=devices)
+            if user_code.get("python"):
+                if plan.enabled:
+                    plan.prepare()
+                check_python_runs(user_code["python"], node=self.name,
+                                  run=(lambda argv, t: plan.run({"PATH": "/usr/bin:/bin"}, argv, t)) if plan.enabled else None)
         except UserCodeError as exc:
             log.warning("attempt %s cannot start on %s: %s", attempt_id, self.name, exc)
             self._report_failed_start(cbs, attempt_id, str(exc))
             return False
         config = {
             "job_id": job_id, "attempt_id": attempt_id, "node": self.name, "run_dir": str(run_dir),
-            "redis_url": REDIS_URL, "stream": msg.stream,
+            # The attempt's own Redis user (its stream, its preemption key); nothing of the node's.
+            "redis_url": redis_url, "stream": msg.stream, "proof_key": msg.proof_key,
             "data_root": str(keys.data_root()),
             # The same function and environment variable the control plane's checkpoint_register checks against.
-            "checkpoint_dir": str(keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)),
+            "checkpoint_dir": str(checkpoint_dir),
             "spec": msg.spec,
             "resume": msg.resume.model_dump(mode="json") if msg.resume else None,
             "collective_timeout_s": msg.collective_timeout_s,
@@ -183,23 +210,47 @@ class Agent:
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
             nnodes=msg.nnodes, nproc=msg.nproc, slots=tuple(msg.slots),
             device=msg.device, rdzv_host=msg.rdzv_host, rdzv_port=port, local_addr=self.address,
-            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, **user_code)
+            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, gpu_ids=gpu_ids, **user_code)
+        return self._start(req, cbs, plan, msg.rdzv_host, port)
+
+    def _start(self, req: LaunchRequest, cbs: dict, plan: sandbox.SandboxPlan, rdzv_host: str, port: int) -> bool:
+        attempt_id = req.attempt_id
         with self._lock(attempt_id):
-            sup = Supervisor(req, **cbs)
+            sup = Supervisor(req, **cbs, sandbox=plan)
             try:
                 started = sup.start()
-            except InterfaceError as exc:  # gloo/NCCL would bind elsewhere and hang at init
+            except (InterfaceError, sandbox.SandboxUnavailable, OSError) as exc:  # gloo/NCCL would bind elsewhere
                 log.error("attempt %s cannot start on %s: %s", attempt_id, self.name, exc)
-                self._report_failed_start(cbs, attempt_id, f"InterfaceError: {exc}")
+                self._report_failed_start(cbs, attempt_id, f"{type(exc).__name__}: {exc}")
                 return False
             if not started:
                 log.info("attempt %s already launched on %s: not starting it again", attempt_id, self.name)
                 return False
             with self._registry_lock:
                 self.supervisors[attempt_id] = sup
-        log.info("launched attempt %s (job %s) on %s, rdzv %s:%s", attempt_id, job_id, self.name,
-                 msg.rdzv_host, port)
+        log.info("launched attempt %s (job %s) on %s, rdzv %s:%s%s", attempt_id, req.job_id, self.name,
+                 rdzv_host, port, "" if plan.enabled else " UNSANDBOXED (TRAINYARD_INSECURE_NO_SANDBOX=1)")
         return True
+
+    def _gpus(self, msg: Launch) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(UUIDs, device nodes) of a cuda attempt's GPUs in a sandbox; () () otherwise."""
+        if msg.device != "cuda" or not self.sandbox_cfg.enabled or self.gpus is None:
+            return (), ()
+        try:
+            uuids, nodes = self.gpus.slot_nodes(msg.slots)
+        except NvmlUnavailable as exc:
+            raise UserCodeError(f"PlacementError: the GPUs of slots {msg.slots} cannot be named on node "
+                                f"{self.name}: {exc}") from None
+        return tuple(uuids), tuple(nodes)
+
+    def _sandbox_plan(self, msg: Launch, run_dir: Path, checkpoint_dir: Path, *, code_dir: str = "",
+                      devices: tuple[str, ...] = ()) -> sandbox.SandboxPlan:
+        chaos = os.environ.get(CHAOS_VAR, "")
+        mounts = sandbox.Mounts(
+            run_dir=str(run_dir), checkpoint_dir=str(checkpoint_dir), data_root=str(keys.data_root()),
+            code_dir=code_dir, python_prefixes=sandbox.agent_python_prefixes(),
+            extra_rw=(chaos,) if chaos else (), devices=devices, cuda=msg.device == "cuda")
+        return sandbox.SandboxPlan.for_attempt(self.sandbox_cfg, mounts, job_id=msg.job_id, attempt_id=msg.attempt_id)
 
     @staticmethod
     def _report_failed_start(cbs: dict, attempt_id: int, message: str) -> None:
@@ -242,7 +293,8 @@ class Agent:
             except (OSError, ValueError):
                 continue
             attempt_id = int(cfg["attempt_id"])
-            sup = Supervisor.adopt(run_dir, **self._callbacks(int(cfg["job_id"]), attempt_id, cfg["stream"]))
+            sup = Supervisor.adopt(run_dir, **self._callbacks(int(cfg["job_id"]), attempt_id, cfg["stream"],
+                                                              cfg["redis_url"]))
             if sup is not None:
                 with self._registry_lock:
                     self.supervisors[attempt_id] = sup
@@ -301,6 +353,29 @@ def load_credential(path: str, name: str) -> str | None:
         raise SystemExit(f"--credential-file: {exc}") from None
 
 
+def sandbox_config() -> sandbox.SandboxConfig:
+    """The agent's sandbox settings, checked by making one sandbox: a node where it cannot be made
+    refuses to start (the message names what is missing), unless the operator set
+    TRAINYARD_INSECURE_NO_SANDBOX=1, which is logged loudly at start and on every launch."""
+    try:
+        cfg = sandbox.SandboxConfig.from_env()
+        if cfg.enabled:
+            sandbox.probe(cfg)
+    except sandbox.SandboxUnavailable as exc:
+        raise SystemExit(f"the node agent cannot start: {exc}") from None
+    if not cfg.enabled:
+        log.warning("%s", "!" * 100)
+        log.warning("%s=1: jobs run UNSANDBOXED, as this agent's own user: any job's code can read this node's "
+                    "credentials and other jobs' files and processes", sandbox.INSECURE_ENV)
+        log.warning("%s", "!" * 100)
+    else:
+        log.info("job sandbox: bubblewrap, uids from %d, read-only extras %s, variables passed on %s",
+                 cfg.uid_base, list(cfg.ro_paths), list(cfg.pass_env))
+    if os.environ.get(CHAOS_VAR):
+        log.warning("%s is set: test-only fault injection is on, its directory is writable by every job", CHAOS_VAR)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> None:
     global AGENT
     ap = argparse.ArgumentParser(prog="python -m workers.agent", description=__doc__.splitlines()[0])
@@ -321,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     gpus = start_gpu_monitor(args.device, args.slots)
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
-                  Path(args.run_dir).resolve() / args.name, gpus, credential)
+                  Path(args.run_dir).resolve() / args.name, gpus, credential, sandbox_cfg=sandbox_config())
     AGENT.adopt_running()
     from celery.signals import worker_shutting_down
 

@@ -166,6 +166,23 @@ class GpuMonitor:
                 self.xid_events.setdefault(index, collections.deque(maxlen=XID_KEEP)).append(event)
                 self.xid_counts[index] += 1
 
+    def slot_nodes(self, slots: tuple[int, ...] | list[int]) -> tuple[list[str], list[str]]:
+        """(UUIDs, /dev/nvidia<minor> paths) of these slots' GPUs: what a sandbox binds and what its
+        ranks name in CUDA_VISIBLE_DEVICES (only these GPUs' device nodes are in the sandbox, so CUDA
+        numbers them from 0: UUIDs are the names that stay right). Raises NvmlUnavailable."""
+        pynvml = self.nvml
+        if pynvml is None:
+            raise NvmlUnavailable("NVML is not started")
+        uuids, nodes = [], []
+        try:
+            for slot in slots:
+                _, handle = self.handles[slot]
+                uuids.append(_text(pynvml.nvmlDeviceGetUUID(handle)))
+                nodes.append(f"/dev/nvidia{int(pynvml.nvmlDeviceGetMinorNumber(handle))}")
+        except (IndexError, pynvml.NVMLError) as exc:
+            raise NvmlUnavailable(f"cannot name the GPUs of slots {list(slots)}: {exc}") from exc
+        return uuids, nodes
+
     def devices(self) -> list[dict]:
         """One dict per visible GPU, in slot order (the heartbeat's `devices`); [] if NVML fails now."""
         if self.nvml is None:

@@ -39,6 +39,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -370,3 +371,26 @@ class SandboxPlan:
         args = bwrap_args(self.cfg, self.mounts, uid=self.uid, gid=self.gid, env=env, argv=argv, cwd=cwd)
         cut = args.index("--")
         return tools["bwrap"], args[:cut], args[cut + 1:]
+
+    def ro_roots(self) -> tuple[str, ...] | None:
+        """The read-only paths programs the job names must lie under (None: no sandbox)."""
+        if not self.enabled:
+            return None
+        return ("/usr", *self.mounts.python_prefixes, *self.cfg.ro_paths)
+
+    def run(self, env: Mapping[str, str], argv: list[str], timeout_s: float) -> tuple[int, str]:
+        """Run a short command in this sandbox (the job's python probe): (exit code, stderr).
+        Raises subprocess.TimeoutExpired."""
+        from trainyard.private import write_private
+
+        bwrap, options, command = self.command(env, argv, "/")
+        path = os.path.join(self.mounts.run_dir, f"probe.args.{os.getpid()}.{threading.get_ident()}")
+        write_private(path, encode_args(options).decode())
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            done = subprocess.run([bwrap, "--args", str(fd), "--", *command], pass_fds=(fd,), capture_output=True,
+                                  text=True, timeout=timeout_s, stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return done.returncode, done.stderr

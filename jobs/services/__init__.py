@@ -7,13 +7,14 @@ each importing only the ones below it:
 
     jobs         submit, cancel, rollback, apply a recommendation  (what users ask for)
     scheduling   schedule_tick, eta_refresh, launching a placement
-    ingest       telemetry_ingest, runtime events, the job's stream name
+    ingest       telemetry_ingest, runtime events
     quotas       quotas_update, quota_audit
     nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
     attempts     stop, preempt, finish and its outcome, hang/straggler/profile checks
     knowledge    the knowledge base: one record per ended attempt with enough warm steps
     profiling    the running attempt's profile (what bounds its step, the recommendation)
     checkpoints  register, reconcile, retention, resume point, pin
+    busaccess    each attempt's own bus credentials: its Redis user and the secrets its Launch carries
     events       job events, the status compare-and-set, their publication
     bundles      code bundles: store, the submit check (bundle_files), garbage collection
     calibration  calibrations: request one of a node, store a report's fit, the newest constants
@@ -23,6 +24,7 @@ This module is the package's public API: `services.job_submit(user=..., spec=...
 from __future__ import annotations
 
 from .attempts import attempt_preempt, attempts_check
+from .busaccess import attempt_access_reconcile
 from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
 from .calibration import calibration_report, calibration_request, calibration_store
 from .checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
@@ -38,7 +40,7 @@ __all__ = [
     "bundle_store", "bundles_gc", "calibration_report", "calibration_request", "calibration_store",
     "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
-    "job_rollback", "job_stream",
+    "job_rollback", "attempt_access_reconcile",
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
     "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "telemetry_ingest",
 ]

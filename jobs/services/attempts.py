@@ -18,6 +18,7 @@ from django.utils import timezone
 from .. import dispatch, selectors
 from ..models import Attempt, Job, Node
 from ..policy import diagnosis, gpu_health
+from .busaccess import attempt_access_end
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_publish_status, job_set_status
 from .knowledge import knowledge_record
@@ -48,6 +49,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
     if not Attempt.objects.filter(pk=attempt.pk).exclude(status=Attempt.Status.ENDED).update(
             status=Attempt.Status.ENDED, outcome=outcome, failure=failure, ended_at=timezone.now()):
         return
+    attempt_access_end(attempt)  # its Redis user goes (a fenced one keeps the read of its fence)
     job_event(job, "attempt_ended", f"attempt {attempt.number} ended: {outcome}", attempt=attempt,
            outcome=outcome, **({"evidence": failure} if failure else {}))
     knowledge_record(attempt)  # whatever the outcome: its warm steps measured the configuration

@@ -7,9 +7,12 @@ keep, resume from or supersede is jobs/policy/checkpoints.py's decision.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import os
 import shutil
+import stat
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +21,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from trainyard import keys
+from trainyard import attemptauth, keys, safefs
 from trainyard.spec import CheckpointSpec
 
 from .. import dispatch
@@ -26,6 +29,7 @@ from ..errors import TransitionError
 from ..models import Attempt, Checkpoint, Job
 from ..payloads import checkpoint_dict
 from ..policy import checkpoints as ckpt_policy
+from .busaccess import attempt_secrets
 from .events import job_event
 
 if TYPE_CHECKING:
@@ -88,52 +92,58 @@ MANIFEST_MAX_BYTES = 1 << 20
 MANIFEST_FORMAT = 1  # trainyard/sdk/layout.py FORMAT
 
 
-def _listed_files_missing(directory: Path, manifest: dict) -> str:
-    """'' when every file the manifest lists is there with its size (a manifest without a list,
-    written before it had one, needs at least one DCP data file); else what is missing."""
+def _listed_files_missing(job_dir: Path, name: str, manifest: dict) -> str:
+    """'' when every file the manifest lists is in the checkpoint directory `name` with its size
+    (opened without following links: the directory is the job's); else what is missing."""
     files = manifest.get("files")
-    if files is None:
-        return "" if any(directory.glob("*.distcp")) else "no DCP data file (*.distcp)"
+    if files is None:  # written before manifests had a list: at least one DCP data file
+        try:
+            names = [n for n, mode in safefs.list_beneath(job_dir, name) if stat.S_ISREG(mode)]
+        except OSError:
+            names = []
+        return "" if any(n.endswith(".distcp") for n in names) else "no DCP data file (*.distcp)"
     if not isinstance(files, dict) or not files:
         return "its file list is not a non-empty object"
-    for name, size in files.items():
-        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-            return f"it lists an unsafe file name {str(name)[:80]!r}"
-        f = directory / name
-        if f.is_symlink() or not f.is_file():
-            return f"listed file {name} is missing"
-        if type(size) is int and f.stat().st_size != size:
-            return f"listed file {name} has {f.stat().st_size} bytes, the manifest says {size}"
+    for fname, size in files.items():
+        if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname in ("", ".", ".."):
+            return f"it lists an unsafe file name {str(fname)[:80]!r}"
+        try:
+            fd = safefs.open_beneath(job_dir, f"{name}/{fname}")
+        except OSError:
+            return f"listed file {fname} is missing"
+        try:
+            actual = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if type(size) is int and actual != size:
+            return f"listed file {fname} has {actual} bytes, the manifest says {size}"
     return ""
 
 
 def checkpoint_verify(job_id: int, attempt_id: int, step: object, path: object) -> tuple[Path | None, str]:
     """(the checkpoint's directory, '') when `path` is a complete checkpoint of this job's attempt
-    at this step, else (None, why not). Complete: a directory (not a symlink) named
-    keys.step_dir_name(step, attempt) right inside the job's checkpoint directory (symlinks
-    resolved, `..` refused), its manifest a regular JSON file naming the same job, attempt and
-    step, and every file the manifest lists present with its size."""
+    at this step, else (None, why not). Complete: the directory keys.step_dir_name(step, attempt)
+    right inside the job's checkpoint directory (no `..`, nothing on the way a symlink: the job
+    writes that directory), its manifest a regular JSON file naming the same job, attempt and step
+    and carrying that attempt's proof (trainyard.attemptauth: made with the key of its sealed
+    Launch, so a directory planted by anything but the attempt's own ranks never counts), and every
+    file the manifest lists present with its size."""
     if type(step) is not int or step < 0 or not isinstance(path, str) or not path:
         return None, f"malformed checkpoint report: step {step!r:.40}, path {path!r:.200}"
     raw = Path(path)
     job_dir = _job_checkpoint_dir(job_id)
+    name = keys.step_dir_name(step, attempt_id)
     if not raw.is_absolute() or ".." in raw.parts:
         return None, f"checkpoint path {path[:200]} is not an absolute path without '..'"
-    try:
-        resolved = raw.resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable directory
-        return None, f"checkpoint path {path[:200]} cannot be resolved: {str(exc)[:200]}"
-    if resolved.parent != job_dir or raw.is_symlink():
+    if Path(os.path.normpath(raw)).parent != job_dir:
         return None, f"checkpoint path {path[:200]} is not a directory inside {job_dir}"
-    if resolved.name != keys.step_dir_name(step, attempt_id):
-        return None, f"checkpoint directory {resolved.name} is not {keys.step_dir_name(step, attempt_id)}"
-    manifest_path = resolved / keys.MANIFEST
+    if raw.name != name:
+        return None, f"checkpoint directory {raw.name[:100]} is not {name}"
+    manifest_path = job_dir / name / keys.MANIFEST
     try:
-        if not resolved.is_dir() or manifest_path.is_symlink() or not manifest_path.is_file():
-            return None, f"{resolved} has no manifest {keys.MANIFEST}: not a complete checkpoint"
-        if manifest_path.stat().st_size > MANIFEST_MAX_BYTES:
-            return None, f"{manifest_path} is over {MANIFEST_MAX_BYTES} bytes"
-        manifest = json.loads(manifest_path.read_bytes())
+        manifest = json.loads(safefs.read_small(job_dir, f"{name}/{keys.MANIFEST}", max_bytes=MANIFEST_MAX_BYTES))
+    except FileNotFoundError:
+        return None, f"{job_dir / name} has no manifest {keys.MANIFEST}: not a complete checkpoint"
     except (OSError, ValueError) as exc:
         return None, f"unreadable manifest {manifest_path}: {str(exc)[:200]}"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
@@ -141,10 +151,13 @@ def checkpoint_verify(job_id: int, attempt_id: int, step: object, path: object) 
     for key, want in (("job_id", job_id), ("attempt_id", attempt_id), ("step", step)):
         if manifest.get(key) != want or type(manifest.get(key)) is not int:
             return None, f"{manifest_path} says {key} {str(manifest.get(key))[:40]}, the report {want}"
-    missing = _listed_files_missing(resolved, manifest)
+    attempt = Attempt.objects.filter(pk=attempt_id, job_id=job_id).first()
+    if attempt is None or not attemptauth.manifest_proof_ok(attempt_secrets(attempt).proof_key, manifest):
+        return None, f"{manifest_path} carries no valid proof of attempt {attempt_id}: not written by its ranks"
+    missing = _listed_files_missing(job_dir, name, manifest)
     if missing:
-        return None, f"checkpoint {resolved} is incomplete: {missing}"
-    return resolved, ""
+        return None, f"checkpoint {job_dir / name} is incomplete: {missing}"
+    return job_dir / name, ""
 
 
 def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
@@ -200,9 +213,17 @@ def _apply_retention(job: Job) -> None:
 
 
 def _delete_checkpoint_files(path: str) -> None:
-    p = Path(path).resolve()
-    if _checkpoint_root() not in p.parents:
-        log.error("refusing to delete %s: outside the checkpoint root %s", p, _checkpoint_root())
+    """Delete one checkpoint directory: only a real directory (not a link a job put in its place)
+    right inside a job's directory under the root; rmtree itself never follows links inside."""
+    p = Path(os.path.normpath(path))
+    if p.parent.parent != _checkpoint_root() or not p.parent.name.startswith("job-"):
+        log.error("refusing to delete %s: not a checkpoint directory of a job under %s", p, _checkpoint_root())
+        return
+    try:
+        if not stat.S_ISDIR(os.lstat(p).st_mode):
+            log.error("refusing to delete %s: not a directory (a link planted in its place?)", p)
+            return
+    except FileNotFoundError:
         return
     shutil.rmtree(p, ignore_errors=True)
 
@@ -212,24 +233,29 @@ def checkpoints_reconcile(job: Job) -> int:
     lost the report, between its rename and its report). A directory counts only with its
     manifest trainyard.json, which rank 0 writes last, before the rename."""
     root = _job_checkpoint_dir(job.pk)
-    if not root.is_dir():
-        return 0
     known = set(job.checkpoints.values_list("path", flat=True))
     found = 0
-    for manifest in sorted(root.glob(f"{keys.STEP_DIR_GLOB}/{keys.MANIFEST}")):
-        if str(manifest.parent.resolve()) in known:
+    try:
+        entries = safefs.list_beneath(root)
+    except OSError as exc:
+        log.warning("cannot list %s: %s", root, exc)
+        return 0
+    for name, mode in entries:  # lstat modes: a link in the job's directory is never followed
+        if not stat.S_ISDIR(mode) or not fnmatch.fnmatch(name, keys.STEP_DIR_GLOB) or str(root / name) in known:
             continue
         try:
-            meta = json.loads(manifest.read_text())
+            meta = json.loads(safefs.read_small(root, f"{name}/{keys.MANIFEST}", max_bytes=MANIFEST_MAX_BYTES))
             attempt_id = int(meta["attempt_id"])
+        except FileNotFoundError:
+            continue
         except (OSError, ValueError, KeyError, TypeError):
-            log.warning("unreadable checkpoint manifest %s", manifest)
+            log.warning("unreadable checkpoint manifest in %s/%s", root, name)
             continue
         if not job.attempts.filter(pk=attempt_id).exists():
             continue
-        if checkpoint_register(attempt_id, data={**meta, "path": str(manifest.parent)}) is not None:
+        if checkpoint_register(attempt_id, data={**meta, "path": str(root / name)}) is not None:
             found += 1
-            log.info("registered checkpoint %s from its manifest", manifest.parent)
+            log.info("registered checkpoint %s from its manifest", root / name)
     return found
 
 

@@ -24,6 +24,7 @@ from ..models import Allocation, Attempt, ControlPlaneClock, Job, Node
 from ..policy import gpu_health
 from ..policy.scheduling.eligibility import summarize_devices
 from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
+from .busaccess import attempt_access_fence
 from .events import job_event, job_set_status
 from .identity import join_request, security_event
 
@@ -169,6 +170,7 @@ def attempt_fence(attempt: Attempt, node: str) -> None:
               f"was lost, so its ranks may still run; nothing of theirs after that step is kept",
               attempt=attempt, node=node, step=attempt.last_step)
     transaction.on_commit(partial(dispatch.fence, attempt.pk, f"node_lost:{node}"))
+    attempt_access_fence(attempt)  # its ranks may read the fence, and write nothing more
 
 
 def control_plane_clock() -> ControlPlaneClock:

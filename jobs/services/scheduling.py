@@ -15,13 +15,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from trainyard import keys
+from trainyard import keys, redis_acl
 from trainyard.launch import Launch, Resume
 
 from .. import dispatch, selectors
 from ..models import Allocation, Attempt, Job, Node, SchedulerLock
 from ..policy import diagnosis, scheduling
 from .attempts import attempt_preempt
+from .busaccess import attempt_access_grant, attempt_secrets
 from .checkpoints import checkpoints_reconcile, resume_checkpoint
 from .events import job_event, job_set_status
 
@@ -76,11 +77,14 @@ def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: 
     """The Launch message of one node's share of an attempt, from what the database holds (so the
     launch can be sent again, identical, by `launch_resend`)."""
     resume = attempt.resumed_from
+    secrets = attempt_secrets(attempt)
     return Launch(
         job_id=job.pk, attempt_id=attempt.pk, node=alloc.node.name, node_rank=alloc.node_rank,
         nnodes=nnodes, nproc=len(alloc.slot_ids), slots=list(alloc.slot_ids),
         device=job.spec["resources"]["device"], rdzv_host=rdzv_host, local_addr=local_addr,
-        stream=keys.job_stream(job.pk), spec=job.spec,
+        stream=keys.attempt_stream(job.pk, attempt.pk), redis_user=redis_acl.attempt_user(attempt.pk),
+        redis_password=secrets.redis_password, proof_key=secrets.proof_key, rdzv_token=secrets.rdzv_token,
+        spec=job.spec,
         collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
                                                           settings.TRAINYARD_HANG_FLOOR_S),
         resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
@@ -115,6 +119,7 @@ def launch_resend(attempt: Attempt) -> None:
     if not allocs:
         return
     host = allocs[0].node.address
+    attempt_access_grant(attempt)  # its user may have been lost with the first sends
     for alloc in allocs:
         payload = launch_payload(attempt.job, attempt, alloc, rdzv_host=host, nnodes=len(allocs),
                                  local_addr=alloc.node.address)
@@ -140,6 +145,7 @@ def _start_attempt(placement: scheduling.Placement) -> bool:
     if number > 1:  # progress restarts where this attempt resumes; the charts rewind there too
         Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
+    attempt_access_grant(attempt)  # after commit, before the launches: the ranks' own Redis user
     for share in placement.shares:
         alloc = Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
                                           slot_ids=list(share.slot_ids))

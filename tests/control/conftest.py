@@ -15,6 +15,9 @@ def sent(monkeypatch):
     monkeypatch.setattr(dispatch, "request_tick", lambda: calls.append(("tick",)))
     monkeypatch.setattr(dispatch, "fence", lambda attempt_id, reason: calls.append(("fence", attempt_id, reason)))
     monkeypatch.setattr(dispatch, "publish", lambda group, message: calls.append(("publish", group, message)))
+    monkeypatch.setattr(dispatch, "bus_user_grant", lambda attempt_id, job_id, password, fenced=False: calls.append(
+        ("bus_user", attempt_id, "fenced" if fenced else "granted")))
+    monkeypatch.setattr(dispatch, "bus_user_revoke", lambda ids: calls.extend(("bus_user", a, "revoked") for a in ids))
     return calls
 
 

@@ -9,9 +9,9 @@ from django.db import OperationalError
 from jobs import entries, services
 from jobs.models import Checkpoint, JobEvent, MetricSample
 from jobs.telemetry import POISON_TRIES, Relay
-from trainyard.keys import job_stream
+from trainyard.keys import attempt_stream
 
-from .test_fault import write_ckpt
+from .test_fault import signed, write_ckpt
 from .test_services import start, submit
 
 GOOD = {"rank": 0, "step": 1, "ts": 1.0, "loss": 0.5, "attempt": 3, "averaged": True, "metrics": {"acc": 1}}
@@ -66,13 +66,16 @@ def test_an_entry_without_data_or_over_the_size_limit_is_refused():
         entries.parse_entry({b"type": b"log", b"data": b" " * (entries.MAX_ENTRY_BYTES + 1)})
 
 
-@pytest.mark.parametrize("name, job_id", [
-    ("trainyard:job:7", 7), ("trainyard:job:123456", 123456), ("trainyard:job:07", None), ("trainyard:job:0", None),
-    ("trainyard:job:x", None), ("trainyard:job:7:8", None), ("trainyard:job:", None), ("trainyard:job:-1", None),
-    ("trainyard:job:7 ", None), ("trainyard:job:" + "9" * 30, None),
+@pytest.mark.parametrize("name, ids", [
+    ("trainyard:job:7:a3", (7, 3)), ("trainyard:job:123456:a9", (123456, 9)), ("trainyard:job:7", None),
+    ("trainyard:job:07:a1", None), ("trainyard:job:0:a1", None), ("trainyard:job:7:a0", None),
+    ("trainyard:job:x:a1", None), ("trainyard:job:7:8", None), ("trainyard:job:", None), ("trainyard:job:-1:a1", None),
+    ("trainyard:job:7:a1 ", None), ("trainyard:job:" + "9" * 30 + ":a1", None),
 ])
-def test_only_names_job_stream_makes_are_job_streams(name, job_id):
-    assert entries.stream_job_id(name) == job_id
+def test_only_names_attempt_stream_makes_are_streams(name, ids):
+    assert entries.stream_ids(name) == ids
+    if ids:
+        assert attempt_stream(*ids) == name
 
 
 def test_dead_letters_are_capped_and_keep_a_bounded_copy():
@@ -108,21 +111,24 @@ def test_a_round_applies_its_own_jobs_entries_and_dead_letters_foreign_or_unveri
     att_a, att_b = start(a), start(b)
     real = write_ckpt(ckpt_root, a, att_a, 10)
     forged = ckpt_root / f"job-{a.pk}" / f"step-00000020-a{att_a.pk}"
-    read = [(job_stream(a.pk), [
+    read = [(attempt_stream(a.pk, att_a.pk), [
         entry(0, 1, "metrics", [{**GOOD, "attempt": att_a.pk}]),
         entry(0, 2, "metrics", [{**GOOD, "attempt": att_b.pk, "step": 99}]),
         entry(0, 3, "event", {"kind": "checkpoint", "attempt": att_a.pk, "step": 10, "path": str(real)}),
         entry(0, 4, "event", {"kind": "checkpoint", "attempt": att_a.pk, "step": 20, "path": str(forged)}),
         entry(0, 5, "log", {"attempt": att_b.pk, "rank": 0, "lines": ["forged"]}),
         entry(0, 6, "log", {"rank": 0, "lines": ["no attempt: live list only"]}),
-    ]), ("trainyard:job:999999", [entry(0, 7, "metrics", [{**GOOD, "attempt": att_a.pk}])])]
+    ]), (attempt_stream(a.pk, att_b.pk), [entry(0, 8, "metrics", [{**GOOD, "attempt": att_b.pk}])]),
+        ("trainyard:job:999999:a1", [entry(0, 7, "metrics", [{**GOOD, "attempt": att_a.pk}])])]
     relay = offline_relay()
     ok, dead = relay.sort(read)
     assert [p.entry_id for p in ok] == [b"1-0", b"3-0", b"6-0"]
+    own = f"arrived on attempt {att_a.pk}'s stream"
     assert [(d[1], d[3]) for d in dead] == [
-        (b"2-0", f"attempt {att_b.pk} is not an attempt of job {a.pk}"),
+        (b"2-0", f"it names attempt {att_b.pk} but {own}"),
         (b"4-0", f"{forged} has no manifest trainyard.json: not a complete checkpoint"),
-        (b"5-0", f"attempt {att_b.pk} is not an attempt of job {a.pk}")]
+        (b"5-0", f"it names attempt {att_b.pk} but {own}"),
+        (b"8-0", f"attempt {att_b.pk} is not an attempt of job {a.pk}")]
     assert relay._stats_delta["orphaned_total"] == 1  # job 999999 does not exist: dropped, not dead-lettered
     assert relay.apply(ok, dead) == ok
     assert list(Checkpoint.objects.values_list("step", flat=True)) == [10]
@@ -134,7 +140,7 @@ def test_an_entry_that_raises_when_applied_is_dead_lettered_after_n_tries_and_th
         user, nodes, monkeypatch):
     job = submit(user)
     attempt = start(job)
-    read = [(job_stream(job.pk), [
+    read = [(attempt_stream(job.pk, attempt.pk), [
         entry(0, 1, "metrics", [{**GOOD, "attempt": attempt.pk}]),
         entry(0, 2, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk, "count": 13}),
         entry(0, 3, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk, "count": 1})])]
@@ -161,13 +167,13 @@ def test_an_entry_that_raises_when_applied_is_dead_lettered_after_n_tries_and_th
 def test_a_round_that_keeps_failing_is_dead_lettered_not_read_forever(user, nodes):
     job = submit(user)
     attempt = start(job)
-    read = [(job_stream(job.pk), [entry(0, 1, "metrics", [{**GOOD, "attempt": attempt.pk}])])]
+    read = [(attempt_stream(job.pk, attempt.pk), [entry(0, 1, "metrics", [{**GOOD, "attempt": attempt.pk}])])]
     relay = offline_relay()
-    relay.streams = {job_stream(job.pk): ">"}
+    relay.streams = {attempt_stream(job.pk, attempt.pk): ">"}
     for _ in range(POISON_TRIES):
-        relay._round = [(job_stream(job.pk), b"1-0")]
+        relay._round = [(attempt_stream(job.pk, attempt.pk), b"1-0")]
         relay.round_failed(RuntimeError("fan-out bug"))
-        assert relay.streams == {job_stream(job.pk): "0"}  # read again from its own pending entries
+        assert relay.streams == {attempt_stream(job.pk, attempt.pk): "0"}  # read again from its own pending entries
     ok, dead = relay.sort(read)
     assert ok == [] and dead[0][3] == "processing it failed 3 times, last: RuntimeError: fan-out bug"
 
@@ -176,7 +182,7 @@ def test_a_round_that_keeps_failing_is_dead_lettered_not_read_forever(user, node
 def test_database_errors_are_retried_with_backoff_and_the_round_committed_once(user, nodes, monkeypatch):
     job = submit(user)
     attempt = start(job)
-    read = [(job_stream(job.pk), [entry(0, 1, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk,
+    read = [(attempt_stream(job.pk, attempt.pk), [entry(0, 1, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk,
                                                         "count": 2})])]
     real, fails = services.telemetry_ingest, [2]
 
@@ -201,7 +207,7 @@ def test_checkpoint_verify_accepts_only_a_complete_checkpoint_of_this_job_attemp
     job = submit(user)
     attempt = start(job)
     d = write_ckpt(ckpt_root, job, attempt, 10)
-    assert services.checkpoint_verify(job.pk, attempt.pk, 10, str(d)) == (d.resolve(), "")
+    assert services.checkpoint_verify(job.pk, attempt.pk, 10, str(d)) == (d, "")
     assert "is not step-00000020" in services.checkpoint_verify(job.pk, attempt.pk, 20, str(d))[1]
     assert "is not step-00000010-a" in services.checkpoint_verify(job.pk, attempt.pk + 1, 10, str(d))[1]
     assert "without '..'" in services.checkpoint_verify(job.pk, attempt.pk, 10, str(d / ".." / d.name))[1]
@@ -214,10 +220,17 @@ def test_checkpoint_verify_accepts_only_a_complete_checkpoint_of_this_job_attemp
                         ({"files": {"__0_0.distcp": 100, "rank-0.pt": 5}}, "listed file rank-0.pt is missing"),
                         ({"files": {"__0_0.distcp": 99}}, "has 100 bytes, the manifest says 99"),
                         ({"files": {"../x": 1}}, "unsafe file name")):
-        manifest.write_text(json.dumps({**meta, **change}))
+        manifest.write_text(json.dumps(signed({**meta, **change}, attempt)))
         assert why in services.checkpoint_verify(job.pk, attempt.pk, 10, str(d))[1], change
-    manifest.write_text(json.dumps({**meta, "files": {"__0_0.distcp": 100}}))
+    manifest.write_text(json.dumps(signed({**meta, "files": {"__0_0.distcp": 100}}, attempt)))
     assert services.checkpoint_verify(job.pk, attempt.pk, 10, str(d))[1] == ""
+    # Issue 21 s3: a manifest without the attempt's proof, or with another attempt's, never counts.
+    other = start(submit(user))
+    for bad in ({k: v for k, v in meta.items() if k != "proof"}, {**signed(meta, other)},
+                {**meta, "proof": "0" * 64}, {**meta, "size_bytes": 1}):
+        manifest.write_text(json.dumps(bad))
+        assert "carries no valid proof of attempt" in services.checkpoint_verify(job.pk, attempt.pk, 10, str(d))[1]
+    manifest.write_text(json.dumps(signed(meta, attempt)))
     manifest.write_text("{")
     assert "unreadable manifest" in services.checkpoint_verify(job.pk, attempt.pk, 10, str(d))[1]
 

@@ -15,14 +15,23 @@ from tests.nodes import node_up
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("ckpt_root", "relay_alive")]
 
 
+def signed(manifest: dict, attempt) -> dict:
+    """The manifest with the proof the attempt's ranks add (its key from the sealed Launch)."""
+    from jobs.services.busaccess import attempt_secrets
+    from trainyard import attemptauth
+
+    body = {k: v for k, v in manifest.items() if k != "proof"}
+    return {**body, "proof": attemptauth.manifest_proof(attempt_secrets(attempt).proof_key, body)}
+
+
 def write_ckpt(root, job, attempt, step, manifest=True):
     d = root / f"job-{job.pk}" / f"step-{step:08d}-a{attempt.pk}"
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(b"x" * 100)
     if manifest:
-        (d / "trainyard.json").write_text(json.dumps({
+        (d / "trainyard.json").write_text(json.dumps(signed({
             "format": 1, "job_id": job.pk, "attempt_id": attempt.pk, "step": step, "world_size": 2,
-            "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}))
+            "size_bytes": 100, "blocking_s": 0.01, "save_s": 0.2}, attempt)))
     return d
 
 

@@ -12,7 +12,7 @@ from django.test import Client
 
 from jobs import prometheus, services
 from jobs.prometheus import Exposition
-from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_stream
+from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, attempt_stream
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.django_db
@@ -150,7 +150,7 @@ def test_relay_counters_backlog_and_lag_from_redis(staff, redis_server, settings
     r.hset(RELAY_STATS_KEY, mapping={"samples_total": 1234, "entries_total": 56, "batches_total": 7,
                                "last_batch_unixtime": 1700000000.5, "last_batch_samples": 10,
                                "last_batch_seconds": 0.004, "publish_errors_total": 0})
-    stream = job_stream(41)
+    stream = attempt_stream(41, 3)
     r.xgroup_create(stream, RELAY_GROUP, id="0", mkstream=True)
     old_ms = int(time.time() * 1000) - 3000  # an entry written 3 s ago and never committed
     r.xadd(stream, {"type": "metrics", "data": json.dumps([])}, id=f"{old_ms}-0")

@@ -7,7 +7,7 @@ import redis
 from jobs import services
 from jobs.models import MetricSample
 from jobs.telemetry import Relay
-from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_log_dir, job_log_key, job_stream, rank_log_path
+from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_log_dir, attempt_stream, job_log_key, rank_log_path
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]
 
@@ -35,7 +35,7 @@ def test_relay_ingests_and_acks(user, nodes, redis_server):
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     for step in range(1, 51):
         r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, step), sample(attempt.pk, 1, step)])})
     r.xadd(stream, {"type": "log", "data": json.dumps({"attempt": attempt.pk, "rank": 1, "lines": ["hello", "world"]})})
@@ -54,7 +54,7 @@ def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, no
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     for step in range(1, 21):
         r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, step)])})
     first = Relay(redis_server.url, block_ms=20)
@@ -75,14 +75,14 @@ def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_se
     attempt = job.attempts.get()
     gone = services.job_submit(user=user, spec={"name": "deleted later"})
     r = redis.Redis.from_url(redis_server.url)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     for i in range(30):  # the agent's entries (workers/agent.py on_log): one per rank and stream per poll
         for rank in (0, 1):
             r.xadd(stream, {"type": "log", "data": json.dumps(
                 {"attempt": attempt.pk, "rank": rank, "stream": "stdout" if i % 3 else "stderr", "node": "node-a",
                  "lines": [f"rank {rank} poll {i} line {j}" for j in range(7)]})})
     r.xadd(stream, {"type": "log", "data": json.dumps({"rank": 0, "lines": ["no attempt: not kept"]})})
-    r.xadd(job_stream(gone.pk), {"type": "log", "data": json.dumps({"attempt": 1, "rank": 0, "lines": ["x"]})})
+    r.xadd(attempt_stream(gone.pk, 1), {"type": "log", "data": json.dumps({"attempt": 1, "rank": 0, "lines": ["x"]})})
     gone_id = gone.pk
     gone.delete()
     relay = Relay(redis_server.url, block_ms=20)
@@ -107,7 +107,7 @@ def test_relay_survives_an_unwritable_artifact_root(user, nodes, redis_server, t
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     r.xadd(stream, {"type": "log", "data": json.dumps({"attempt": attempt.pk, "rank": 0, "lines": ["a", "b"]})})
     r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, 1)])})
     relay = Relay(redis_server.url, block_ms=20)

@@ -9,7 +9,7 @@ import redis
 
 from jobs import prometheus, services
 from jobs.models import Checkpoint, JobEvent, MetricSample
-from trainyard.keys import DEADLETTER_STREAM, RELAY_GROUP, RELAY_STATS_KEY, job_stream
+from trainyard.keys import DEADLETTER_STREAM, RELAY_GROUP, RELAY_STATS_KEY, attempt_stream
 
 from .relay_proc import RelayProcess
 from .test_fault import write_ckpt
@@ -65,29 +65,31 @@ def drained(r, *streams):
 def test_malformed_entries_are_dead_lettered_and_the_relay_keeps_applying(user, staff, nodes, bus, relay_for, client):
     job = submit(user)
     attempt = start(job)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     bus.xadd(stream, metrics(sample(attempt, 1)))
     bus.xadd(stream, {"type": "log", "data": json.dumps({"attempt": attempt.pk, "rank": 0, "lines": 5})})
     bus.xadd(stream, {"type": "gossip", "data": "{}"})
     bus.xadd(stream, {"type": "metrics", "data": "{not json"})
     bus.xadd(stream, metrics({**sample(attempt, 9), "step": "nine"}))
     bus.xadd(stream, event("checkpoint", attempt, step=True, path=None))
-    bus.xadd("trainyard:job:not-a-number", metrics(sample(attempt, 7)))
+    bus.xadd("trainyard:job:not-a-number", metrics(sample(attempt, 7)))  # no attempt's stream: never read
+    bus.xadd(attempt_stream(job.pk, attempt.pk + 1000), metrics(sample(attempt, 8)))  # no such attempt: likewise
     for step in (2, 3):
         bus.xadd(stream, metrics(sample(attempt, step)))
     relay = relay_for()
     relay.wait_for(lambda: MetricSample.objects.filter(job=job).count() == 3 and drained(bus, stream),
                    "the good samples around the bad entries")
-    relay.wait_for(lambda: len(dead_letters(bus)) == 6, "six dead letters")
+    relay.wait_for(lambda: len(dead_letters(bus)) == 5, "five dead letters")
     assert sorted(MetricSample.objects.filter(job=job).values_list("step", flat=True)) == [1, 2, 3]
     reasons = {d["type"]: d["reason"] for d in dead_letters(bus)}
     assert "lines: Input should be a valid list" in reasons["log"] and "unknown entry type 'gossip'" in reasons["gossip"]
-    assert {d["stream"] for d in dead_letters(bus)} == {stream, "trainyard:job:not-a-number"}
+    assert {d["stream"] for d in dead_letters(bus)} == {stream}
+    assert bus.xlen("trainyard:job:not-a-number") == 1  # left alone: the relay reads no stream it cannot own
     assert all(d["reason"] and d["id"] for d in dead_letters(bus))
     assert relay.alive()
-    assert int(bus.hget(RELAY_STATS_KEY, "deadletter_total")) == 6
+    assert int(bus.hget(RELAY_STATS_KEY, "deadletter_total")) == 5
     rendered = prometheus.render()
-    assert "trainyard_relay_deadletter_total 6" in rendered, [x for x in rendered.splitlines() if "dead" in x]
+    assert "trainyard_relay_deadletter_total 5" in rendered, [x for x in rendered.splitlines() if "dead" in x]
     job.refresh_from_db()
     assert job.step == 3
     # staff read them on a page of their own; nobody else does
@@ -98,14 +100,14 @@ def test_malformed_entries_are_dead_lettered_and_the_relay_keeps_applying(user, 
     page = client.get("/relay/dead-letters/")
     assert page.status_code == 200
     html = page.content.decode()
-    assert html.count("<tr data-id=") == 6 and "unknown entry type &#x27;gossip&#x27;" in html
+    assert html.count("<tr data-id=") == 5 and "unknown entry type &#x27;gossip&#x27;" in html
 
 
 def test_a_forged_sample_or_event_for_job_b_on_job_a_stream_changes_nothing_on_b(user, nodes, bus, relay_for):
     a, b = submit(user), submit(user)
     attempt_a, attempt_b = start(a), start(b)
     assert attempt_b is not None and attempt_b.job_id == b.pk
-    stream = job_stream(a.pk)
+    stream = attempt_stream(a.pk, attempt_a.pk)
     bus.xadd(stream, metrics(sample(attempt_b, 1000)))
     bus.xadd(stream, metrics(sample(attempt_a, 1), sample(attempt_b, 2000)))  # one forged sample spoils the entry
     bus.xadd(stream, event("resumed", attempt_b, step=999, path="/x", load_s=0.1))
@@ -120,14 +122,16 @@ def test_a_forged_sample_or_event_for_job_b_on_job_a_stream_changes_nothing_on_b
     assert not JobEvent.objects.filter(job=b, kind__in=["resumed", "telemetry_dropped"]).exists()
     letters = dead_letters(bus)
     assert len(letters) == 4
-    assert all(d["reason"] == f"attempt {attempt_b.pk} is not an attempt of job {a.pk}" for d in letters)
+    assert all(d["reason"] == f"it names attempt {attempt_b.pk} but arrived on attempt {attempt_a.pk}'s stream"
+               for d in letters)
     assert relay.alive()
 
 
 def test_forged_checkpoint_reports_for_b_do_not_delete_bs_real_checkpoints(user, nodes, bus, relay_for, ckpt_root):
     a, b = submit(user), submit(user, checkpoint={"every_steps": 10, "keep": 3})
-    start(a)
+    attempt_a = start(a)
     attempt_b = start(b)
+    stream_a, stream_b = attempt_stream(a.pk, attempt_a.pk), attempt_stream(b.pk, attempt_b.pk)
     real = []
     for step in (10, 20, 30):
         d = write_ckpt(ckpt_root, b, attempt_b, step)
@@ -135,19 +139,18 @@ def test_forged_checkpoint_reports_for_b_do_not_delete_bs_real_checkpoints(user,
     job_dir = ckpt_root / f"job-{b.pk}"
     forged = [str(job_dir / f"step-{s:08d}-a{attempt_b.pk}") for s in (100, 200, 300)]
     for path, step in zip(forged, (100, 200, 300)):  # on A's stream, naming B's attempt
-        bus.xadd(job_stream(a.pk), event("checkpoint", attempt_b, step=step, path=path))
+        bus.xadd(stream_a, event("checkpoint", attempt_b, step=step, path=path))
     for path, step in zip(forged, (100, 200, 300)):  # on B's own stream: nothing on disk
-        bus.xadd(job_stream(b.pk), event("checkpoint", attempt_b, step=step, path=path))
+        bus.xadd(stream_b, event("checkpoint", attempt_b, step=step, path=path))
     outside = ckpt_root / "elsewhere"
     write_ckpt(ckpt_root, b, attempt_b, 400).rename(outside)
     link = job_dir / f"step-{400:08d}-a{attempt_b.pk}"
     link.symlink_to(outside)  # a symlink out of the job's directory
-    bus.xadd(job_stream(b.pk), event("checkpoint", attempt_b, step=400, path=str(link)))
-    bus.xadd(job_stream(b.pk), event("checkpoint", attempt_b, step=500, path=str(job_dir / ".." / "x")))
-    bus.xadd(job_stream(b.pk), metrics(sample(attempt_b, 1)))
+    bus.xadd(stream_b, event("checkpoint", attempt_b, step=400, path=str(link)))
+    bus.xadd(stream_b, event("checkpoint", attempt_b, step=500, path=str(job_dir / ".." / "x")))
+    bus.xadd(stream_b, metrics(sample(attempt_b, 1)))
     relay = relay_for()
-    relay.wait_for(lambda: MetricSample.objects.filter(job=b).exists() and drained(bus, job_stream(a.pk),
-                                                                                    job_stream(b.pk)),
+    relay.wait_for(lambda: MetricSample.objects.filter(job=b).exists() and drained(bus, stream_a, stream_b),
                    "the reports to be handled")
     for c in real:
         c.refresh_from_db()
@@ -155,9 +158,10 @@ def test_forged_checkpoint_reports_for_b_do_not_delete_bs_real_checkpoints(user,
     assert Checkpoint.objects.filter(job=b).count() == 3
     reasons = [d["reason"] for d in dead_letters(bus)]
     assert len(reasons) == 8
-    assert sum(r == f"attempt {attempt_b.pk} is not an attempt of job {a.pk}" for r in reasons) == 3
+    assert sum(r == f"it names attempt {attempt_b.pk} but arrived on attempt {attempt_a.pk}'s stream"
+               for r in reasons) == 3
     assert sum("has no manifest" in r for r in reasons) == 3
-    assert sum("is not a directory inside" in r for r in reasons) == 1
+    assert sum("unreadable manifest" in r and "symlink" in r for r in reasons) == 1  # never followed
     assert sum("without '..'" in r for r in reasons) == 1
     assert relay.alive()
 
@@ -165,7 +169,7 @@ def test_forged_checkpoint_reports_for_b_do_not_delete_bs_real_checkpoints(user,
 def test_a_transient_database_lock_is_retried_and_the_entry_applied_once(user, nodes, bus, relay_for):
     job = submit(user)
     attempt = start(job)
-    stream = job_stream(job.pk)
+    stream = attempt_stream(job.pk, attempt.pk)
     bus.xadd(stream, metrics(sample(attempt, 1), sample(attempt, 2)))
     bus.xadd(stream, event("resumed", attempt, step=2, path="/x", load_s=0.5))
     # The event's row is the round's last write: the samples were inserted when it fails.

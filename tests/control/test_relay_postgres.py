@@ -15,7 +15,7 @@ import redis
 
 from tests.conftest import REPO
 from tests.postgres import PostgresServer, postgres_bin_dir
-from trainyard.keys import RELAY_GROUP, job_stream
+from trainyard.keys import RELAY_GROUP, attempt_stream
 
 pytestmark = pytest.mark.procs
 
@@ -28,6 +28,7 @@ from jobs import dispatch, services
 dispatch.send_launch = lambda *a, **k: None
 dispatch.request_tick = lambda *a, **k: None
 dispatch.publish = lambda *a, **k: None
+dispatch.bus_user_grant = lambda *a, **k: None
 user = get_user_model().objects.create_user("alice", password="pw-alice-123")
 services.node_add("node-a", slots=2, address="127.0.0.1")  # registered by staff first (issue 16)
 services.node_heartbeat({"name": "node-a", "address": "127.0.0.1", "slots": 2, "labels": {},
@@ -76,7 +77,7 @@ def test_the_relay_rides_out_a_postgresql_restart_and_stores_each_sample_once(tm
         ids = json.loads(subprocess.run([sys.executable, "-c", SETUP], cwd=REPO, env=env, check=True,
                                         capture_output=True, text=True, timeout=120).stdout.splitlines()[-1])
         r = redis.Redis.from_url(redis_server.url)
-        stream = job_stream(ids["job"])
+        stream = attempt_stream(ids["job"], ids["attempt"])
 
         def add(steps):
             for step in steps:

@@ -80,6 +80,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
+from trainyard import attemptauth
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
@@ -276,8 +277,11 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointSpec, directory: Path, *, job_id: int, attempt_id: int,
-                 rank: int, world_size: int, device: torch.device, reporter: Any):
+                 rank: int, world_size: int, device: torch.device, reporter: Any, proof_key: str | None = None):
         self.cfg = cfg
+        # The attempt's manifest key (trainyard.attemptauth, from the launch config): the control
+        # plane registers and resumes from a checkpoint only with its proof. None: a standalone run.
+        self.proof_key = proof_key
         self.dir = Path(directory)
         self.job_id, self.attempt_id = job_id, attempt_id
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -408,6 +412,8 @@ class Checkpointer:
                             "blocking_s": record.blocking_s, "save_s": record.save_s,
                             # what the control plane checks before it registers the checkpoint
                             "files": {p.name: p.stat().st_size for p in record.partial.iterdir() if p.is_file()}}
+                if self.proof_key:
+                    manifest[attemptauth.PROOF_FIELD] = attemptauth.manifest_proof(self.proof_key, manifest)
                 record.path = publish(record.partial, manifest)
                 self.reporter.event("checkpoint", step=record.step, path=str(record.path),
                                     size_bytes=manifest["size_bytes"],

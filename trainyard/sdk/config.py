@@ -56,6 +56,8 @@ class LaunchConfig(BaseModel):
     resume: ResumeConfig | None = None
     # Every process group's timeout (the control plane's, under its hang detector); None: torch's.
     collective_timeout_s: float | None = Field(None, gt=0)
+    # The attempt's key for its checkpoint manifests' proof (trainyard.attemptauth); None: none.
+    proof_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
     @field_validator("resume", mode="before")
     @classmethod

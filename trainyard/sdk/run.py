@@ -197,7 +197,7 @@ class Run:
         self.every_steps = cfg.every_steps
         self._ckpt = Checkpointer(cfg, directory, job_id=self.job_id, attempt_id=self.attempt_id or 0,
                                   rank=self.rank, world_size=self.world_size, device=device,
-                                  reporter=self._reporter)
+                                  reporter=self._reporter, proof_key=launch.proof_key if launch else None)
         self._vote = StopVote(self.world_size)
         self._hooked: set[int] = set()  # optimizers whose step waits for a save's state copy
         self._phase_s = dict.fromkeys(PHASES, 0.0)
