@@ -6,6 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psutil
+from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import database, security
 from trainyard import keys
@@ -152,8 +153,15 @@ CELERY_BROKER_URL = REDIS_URL
 # job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).
 TRAINYARD_DATA_ROOT = keys.data_root()
 TRAINYARD_CHECKPOINT_ROOT = keys.checkpoint_root()
-# Code bundles and kept logs (TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; shared with the nodes).
+# Code bundles (TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; shared with the nodes).
 TRAINYARD_ARTIFACT_ROOT = keys.artifact_root()
+# Kept logs (TRAINYARD_KEPT_LOG_ROOT, else <var>/keptlogs, 0700): the control plane's own directory,
+# which the relay writes and the web reads (both must see the same one), never under a root the
+# nodes write (refused at start: a job could plant a symlink in place of its own log there).
+try:
+    TRAINYARD_KEPT_LOG_ROOT = keys.kept_log_root()
+except ValueError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
 # A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES); the
 # node agents read the same variables through trainyard.bundle.BundleLimits.from_env().
 _bundle_limits = BundleLimits.from_env()
@@ -162,7 +170,7 @@ TRAINYARD_BUNDLE_MAX_BYTES = _bundle_limits.max_bytes
 TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
 # A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
 TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
-# Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
+# Every rank's output is kept under TRAINYARD_KEPT_LOG_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
 # parallel: auto on CPU plans each process within this much memory (GB): by default a core's share
