@@ -162,12 +162,14 @@ try:
     TRAINYARD_KEPT_LOG_ROOT = keys.kept_log_root()
 except ValueError as exc:
     raise ImproperlyConfigured(str(exc)) from None
-# A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES); the
+# A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES, _MAX_DEPTH); the
 # node agents read the same variables through trainyard.bundle.BundleLimits.from_env().
 _bundle_limits = BundleLimits.from_env()
 TRAINYARD_BUNDLE_MAX_FILES = _bundle_limits.max_files
 TRAINYARD_BUNDLE_MAX_BYTES = _bundle_limits.max_bytes
 TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
+# ... and at most this many path components deep per member (TRAINYARD_BUNDLE_MAX_DEPTH, default 64).
+TRAINYARD_BUNDLE_MAX_DEPTH = _bundle_limits.max_depth
 # A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
 TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
 # Every rank's output is kept under TRAINYARD_KEPT_LOG_ROOT/logs/; a job's files together hold at

@@ -195,14 +195,14 @@ def open_dir(root: str | os.PathLike | int, rel: str | os.PathLike = ".", *, mak
 TEMP_TRIES = 16
 
 
-def create_temp(dir_fd: int, prefix: str, mode: int = 0o600) -> tuple[int, str]:
+def create_temp(dir_fd: int, prefix: str, mode: int = 0o600, *, access: int = os.O_WRONLY) -> tuple[int, str]:
     """A new, empty file in the directory `dir_fd` under a unique name (`prefix`, random hex,
     ".tmp"), created with O_EXCL | O_NOFOLLOW: nothing planted under a guessed name is opened or
-    followed. (descriptor open for writing, name)."""
+    followed. (descriptor open for writing, or `access` (os.O_RDWR), name)."""
     for _ in range(TEMP_TRIES):
         name = f"{prefix}{secrets.token_hex(8)}.tmp"
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+            fd = os.open(name, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                          dir_fd=dir_fd)
         except FileExistsError:
             continue
