@@ -212,6 +212,12 @@ TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
 # A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
 # its `config` at most 64 KiB).
 TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
+# A request body larger than this is a 413 from its headers, before any of it is received, on every
+# path but /api/v1/code/ (which takes TRAINYARD_BUNDLE_MAX_BYTES plus the multipart envelope); under
+# daphne, controlplane/daphne_bodies.py. A chunked body is cut off when it passes it. Default: 1 MiB, or
+# TRAINYARD_JSON_MAX_BYTES if that is larger.
+TRAINYARD_HTTP_MAX_BODY_BYTES = int(os.environ.get("TRAINYARD_HTTP_MAX_BODY_BYTES")
+                                    or max(1024 * 1024, TRAINYARD_JSON_MAX_BYTES))
 # A connection that has not sent its first request's headers this long after opening is dropped
 # (slow-loris clients; controlplane/daphne_bodies.py). 0: no deadline.
 TRAINYARD_HTTP_HEADER_TIMEOUT_S = float(os.environ.get("TRAINYARD_HTTP_HEADER_TIMEOUT_S", "10"))

@@ -183,12 +183,21 @@ def bundle_dict(bundle: CodeBundle, *, detail: bool = False) -> dict:
 
 class UploadSizeGuard:
     """ASGI middleware: a POST to /api/v1/code/ without a Content-Length (411) or with one over the
-    packed limit (413) is answered at once, before Django reads (and spools) its body."""
+    packed limit (413) is answered at once, before Django reads (and spools) its body; with
+    `body_limit`, a request to any other path whose Content-Length is over it is a 413 too (under
+    daphne, controlplane/daphne_bodies.py already refused both before the body was received)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, body_limit: int | None = None):
+        self.app, self.limit, self.body_limit = app, limit, body_limit
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.body_limit is not None and scope.get("path") != UPLOAD_PATH:
+            raw = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if raw.isdigit() and int(raw) > self.body_limit:
+                await _answer(send, 413, {"errors": {"detail": [
+                    f"the request body is {int(raw)} bytes; the largest accepted is {self.body_limit} "
+                    "(TRAINYARD_HTTP_MAX_BODY_BYTES)"]}})
+                return
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == UPLOAD_PATH:
             headers = dict(scope.get("headers") or [])
             raw = headers.get(b"content-length")
