@@ -72,6 +72,9 @@ AXES_COOLOFF_TIME = timedelta(seconds=float(os.environ.get("TRAINYARD_LOGIN_COOL
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_HTTP_RESPONSE_CODE = 429
+# The address a lockout counts against: the same as the API throttles' (jobs/client_ip.py: the peer,
+# or behind a proxy of TRAINYARD_TRUSTED_PROXIES the right-most X-Forwarded-For address not in it).
+AXES_CLIENT_IP_CALLABLE = "jobs.client_ip.client_ip"
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -234,6 +237,11 @@ TRAINYARD_MAX_QUEUED_JOBS_PER_USER = int(os.environ.get("TRAINYARD_MAX_QUEUED_JO
 TRAINYARD_MAX_SOCKETS_PER_USER = int(os.environ.get("TRAINYARD_MAX_SOCKETS_PER_USER", "64"))
 
 # ---------------------------------------------------------------- secrets and sessions (issue 15, s3)
+# The reverse proxies in front of the web (TRAINYARD_TRUSTED_PROXIES: comma-separated addresses or
+# CIDRs; default none). A request's client address (throttles, login lockout; jobs/client_ip.py) is its
+# peer's, unless the peer is one of these: then the right-most X-Forwarded-For address not among them.
+# A client-sent X-Forwarded-For is never believed otherwise (rotating it escaped every throttle).
+TRAINYARD_TRUSTED_PROXIES = security.trusted_proxies(os.environ)
 # Websockets from browsers: the exact origins (scheme://host[:port]) allowed, TRAINYARD_WS_ORIGINS;
 # empty means the origin being served (jobs/ws_auth.py).
 TRAINYARD_WS_ORIGINS = security.ws_origins(os.environ)
