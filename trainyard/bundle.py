@@ -319,9 +319,8 @@ OnMember = Callable[[tarfile.TarFile, tarfile.TarInfo, str], None]
 
 
 def _open(source: str | os.PathLike[str] | int) -> IO[bytes]:
-    """The bundle file, read from its start: a descriptor is duplicated (the caller keeps its own); a
-    path is opened with O_NOFOLLOW (and O_NONBLOCK, so a FIFO cannot stall the reader). Only a
-    regular file is read."""
+    """The bundle file from its start: a descriptor is duplicated (the caller keeps its own), a path
+    opened with O_NOFOLLOW | O_NONBLOCK (a FIFO cannot stall the reader). Only a regular file is read."""
     if isinstance(source, int):
         fd = os.dup(source)
     else:
@@ -398,12 +397,9 @@ def inspect_bundle(path: str | os.PathLike[str] | int, *, limits: BundleLimits |
 
 
 def open_stored(root: str | os.PathLike[str], digest: str) -> int:
-    """A descriptor of the stored bundle `digest` (<root>/bundles/<hex[:2]>/<hex>.tar.gz), opened
-    without following any symlink below `root` and only if it is a regular file:
-    FileNotFoundError when it is not stored, safefs.UnsafePath when a link or another kind of file
-    is in its place."""
-    rel = bundle_path(Path("."), digest)
-    return safefs.open_beneath(root, rel)
+    """A descriptor of the stored bundle `digest` below the artifact root `root`, no symlink there
+    followed: FileNotFoundError when not stored, safefs.UnsafePath when a link or other file is."""
+    return safefs.open_beneath(root, bundle_path(Path("."), digest))
 
 
 # ---------------------------------------------------------------- extraction
