@@ -4,6 +4,8 @@ controlplane/settings.py; plain functions of an environ mapping so tests call th
 - secret_key: DJANGO_SECRET_KEY, else a key generated once into <var>/secret_key, 0600 in a 0700
   state directory (tightened at start if an older version left them readable).
 - allowed_hosts: the local names always, plus DJANGO_ALLOWED_HOSTS; never `*` unless configured.
+- trusted_proxies: TRAINYARD_TRUSTED_PROXIES, the reverse proxies whose X-Forwarded-For is believed
+  (jobs/client_ip.py; default none: the peer's address is the client's).
 - ws_origins: TRAINYARD_WS_ORIGINS, the exact origins (scheme://host[:port]) browsers may open
   websockets from; unset means the origin being served (jobs/ws_auth.py).
 - cookies: HttpOnly and SameSite=Lax always; with TRAINYARD_TLS=1 (served over https, directly or
@@ -47,6 +49,22 @@ def secret_key(env: Mapping[str, str], var_dir: Path) -> str:
 def allowed_hosts(env: Mapping[str, str]) -> list[str]:
     """The local names, then DJANGO_ALLOWED_HOSTS (comma-separated) added to them."""
     return list(dict.fromkeys([*LOCAL_HOSTS, *env_list(env, "DJANGO_ALLOWED_HOSTS")]))
+
+
+def trusted_proxies(env: Mapping[str, str]) -> list[str]:
+    """TRAINYARD_TRUSTED_PROXIES: comma-separated addresses or CIDRs of the reverse proxies in front of
+    the web (default none). Only a request whose peer is one of them has its X-Forwarded-For read
+    (jobs/client_ip.py); each entry must parse, or the settings refuse to load."""
+    import ipaddress
+
+    out = []
+    for item in env_list(env, "TRAINYARD_TRUSTED_PROXIES"):
+        try:
+            out.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ValueError(f"TRAINYARD_TRUSTED_PROXIES: {item[:100]!r} is not an address or CIDR "
+                             "(e.g. 10.0.0.5, 10.0.0.0/24, ::1)") from None
+    return out
 
 
 def ws_origins(env: Mapping[str, str]) -> list[str]:

@@ -6,6 +6,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psutil
+from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import database, security
 from trainyard import keys
@@ -71,6 +72,9 @@ AXES_COOLOFF_TIME = timedelta(seconds=float(os.environ.get("TRAINYARD_LOGIN_COOL
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_HTTP_RESPONSE_CODE = 429
+# The address a lockout counts against: the same as the API throttles' (jobs/client_ip.py: the peer,
+# or behind a proxy of TRAINYARD_TRUSTED_PROXIES the right-most X-Forwarded-For address not in it).
+AXES_CLIENT_IP_CALLABLE = "jobs.client_ip.client_ip"
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -152,17 +156,26 @@ CELERY_BROKER_URL = REDIS_URL
 # job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).
 TRAINYARD_DATA_ROOT = keys.data_root()
 TRAINYARD_CHECKPOINT_ROOT = keys.checkpoint_root()
-# Code bundles and kept logs (TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; shared with the nodes).
+# Code bundles (TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; shared with the nodes).
 TRAINYARD_ARTIFACT_ROOT = keys.artifact_root()
-# A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES); the
+# Kept logs (TRAINYARD_KEPT_LOG_ROOT, else <var>/keptlogs, 0700): the control plane's own directory,
+# which the relay writes and the web reads (both must see the same one), never under a root the
+# nodes write (refused at start: a job could plant a symlink in place of its own log there).
+try:
+    TRAINYARD_KEPT_LOG_ROOT = keys.kept_log_root()
+except ValueError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+# A code bundle's limits (TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES packed, _MAX_UNPACKED_BYTES, _MAX_DEPTH); the
 # node agents read the same variables through trainyard.bundle.BundleLimits.from_env().
 _bundle_limits = BundleLimits.from_env()
 TRAINYARD_BUNDLE_MAX_FILES = _bundle_limits.max_files
 TRAINYARD_BUNDLE_MAX_BYTES = _bundle_limits.max_bytes
 TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
+# ... and at most this many path components deep per member (TRAINYARD_BUNDLE_MAX_DEPTH, default 64).
+TRAINYARD_BUNDLE_MAX_DEPTH = _bundle_limits.max_depth
 # A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
 TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
-# Every rank's output is kept under TRAINYARD_ARTIFACT_ROOT/logs/; a job's files together hold at
+# Every rank's output is kept under TRAINYARD_KEPT_LOG_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
 # parallel: auto on CPU plans each process within this much memory (GB): by default a core's share
@@ -202,6 +215,12 @@ TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
 # A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
 # its `config` at most 64 KiB).
 TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
+# A request body larger than this is a 413 from its headers, before any of it is received, on every
+# path but /api/v1/code/ (which takes TRAINYARD_BUNDLE_MAX_BYTES plus the multipart envelope); under
+# daphne, controlplane/daphne_bodies.py. A chunked body is cut off when it passes it. Default: 1 MiB, or
+# TRAINYARD_JSON_MAX_BYTES if that is larger.
+TRAINYARD_HTTP_MAX_BODY_BYTES = int(os.environ.get("TRAINYARD_HTTP_MAX_BODY_BYTES")
+                                    or max(1024 * 1024, TRAINYARD_JSON_MAX_BYTES))
 # A connection that has not sent its first request's headers this long after opening is dropped
 # (slow-loris clients; controlplane/daphne_bodies.py). 0: no deadline.
 TRAINYARD_HTTP_HEADER_TIMEOUT_S = float(os.environ.get("TRAINYARD_HTTP_HEADER_TIMEOUT_S", "10"))
@@ -218,6 +237,11 @@ TRAINYARD_MAX_QUEUED_JOBS_PER_USER = int(os.environ.get("TRAINYARD_MAX_QUEUED_JO
 TRAINYARD_MAX_SOCKETS_PER_USER = int(os.environ.get("TRAINYARD_MAX_SOCKETS_PER_USER", "64"))
 
 # ---------------------------------------------------------------- secrets and sessions (issue 15, s3)
+# The reverse proxies in front of the web (TRAINYARD_TRUSTED_PROXIES: comma-separated addresses or
+# CIDRs; default none). A request's client address (throttles, login lockout; jobs/client_ip.py) is its
+# peer's, unless the peer is one of these: then the right-most X-Forwarded-For address not among them.
+# A client-sent X-Forwarded-For is never believed otherwise (rotating it escaped every throttle).
+TRAINYARD_TRUSTED_PROXIES = security.trusted_proxies(os.environ)
 # Websockets from browsers: the exact origins (scheme://host[:port]) allowed, TRAINYARD_WS_ORIGINS;
 # empty means the origin being served (jobs/ws_auth.py).
 TRAINYARD_WS_ORIGINS = security.ws_origins(os.environ)

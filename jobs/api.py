@@ -15,7 +15,7 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from trainyard import keys
+from trainyard.safefs import UnsafePath
 from trainyard.textdoc import echo
 
 from . import keptlogs, selectors, services
@@ -176,12 +176,13 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         responses={200: {"type": "object"}})
     @action(detail=True, methods=["get"], pagination_class=None)
     def logs(self, request, pk=None):
-        """One rank's output in one attempt, kept after the job (under the artifact root), by pages
+        """One rank's output in one attempt, kept after the job (under the kept log root), by pages
         of lines: {"attempt", "rank", "offset", "limit", "total", "next_offset", "lines": [...],
         "dropped_lines", "dropped_bytes", "note", "attempts": [{"id", "number", "ranks"}]}."""
         job = self.get_object()
+        root = settings.TRAINYARD_KEPT_LOG_ROOT
         attempts = list(job.attempts.order_by("number").values_list("pk", "number"))
-        index = keptlogs.kept_index(settings.TRAINYARD_ARTIFACT_ROOT, job.pk)
+        index = keptlogs.kept_index(root, job.pk)
         attempt = _int_param(request, "attempt")
         if attempt is None:
             with_logs = [pk for pk, _ in attempts if pk in index]
@@ -194,10 +195,12 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         download = request.query_params.get("download", "0")
         if download not in ("0", "1", "true", "false", ""):
             raise ValidationError({"download": [f"must be 1 or 0, got {echo(download)}"]})
-        path = None if attempt is None else keys.rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt, rank)
         if download in ("1", "true"):
-            return _log_download(job, attempt, rank, path)
-        page = keptlogs.read_page(path, offset=offset, limit=limit)
+            return _log_download(root, job, attempt, rank)
+        try:
+            page = keptlogs.read_page(root, job.pk, attempt, rank, offset=offset, limit=limit)
+        except UnsafePath:
+            raise _unsafe_log(job, attempt, rank) from None
         cap = settings.TRAINYARD_LOG_MAX_BYTES_PER_JOB
         note = (f"the oldest {page['dropped_lines']} lines of this rank were cut: a job's kept logs are capped at "
                 f"{cap} bytes (TRAINYARD_LOG_MAX_BYTES_PER_JOB)") if page["dropped_lines"] else ""
@@ -206,16 +209,23 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
                                                     for pk, n in attempts]})
 
 
-def _log_download(job, attempt: int | None, rank: int, path):
+def _unsafe_log(job, attempt: int | None, rank: int) -> NotFound:
+    return NotFound({"logs": [f"job {job.pk}'s kept log for attempt {attempt}, rank {rank} is not a regular file "
+                              "(a symlink or another kind of file was found in its place and refused)"]})
+
+
+def _log_download(root, job, attempt: int | None, rank: int):
     try:
-        if path is None:  # the job never had an attempt
+        if attempt is None:  # the job never had an attempt
             raise FileNotFoundError
-        f = open(path, "rb")
+        f, dropped = keptlogs.open_kept(root, job.pk, attempt, rank)
     except FileNotFoundError:
         raise NotFound({"logs": [f"job {job.pk} has no kept log for attempt {attempt}, rank {rank}"]}) from None
+    except UnsafePath:
+        raise _unsafe_log(job, attempt, rank) from None
     response = FileResponse(f, as_attachment=True, filename=f"job-{job.pk}-attempt-{attempt}-rank-{rank}.log",
                             content_type="text/plain; charset=utf-8")
-    response["X-Trainyard-Dropped-Lines"] = str(keptlogs.read_dropped(path)["lines"])
+    response["X-Trainyard-Dropped-Lines"] = str(dropped["lines"])
     return response
 
 

@@ -20,6 +20,7 @@ from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from . import tokens
+from .client_ip import client_ip
 from .dbtext import text_problem
 from .errors import InvalidInput
 
@@ -35,6 +36,9 @@ class LoginRateThrottle(SimpleRateThrottle):
 
     def get_rate(self) -> str:
         return getattr(settings, "TRAINYARD_LOGIN_RATE", "20/min")
+
+    def get_ident(self, request) -> str:
+        return client_ip(request)  # not DRF's, which believes a client-sent X-Forwarded-For
 
     def get_cache_key(self, request, view) -> str:
         return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}

@@ -3,7 +3,7 @@ GET /api/v1/code/<digest>/.
 
 The upload never sits in memory: BundleUploadHandler, installed before anything reads the body
 (the session CSRF check included), streams the one file to a temporary file under
-<artifact root>/bundles/.incoming/ while hashing it, and stops as soon as it passes
+<artifact root>/bundles/.incoming/ (a unique O_EXCL name, no symlink followed) while hashing it, and stops as soon as it passes
 TRAINYARD_BUNDLE_MAX_BYTES (a request whose Content-Length is over the limit is refused before
 its body is read). jobs.services.bundles then inspects and stores it. Under daphne,
 `UploadSizeGuard` answers an oversized or length-less upload with 413/411 before Django spools
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import tempfile
-from pathlib import Path
 
 from django.core.files.uploadedfile import UploadedFile
 from django.core.files.uploadhandler import FileUploadHandler, StopUpload
@@ -28,10 +27,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from . import services
-from .errors import InvalidInput, NotFound, PayloadTooLarge
+from .errors import InvalidInput, NotFound, PayloadTooLarge, Unavailable
 from .models import CodeBundle
 from .services import bundles as bundle_services
 from trainyard.bundle import is_digest
+from trainyard.safefs import UnsafePath
+
+log = logging.getLogger(__name__)
 
 FIELD = "file"
 MULTIPART_OVERHEAD = 64 * 1024
@@ -51,7 +53,7 @@ class BundleUpload(UploadedFile):
         self.digest = digest
 
     def temporary_file_path(self) -> str:
-        return self.file.name
+        return str(self.file.path)
 
 
 class BundleUploadHandler(FileUploadHandler):
@@ -81,8 +83,8 @@ class BundleUploadHandler(FileUploadHandler):
         if not self._active:
             self.other_files.append(field_name)
             return
-        self._temp = tempfile.NamedTemporaryFile(dir=bundle_services.incoming_dir(), prefix="upload-",
-                                                 suffix=".tar.gz")
+        # a unique O_EXCL file in a real .incoming/ directory (no link followed: the root is shared with the nodes)
+        self._temp = bundle_services.IncomingUpload()
 
     def receive_data_chunk(self, raw_data, start):
         if not self._active:
@@ -132,7 +134,10 @@ class CodeUploadView(APIView):
     def post(self, request):
         """Store a code bundle: 201 {"bundle", "bytes", "files"}; 200 when it was already stored."""
         handler: BundleUploadHandler = request._request.bundle_upload_handler
-        files = request.FILES
+        try:
+            files = request.FILES
+        except UnsafePath as exc:  # .incoming/ replaced by a link or a file: refused, never written through
+            raise _unsafe_store(exc) from None
         uploads = files.getlist(FIELD)
         try:
             if handler.too_big:
@@ -140,13 +145,20 @@ class CodeUploadView(APIView):
             if len(uploads) != 1 or handler.other_files or len(files) != len(uploads):
                 raise InvalidInput({FIELD: ["send exactly one .tar.gz file, in the multipart field 'file'"]})
             upload: BundleUpload = uploads[0]
-            bundle, created = services.bundle_store(user=request.user, upload=Path(upload.temporary_file_path()),
-                                                    digest=upload.digest)
+            bundle, created = services.bundle_store(user=request.user, upload=upload.file, digest=upload.digest)
+        except UnsafePath as exc:  # a bucket directory replaced by a link: refused, never written through
+            raise _unsafe_store(exc) from None
         finally:
             for upload in uploads:
                 upload.close()
             handler.discard()
         return Response(bundle_dict(bundle), status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+def _unsafe_store(exc: OSError) -> Unavailable:
+    log.error("code upload refused: a directory of the bundle store is a link or not a directory: %s", exc)
+    return Unavailable({FIELD: ["the bundle store is unavailable (one of its directories was found replaced by a "
+                                "link, and is not written through); tell the operator"]})
 
 
 class CodeDetailView(APIView):
@@ -171,12 +183,21 @@ def bundle_dict(bundle: CodeBundle, *, detail: bool = False) -> dict:
 
 class UploadSizeGuard:
     """ASGI middleware: a POST to /api/v1/code/ without a Content-Length (411) or with one over the
-    packed limit (413) is answered at once, before Django reads (and spools) its body."""
+    packed limit (413) is answered at once, before Django reads (and spools) its body; with
+    `body_limit`, a request to any other path whose Content-Length is over it is a 413 too (under
+    daphne, controlplane/daphne_bodies.py already refused both before the body was received)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, body_limit: int | None = None):
+        self.app, self.limit, self.body_limit = app, limit, body_limit
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.body_limit is not None and scope.get("path") != UPLOAD_PATH:
+            raw = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if raw.isdigit() and int(raw) > self.body_limit:
+                await _answer(send, 413, {"errors": {"detail": [
+                    f"the request body is {int(raw)} bytes; the largest accepted is {self.body_limit} "
+                    "(TRAINYARD_HTTP_MAX_BODY_BYTES)"]}})
+                return
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == UPLOAD_PATH:
             headers = dict(scope.get("headers") or [])
             raw = headers.get(b"content-length")

@@ -83,3 +83,10 @@ class TooManyRequests(DomainError):
     message says which limit and how to get under it."""
 
     status_code = 429
+
+
+class Unavailable(DomainError):
+    """503: the server cannot serve this now through no fault of the request (a storage directory
+    found replaced by a link, refused rather than followed)."""
+
+    status_code = 503

@@ -187,7 +187,7 @@ RELAY_COUNTERS = (
     ("publish_errors_total", "trainyard_relay_publish_errors_total",
      "Websocket fan-out messages the relay failed to hand to the channel layer."),
     ("log_lines_kept_total", "trainyard_relay_log_lines_kept_total",
-     "Log lines the relay appended to the kept files under the artifact root (since it started)."),
+     "Log lines the relay appended to the kept files under the kept log root (since it started)."),
     ("log_lines_not_kept_total", "trainyard_relay_log_lines_not_kept_total",
      "Log lines the relay could not keep on disk: the writer was behind or the disk refused (since it started)."),
     ("deadletter_total", "trainyard_relay_deadletter_total",

@@ -17,7 +17,7 @@ from .models import ApiToken, Job
 def remove_kept_logs(sender, instance: Job, **kwargs) -> None:
     """A deleted job (the Django admin can delete jobs) takes its kept logs with it, once the delete
     has committed; the relay keeps no more lines for a job it cannot find."""
-    job_id, root = instance.pk, settings.TRAINYARD_ARTIFACT_ROOT
+    job_id, root = instance.pk, settings.TRAINYARD_KEPT_LOG_ROOT
     transaction.on_commit(lambda: keptlogs.remove_job(root, job_id))
 
 

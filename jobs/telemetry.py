@@ -45,7 +45,7 @@ from django.db import InterfaceError, OperationalError, connection
 from trainyard import keys
 
 from . import entries, services
-from .keptlogs import LogKeeper, Lines
+from .keptlogs import LogKeeper, Lines, default_keeper
 from .relay_publish import ChannelsPublisher, telemetry_message
 from .models import Attempt
 
@@ -98,7 +98,7 @@ class Relay:
         self.running = True
         self.ingested = 0
         self._publish = publish  # callable(group, message); default: a ChannelsPublisher, made on first use
-        self._keeper = keeper  # default: a LogKeeper on settings.TRAINYARD_ARTIFACT_ROOT, made on first use
+        self._keeper = keeper  # default: keptlogs.default_keeper(), made on first use
         self._stats_delta = {"samples_total": 0, "entries_total": 0, "batches_total": 0,
                              "db_retries_total": 0, "orphaned_total": 0}
         self._round: list[tuple[str, bytes]] = []  # (stream, id) of the round in progress
@@ -116,7 +116,7 @@ class Relay:
     @property
     def keeper(self) -> LogKeeper:
         if self._keeper is None:
-            self._keeper = LogKeeper(settings.TRAINYARD_ARTIFACT_ROOT, settings.TRAINYARD_LOG_MAX_BYTES_PER_JOB)
+            self._keeper = default_keeper()
         return self._keeper
 
     def keep_logs(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:

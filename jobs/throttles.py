@@ -7,7 +7,9 @@ configurable by environment (controlplane/settings.py) and per test. Counts live
 the default local-memory cache counts per web process (N daphne processes allow N x the rate);
 point CACHES at Redis to count across processes.
 
-Login throttling with lockout is django-axes (controlplane/settings.py, AXES_*), not here.
+Login throttling with lockout is django-axes (controlplane/settings.py, AXES_*), not here. "Client
+address" is jobs/client_ip.py's everywhere (the peer, or behind a trusted proxy what it saw), never
+a client-sent X-Forwarded-For.
 """
 from __future__ import annotations
 
@@ -16,12 +18,18 @@ from rest_framework.exceptions import Throttled
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.throttling import SimpleRateThrottle
 
+from .client_ip import client_ip
+
 
 class _ExplainedRateThrottle(SimpleRateThrottle):
     """A SimpleRateThrottle whose rate is a Django setting and whose refusal says which."""
 
     setting = ""
     what = ""
+
+    def get_ident(self, request) -> str:
+        # DRF's own reads a client-sent X-Forwarded-For whole: rotating it escaped the limit
+        return client_ip(request)
 
     def get_rate(self) -> str | None:
         return getattr(settings, self.setting, None) or None  # empty: no limit

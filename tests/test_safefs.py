@@ -94,3 +94,93 @@ def test_list_shows_links_as_links(tree):
 def test_is_inside_does_not_resolve():
     assert safefs.is_inside("/a/b/c", "/a/b") and safefs.is_inside("/a/b", "/a/b")
     assert not safefs.is_inside("/a/bc", "/a/b") and not safefs.is_inside("/a/b/../c", "/a/b")
+
+
+def test_writing_to_a_planted_fifo_is_refused_without_blocking(tree):
+    root, _ = tree
+    os.mkfifo(root / "logs" / "a" / "rank-0.log")
+    done = threading.Event()
+
+    def write():
+        with pytest.raises(safefs.UnsafePath):
+            safefs.open_beneath(root, "logs/a/rank-0.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        done.set()
+
+    threading.Thread(target=write, daemon=True).start()
+    assert done.wait(5), "opening a FIFO for writing blocked the writer"
+
+
+def test_open_dir_refuses_links_and_makes_missing_directories(tree):
+    root, secret = tree
+    (root / "logs" / "b").symlink_to(secret.parent)
+    with pytest.raises(safefs.UnsafePath):
+        safefs.open_dir(root, "logs/b")
+    with pytest.raises(safefs.UnsafePath):
+        safefs.open_dir(root, "logs/b/deeper", make_dirs=True)
+    fd = safefs.open_dir(root, "new/one", make_dirs=True)
+    os.close(fd)
+    assert (root / "new" / "one").is_dir() and oct((root / "new" / "one").stat().st_mode & 0o777) == "0o700"
+    os.close(safefs.open_dir(root))  # "." is the root itself
+    with pytest.raises(FileNotFoundError):
+        safefs.open_dir(root, "missing")
+
+
+def test_temporary_files_have_unique_names_and_never_follow_a_planted_one(tree, monkeypatch):
+    root, secret = tree
+    d = safefs.open_dir(root, "logs/a")
+    try:
+        fd1, n1 = safefs.create_temp(d, ".x.")
+        fd2, n2 = safefs.create_temp(d, ".x.")
+        os.close(fd1), os.close(fd2)
+        assert n1 != n2 and n1.startswith(".x.") and n1.endswith(".tmp")
+        # a name taken (by a planted symlink) is skipped, never opened
+        planted = ".x.0000000000000000.tmp"
+        (root / "logs" / "a" / planted).symlink_to(secret)
+        tokens = iter(["0000000000000000", "1111111111111111"])
+        monkeypatch.setattr(safefs.secrets, "token_hex", lambda n: next(tokens))
+        fd3, n3 = safefs.create_temp(d, ".x.")
+        os.write(fd3, b"mine")
+        os.close(fd3)
+        assert n3 == ".x.1111111111111111.tmp" and secret.read_text() == "s3cret"
+    finally:
+        os.close(d)
+
+
+def test_replace_file_replaces_a_planted_link_not_its_target(tree):
+    root, secret = tree
+    (root / "logs" / "a" / "side.json").symlink_to(secret)
+    d = safefs.open_dir(root, "logs/a")
+    try:
+        safefs.replace_file(d, "side.json", b"{}")
+    finally:
+        os.close(d)
+    assert secret.read_text() == "s3cret"
+    assert not (root / "logs" / "a" / "side.json").is_symlink()
+    assert (root / "logs" / "a" / "side.json").read_bytes() == b"{}"
+    assert [n for n in os.listdir(root / "logs" / "a") if n.endswith(".tmp")] == []
+
+
+def test_scan_beneath_gives_lstat_results(tree):
+    root, secret = tree
+    (root / "logs" / "a" / "link").symlink_to(secret)
+    entries = dict(safefs.scan_beneath(root, "logs/a"))
+    assert entries["out.log"].st_size == 6
+    import stat
+    assert stat.S_ISLNK(entries["link"].st_mode)
+
+
+def test_remove_beneath_removes_a_tree_and_only_unlinks_links(tree):
+    root, secret = tree
+    outside = secret.parent / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("keep")
+    (root / "logs" / "a" / "to-outside").symlink_to(outside)
+    (root / "logs" / "linked").symlink_to(outside)
+    assert safefs.remove_beneath(root, "logs/linked")  # the link goes, not what it points to
+    assert (outside / "keep").read_text() == "keep" and not (root / "logs" / "linked").exists()
+    with pytest.raises(safefs.UnsafePath):  # a link on the way is not followed
+        (root / "logs" / "via").symlink_to(outside)
+        safefs.remove_beneath(root, "logs/via/keep")
+    assert safefs.remove_beneath(root, "logs/a")
+    assert not (root / "logs" / "a").exists() and (outside / "keep").read_text() == "keep"
+    assert not safefs.remove_beneath(root, "logs/a") and not safefs.remove_beneath(root, "nowhere/x")

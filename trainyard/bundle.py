@@ -11,13 +11,18 @@ cannot drift between what was accepted and what is unpacked:
   member lies below a member that is not a directory;
 - a symbolic link's target, resolved through the bundle's own links the way the kernel would,
   stays inside the bundle; a hard link names a regular file earlier in the bundle;
-- at most `max_files` members, `max_bytes` packed and `max_unpacked` bytes of decompressed tar
-  stream. The unpacked bytes are counted as they are decompressed (the headers' sizes are only an
+- at most `max_files` members, each at most `max_depth` path components deep (a tree thousands of
+  directories deep passed inspection but raised RecursionError on the node), `max_bytes` packed and
+  `max_unpacked` bytes of decompressed tar stream. The unpacked bytes are counted as they are decompressed (the headers' sizes are only an
   early refusal), the archive is streamed in small reads, and extended headers (pax, GNU long
   names), which `tarfile` reads whole into memory, are capped at `MAX_EXTENDED_HEADER` bytes:
   a gzip or header bomb is refused before it costs memory or disk.
 
-Refusals raise `BundleError(message, status)`: 413 for a size limit, 400 for anything else.
+Refusals raise `BundleError(message, status)`: 413 for a size limit, 400 for anything else; so does
+any OSError (a full disk, a name too long) or RecursionError met while unpacking, which the node
+reports as a user error at once instead of crashing the launch. The bundle file is opened with
+O_NOFOLLOW and must be a regular file; `open_stored` opens a stored one below the artifact root
+without following any symlink on the way (trainyard.safefs), and both functions take its descriptor.
 Extraction unpacks into a temporary sibling of the destination, renames it into place only when
 everything passed, and removes it otherwise: a refused bundle leaves nothing behind. The tree is
 read-only (files 0444, or 0555 when the member was executable; directories 0555);
@@ -40,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from trainyard.keys import BUNDLE_PREFIX
+from trainyard import safefs
+from trainyard.keys import BUNDLE_PREFIX, bundle_path
 
 MiB = 1024 * 1024
 DEFAULT_MAX_FILES = 10_000
 DEFAULT_MAX_BYTES = 100 * MiB
 DEFAULT_MAX_UNPACKED = 500 * MiB
+DEFAULT_MAX_DEPTH = 64
 MAX_EXTENDED_HEADER = 1 * MiB
 """The largest pax / GNU long-name header accepted (tarfile holds one whole in memory)."""
 
@@ -59,6 +66,7 @@ DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 ENV_MAX_FILES = "TRAINYARD_BUNDLE_MAX_FILES"
 ENV_MAX_BYTES = "TRAINYARD_BUNDLE_MAX_BYTES"
 ENV_MAX_UNPACKED = "TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES"
+ENV_MAX_DEPTH = "TRAINYARD_BUNDLE_MAX_DEPTH"
 
 
 class BundleError(Exception):
@@ -79,11 +87,13 @@ class BundleLimits:
     max_files: int = DEFAULT_MAX_FILES
     max_bytes: int = DEFAULT_MAX_BYTES
     max_unpacked: int = DEFAULT_MAX_UNPACKED
+    max_depth: int = DEFAULT_MAX_DEPTH
+    """Path components of a member's name at most ("a/b/c.py" is 3)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BundleLimits:
-        """The limits from TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES and _MAX_UNPACKED_BYTES (defaults
-        10,000 members, 100 MiB packed, 500 MiB unpacked)."""
+        """The limits from TRAINYARD_BUNDLE_MAX_FILES, _MAX_BYTES, _MAX_UNPACKED_BYTES and _MAX_DEPTH
+        (defaults 10,000 members, 100 MiB packed, 500 MiB unpacked, 64 components deep)."""
         env = os.environ if environ is None else environ
 
         def read(name: str, default: int) -> int:
@@ -99,7 +109,7 @@ class BundleLimits:
             return value
 
         return cls(read(ENV_MAX_FILES, DEFAULT_MAX_FILES), read(ENV_MAX_BYTES, DEFAULT_MAX_BYTES),
-                   read(ENV_MAX_UNPACKED, DEFAULT_MAX_UNPACKED))
+                   read(ENV_MAX_UNPACKED, DEFAULT_MAX_UNPACKED), read(ENV_MAX_DEPTH, DEFAULT_MAX_DEPTH))
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,10 @@ class _Table:
         if self.members > self.limits.max_files:
             raise _too_big(f"the bundle has more than {self.limits.max_files} members (TRAINYARD_BUNDLE_MAX_FILES)")
         path = _member_path(info.name)
+        depth = path.count("/") + 1 if path else 0
+        if depth > self.limits.max_depth:
+            raise BundleError(f"member {info.name[:80]!r}... is {depth} path components deep; the limit is "
+                              f"{self.limits.max_depth} (TRAINYARD_BUNDLE_MAX_DEPTH)")
         kind = self._kind(info, path)
         self.declared += max(info.size, 0)
         if self.declared > self.limits.max_unpacked:
@@ -304,17 +318,35 @@ class _Table:
 OnMember = Callable[[tarfile.TarFile, tarfile.TarInfo, str], None]
 
 
-def _scan(path: Path, limits: BundleLimits, on_member: OnMember | None = None) -> tuple[BundleInfo, _Table]:
+def _open(source: str | os.PathLike[str] | int) -> IO[bytes]:
+    """The bundle file from its start: a descriptor is duplicated (the caller keeps its own), a path
+    opened with O_NOFOLLOW | O_NONBLOCK (a FIFO cannot stall the reader). Only a regular file is read."""
+    if isinstance(source, int):
+        fd = os.dup(source)
+    else:
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise BundleError(f"the bundle file {source} does not exist") from None
+        except OSError as exc:
+            raise BundleError(f"the bundle file {source} cannot be opened: a symlink or not a file ({exc})") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise BundleError("the bundle is not a regular file (refused, not read)")
+    os.set_blocking(fd, True)
+    f.seek(0)
+    return f
+
+
+def _scan(source, limits: BundleLimits, on_member: OnMember | None = None) -> tuple[BundleInfo, _Table]:
     """Reads the bundle once: hashes the packed bytes, checks every member (calling `on_member`
     for each, in archive order, to unpack it), then the links and the padding after the end."""
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise BundleError(f"the bundle file {path} does not exist") from None
-    if size > limits.max_bytes:
-        raise _too_big(f"the bundle is {size} bytes packed; the limit is {limits.max_bytes} "
-                       "(TRAINYARD_BUNDLE_MAX_BYTES)")
-    with open(path, "rb") as raw_file:
+    with _open(source) as raw_file:
+        size = os.fstat(raw_file.fileno()).st_size
+        if size > limits.max_bytes:
+            raise _too_big(f"the bundle is {size} bytes packed; the limit is {limits.max_bytes} "
+                           "(TRAINYARD_BUNDLE_MAX_BYTES)")
         if raw_file.read(2) != GZIP_MAGIC:
             raise BundleError("the bundle is not a gzip file (expected a .tar.gz)")
         raw_file.seek(0)
@@ -357,10 +389,17 @@ def _check_padding(stream: _CountingReader) -> None:
             raise BundleError("the bundle has data after the end of its tar archive (a corrupt header?)")
 
 
-def inspect_bundle(path: str | os.PathLike[str], *, limits: BundleLimits | None = None) -> BundleInfo:
-    """Checks a bundle against every rule without unpacking it; raises BundleError on the first."""
-    info, _ = _scan(Path(path), limits or BundleLimits())
+def inspect_bundle(path: str | os.PathLike[str] | int, *, limits: BundleLimits | None = None) -> BundleInfo:
+    """Checks a bundle (a path, or an open descriptor) against every rule without unpacking it;
+    raises BundleError on the first."""
+    info, _ = _scan(path, limits or BundleLimits())
     return info
+
+
+def open_stored(root: str | os.PathLike[str], digest: str) -> int:
+    """A descriptor of the stored bundle `digest` below the artifact root `root`, no symlink there
+    followed: FileNotFoundError when not stored, safefs.UnsafePath when a link or other file is."""
+    return safefs.open_beneath(root, bundle_path(Path("."), digest))
 
 
 # ---------------------------------------------------------------- extraction
@@ -406,27 +445,36 @@ class _Unpacker:
             os.chmod(top, 0o555)
 
 
-def extract_bundle(path: str | os.PathLike[str], dest: str | os.PathLike[str], *, digest: str,
+def extract_bundle(path: str | os.PathLike[str] | int, dest: str | os.PathLike[str], *, digest: str,
                    limits: BundleLimits | None = None) -> BundleInfo:
-    """Unpacks the bundle at `path` into `dest` (which must not exist) after checking that its sha256
-    is `digest` and that every member passes `inspect_bundle`'s rules. The tree is read-only. On any
-    refusal (BundleError) nothing is left at `dest` or beside it."""
+    """Unpacks the bundle at `path` (or the open descriptor `path`) into `dest` (which must not exist)
+    after checking that its sha256 is `digest` and that every member passes `inspect_bundle`'s rules.
+    The tree is read-only. On any refusal (BundleError, also for an OSError or RecursionError met
+    while unpacking: a full disk, a name too long) nothing is left at `dest` or beside it."""
     dest = Path(dest)
     if not is_digest(digest):
         raise BundleError(f"{digest!r} is not a bundle id (sha256:<64 hex digits>)")
     if os.path.lexists(dest):
         raise FileExistsError(f"{dest} already exists")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    work = None
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
         unpacker = _Unpacker(work)
-        info, _ = _scan(Path(path), limits or BundleLimits(), unpacker)
+        info, _ = _scan(path, limits or BundleLimits(), unpacker)
         if info.digest != digest:
             raise BundleError(f"the bundle's sha256 is {info.digest}, expected {digest} (corrupt or replaced)")
         unpacker.finish()
         os.rename(work, dest)
-    except BaseException:
-        remove_tree(work)
+    except BaseException as exc:
+        try:
+            if work is not None:
+                remove_tree(work)
+        except (OSError, RecursionError):
+            pass  # a partial tree that cannot be removed is not the error worth reporting
+        if isinstance(exc, (OSError, RecursionError)):
+            what = "too deep to unpack" if isinstance(exc, RecursionError) else (exc.strerror or str(exc))
+            raise BundleError(f"the bundle cannot be unpacked here: {what}") from None
         raise
     return info
 

@@ -26,7 +26,9 @@ Disk (each root from one environment variable, resolved to an absolute path here
                                           manifest (TRAINYARD_CHECKPOINT_ROOT, shared by nodes and control plane)
     <run root>/<node>/attempt-<id>/       an agent's run directory (TRAINYARD_RUN_DIR, node-local)
     <artifact root>/bundles/<hex[:2]>/<hex>.tar.gz               a code bundle (TRAINYARD_ARTIFACT_ROOT, shared)
-    <artifact root>/logs/job-<id>/attempt-<a>/rank-<r>.log       every rank's output, kept after the job
+    <kept log root>/logs/job-<id>/attempt-<a>/rank-<r>.log       every rank's output, kept after the job
+                                          (TRAINYARD_KEPT_LOG_ROOT: the control plane's own, 0700, never
+                                          under a root the nodes share, so no job can plant anything there)
 """
 from __future__ import annotations
 
@@ -154,10 +156,26 @@ def run_root(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def artifact_root(environ: Mapping[str, str] | None = None) -> Path:
-    """Code bundles and kept logs: TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; absolute. Like the
-    checkpoint root, one path every node and the control plane see (a shared filesystem)."""
+    """Code bundles: TRAINYARD_ARTIFACT_ROOT, else <var>/artifacts; absolute. Like the checkpoint
+    root, one path every node and the control plane see (a shared filesystem)."""
     env = os.environ if environ is None else environ
     return Path(env.get("TRAINYARD_ARTIFACT_ROOT") or var_dir(env) / "artifacts").resolve()
+
+
+def kept_log_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Every rank's kept output (the relay writes, the logs API reads): TRAINYARD_KEPT_LOG_ROOT, else
+    <var>/keptlogs; absolute. The control plane's own directory (0700): ValueError when it lies in
+    or contains a root the nodes write (artifact, checkpoint, data, run), where a job could plant
+    a symlink in place of its own log."""
+    env = os.environ if environ is None else environ
+    root = Path(env.get("TRAINYARD_KEPT_LOG_ROOT") or var_dir(env) / "keptlogs").resolve()
+    for name, shared in (("TRAINYARD_ARTIFACT_ROOT", artifact_root(env)), ("TRAINYARD_CHECKPOINT_ROOT",
+                         checkpoint_root(env)), ("TRAINYARD_DATA_ROOT", data_root(env)),
+                         ("TRAINYARD_RUN_DIR", run_root(env))):
+        if root == shared or shared in root.parents or root in shared.parents:
+            raise ValueError(f"TRAINYARD_KEPT_LOG_ROOT ({root}) must be apart from {name} ({shared}): jobs "
+                             "write there, and kept logs must lie where no job can write")
+    return root
 
 
 BUNDLE_PREFIX = "sha256:"
@@ -171,14 +189,24 @@ def bundle_path(root: Path, digest: str) -> Path:
     return Path(root) / "bundles" / hexdigest[:2] / f"{hexdigest}.tar.gz"
 
 
+def job_log_relpath(job_id: int) -> str:
+    """A job's kept-log directory relative to the kept log root: logs/job-<id>."""
+    return f"logs/job-{int(job_id)}"
+
+
+def rank_log_relpath(job_id: int, attempt_id: int, rank: int) -> str:
+    """One rank's kept file relative to the kept log root (what trainyard.safefs opens)."""
+    return f"{job_log_relpath(job_id)}/attempt-{int(attempt_id)}/rank-{int(rank)}.log"
+
+
 def job_log_dir(root: Path, job_id: int) -> Path:
-    """A job's kept logs under the artifact root: attempt-<id>/rank-<r>.log below it."""
-    return Path(root) / "logs" / f"job-{int(job_id)}"
+    """A job's kept logs under the kept log root: attempt-<id>/rank-<r>.log below it."""
+    return Path(root) / job_log_relpath(job_id)
 
 
 def rank_log_path(root: Path, job_id: int, attempt_id: int, rank: int) -> Path:
     """One rank's full output for one attempt, kept after the job (rotated by size per job)."""
-    return job_log_dir(root, job_id) / f"attempt-{int(attempt_id)}" / f"rank-{int(rank)}.log"
+    return Path(root) / rank_log_relpath(job_id, attempt_id, rank)
 
 
 def job_checkpoint_dir(root: Path, job_id: int) -> Path:

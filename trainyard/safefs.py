@@ -12,13 +12,20 @@ would otherwise be read by the agent and streamed back to the job's owner.
 configured by the operator, opened normally), each directory with O_NOFOLLOW | O_DIRECTORY and the
 last component with O_NOFOLLOW, so a symlink anywhere below `root` is refused (ELOOP or ENOTDIR)
 rather than followed, and no rename between a check and the open can redirect it: there is no
-separate check. A file opened for reading must be a regular file (FIFOs are opened non-blocking,
-so one cannot stall the reader, and then refused). `..`, `.` and absolute parts are refused.
+separate check. A file opened must be a regular file (FIFOs are opened non-blocking, so one cannot
+stall the reader or the writer, and then refused). `..`, `.` and absolute parts are refused.
+
+For writers: `open_dir` (a directory descriptor, missing directories made), `create_temp` (a unique
+O_EXCL | O_NOFOLLOW name, never a fixed one a job could plant a link at), `replace_file` (temporary
+file, then a rename within one directory descriptor: a link at the name is replaced, not followed),
+`remove_beneath` (a tree removed through descriptors, a link removed itself).
 """
 from __future__ import annotations
 
 import errno
 import os
+import secrets
+import shutil
 import stat
 from pathlib import Path, PurePosixPath
 
@@ -87,8 +94,10 @@ def open_beneath(root: str | os.PathLike | int, rel: str | os.PathLike, flags: i
             os.close(root_fd)
     try:
         extra = os.O_NOFOLLOW | os.O_CLOEXEC
-        if flags & os.O_ACCMODE == os.O_RDONLY:
-            extra |= os.O_NONBLOCK  # a FIFO opens at once (and is refused below) instead of blocking
+        if not flags & os.O_DIRECTORY:
+            # a FIFO opens at once (and is refused below) instead of blocking; opened for writing
+            # with no reader it fails with ENXIO (refused too)
+            extra |= os.O_NONBLOCK
         try:
             fd = os.open(parts[-1], flags | extra, mode, dir_fd=parent)
         except OSError as exc:
@@ -132,31 +141,29 @@ def read_small(root: str | os.PathLike | int, rel: str | os.PathLike, *, max_byt
         os.close(fd)
 
 
-def list_beneath(root: str | os.PathLike | int, rel: str | os.PathLike = ".") -> list[tuple[str, int]]:
-    """(name, st_mode) of every entry of the directory `root`/`rel` (lstat: a symlink is listed as
-    one, never followed); [] when the directory does not exist."""
-    root_fd = root if isinstance(root, int) else open_root(root)
+def scan_beneath(root: str | os.PathLike | int, rel: str | os.PathLike = ".") -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of every entry of the directory `root`/`rel`, sorted by name (a symlink is
+    listed as one, never followed); [] when the directory does not exist."""
     try:
-        parts = [p for p in PurePosixPath(os.fspath(rel)).parts if p not in ("", ".")]
-        if ".." in parts or PurePosixPath(os.fspath(rel)).is_absolute():
-            raise UnsafePath(errno.EINVAL, f"{rel!s} is not a path inside its root")
-        try:
-            fd = _walk(root_fd, parts)
-        except FileNotFoundError:
-            return []
-    finally:
-        if not isinstance(root, int):
-            os.close(root_fd)
+        fd = open_dir(root, rel)
+    except FileNotFoundError:
+        return []
     try:
         out = []
         for name in os.listdir(fd):
             try:
-                out.append((name, os.lstat(name, dir_fd=fd).st_mode))
+                out.append((name, os.lstat(name, dir_fd=fd)))
             except FileNotFoundError:
                 continue  # removed since the listing
-        return sorted(out)
+        return sorted(out, key=lambda e: e[0])
     finally:
         os.close(fd)
+
+
+def list_beneath(root: str | os.PathLike | int, rel: str | os.PathLike = ".") -> list[tuple[str, int]]:
+    """(name, st_mode) of every entry of the directory `root`/`rel` (lstat: a symlink is listed as
+    one, never followed); [] when the directory does not exist."""
+    return [(name, st.st_mode) for name, st in scan_beneath(root, rel)]
 
 
 def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
@@ -165,3 +172,94 @@ def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     p = Path(os.path.normpath(os.path.abspath(os.fspath(path))))
     r = Path(os.path.normpath(os.path.abspath(os.fspath(root))))
     return p == r or r in p.parents
+
+
+# ---------------------------------------------------------------- directories, temporary files, removal
+
+def open_dir(root: str | os.PathLike | int, rel: str | os.PathLike = ".", *, make_dirs: bool = False,
+             dir_mode: int = 0o700) -> int:
+    """A descriptor of the directory `root`/`rel` (`rel` "." is `root` itself), no symlink followed
+    below `root`; with `make_dirs`, missing directories are created (`dir_mode`)."""
+    rel_path = PurePosixPath(os.fspath(rel))
+    parts = [p for p in rel_path.parts if p not in ("", ".")]
+    if rel_path.is_absolute() or ".." in parts:
+        raise UnsafePath(errno.EINVAL, f"{rel_path!s} is not a path inside its root")
+    root_fd = root if isinstance(root, int) else open_root(root)
+    try:
+        return _walk(root_fd, parts, create=make_dirs, dir_mode=dir_mode)
+    finally:
+        if not isinstance(root, int):
+            os.close(root_fd)
+
+
+TEMP_TRIES = 16
+
+
+def create_temp(dir_fd: int, prefix: str, mode: int = 0o600, *, access: int = os.O_WRONLY) -> tuple[int, str]:
+    """A new, empty file in the directory `dir_fd` under a unique name (`prefix`, random hex,
+    ".tmp"), created with O_EXCL | O_NOFOLLOW: nothing planted under a guessed name is opened or
+    followed. (descriptor open for writing, or `access` (os.O_RDWR), name)."""
+    for _ in range(TEMP_TRIES):
+        name = f"{prefix}{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(name, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                         dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+        return fd, name
+    raise FileExistsError(errno.EEXIST, f"no free temporary name for {prefix!r} after {TEMP_TRIES} tries")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte of `data` is written."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o600, *, fsync: bool = False) -> None:
+    """Put `data` at `name` in the directory `dir_fd` atomically: written to a unique O_EXCL
+    temporary file there, then renamed over `name` (a symlink at `name` is replaced, never followed;
+    readers holding the old file keep it)."""
+    fd, tmp = create_temp(dir_fd, f".{name}.")
+    try:
+        try:
+            write_all(fd, data)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        unlink_quietly(dir_fd, tmp)
+        raise
+
+
+def unlink_quietly(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def remove_beneath(root: str | os.PathLike | int, rel: str | os.PathLike) -> bool:
+    """Delete `root`/`rel`: a directory with everything in it (shutil.rmtree on descriptors, which
+    never follows a symlink inside the tree), or a file or symlink (the link itself). No symlink on
+    the way there is followed. False when there was nothing to delete."""
+    parts = _parts(rel)
+    try:
+        parent = open_dir(root, "/".join(parts[:-1]) or ".")
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            st = os.lstat(parts[-1], dir_fd=parent)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(parts[-1], dir_fd=parent)
+        else:
+            os.unlink(parts[-1], dir_fd=parent)
+        return True
+    finally:
+        os.close(parent)

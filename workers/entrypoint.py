@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainyard import keys, safefs
-from trainyard.bundle import BundleError, BundleLimits, extract_bundle, remove_tree
+from trainyard.bundle import BundleError, BundleLimits, extract_bundle, open_stored, remove_tree
 
 PROBE_TIMEOUT_S = 60.0  # importing torch in a cold interpreter on a loaded 2-core node
 CODE_DIR = "code"
@@ -107,16 +107,22 @@ def check_python_runs(python: str, *, node: str,
 def unpack(digest: str, run_dir: Path, *, node: str) -> Path:
     """Verify and extract the bundle into <run_dir>/code (read-only); its path."""
     path = keys.bundle_path(keys.artifact_root(), digest)
-    if not path.is_file():
+    try:  # no symlink below the artifact root is followed, and only a regular file is read
+        fd = open_stored(keys.artifact_root(), digest)
+    except FileNotFoundError:
         raise UserCodeError(f"BundleError: code bundle {digest} is not at {path} on node {node} (the "
-                            "artifact root must be shared by the control plane and every node)")
+                            "artifact root must be shared by the control plane and every node)") from None
+    except OSError as exc:  # safefs.UnsafePath: a link or another kind of file in its place
+        raise UserCodeError(f"BundleError: code bundle {digest} at {path} on node {node} is refused: {exc}") from None
     dest = run_dir / CODE_DIR
-    if dest.exists():  # an earlier delivery of this launch got this far: start from scratch
-        remove_tree(dest)
     try:
-        extract_bundle(path, dest, digest=digest, limits=BundleLimits.from_env())
+        if dest.exists():  # an earlier delivery of this launch got this far: start from scratch
+            remove_tree(dest)
+        extract_bundle(fd, dest, digest=digest, limits=BundleLimits.from_env())
     except BundleError as exc:
         raise UserCodeError(f"BundleError: code bundle {digest} on node {node}: {exc}") from None
+    finally:
+        os.close(fd)
     return dest
 
 

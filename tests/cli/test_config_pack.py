@@ -144,3 +144,12 @@ def test_fifo_empty_and_missing(tmp_path):
         pack(root)
     with pytest.raises(CliError, match="not a directory"):
         pack(tmp_path / "nope")
+
+
+def test_a_tree_deeper_than_the_bundle_limit_is_refused_before_upload(tmp_path):
+    deep = tmp_path / "code" / "/".join(["d"] * 64)
+    deep.mkdir(parents=True)
+    (deep / "x.py").write_text("x = 1\n")  # 65 path components below code/
+    with pytest.raises(CliError, match="65 path components deep.*TRAINYARD_BUNDLE_MAX_DEPTH"):
+        pack(tmp_path / "code")
+    assert pack(tmp_path / "code", Limits(max_depth=65)).files

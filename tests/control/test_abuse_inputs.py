@@ -99,7 +99,7 @@ def test_metrics_parameters_past_64_bits_are_400(user, nodes, client_for, param)
 def test_logs_parameters_past_64_bits_are_400(user, nodes, client_for, param, settings, tmp_path):
     from jobs import services
 
-    settings.TRAINYARD_ARTIFACT_ROOT = tmp_path
+    settings.TRAINYARD_ARTIFACT_ROOT = settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path
     job = services.job_submit(user=user, spec={"name": "j"})
     r = client_for(user).get(f"/api/v1/jobs/{job.pk}/logs/", {param: 10**20})
     assert r.status_code == 400 and param in r.json()["errors"], r.content[:300]

@@ -2,6 +2,8 @@
 the per-job byte cap cutting the oldest lines first (and counting them), disk errors that never raise."""
 from __future__ import annotations
 
+import os
+
 from jobs import keptlogs
 from jobs.keptlogs import LogKeeper, read_page
 from trainyard.keys import rank_log_path
@@ -22,33 +24,36 @@ def test_batches_append_in_order_per_attempt_and_rank(tmp_path):
 
 
 def test_one_open_per_file_per_batch(tmp_path, monkeypatch):
-    import builtins
-
     opened = []
-    real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda p, *a, **kw: (opened.append(str(p)), real_open(p, *a, **kw))[1])
+    real_open = keptlogs.safefs.open_beneath
+
+    def counting(root, rel, flags=os.O_RDONLY, *args, **kwargs):
+        if flags & os.O_APPEND:
+            opened.append(str(rel))
+        return real_open(root, rel, flags, *args, **kwargs)
+
+    monkeypatch.setattr(keptlogs.safefs, "open_beneath", counting)
     k = LogKeeper(tmp_path, thread=True)
     for i in range(50):  # queued faster than one write each: the writer merges what is queued
         k.submit({(1, 10, 0): [f"line {i}"], (1, 10, 1): [f"other {i}"]})
     assert k.flush()
     k.close()
-    path0 = str(rank_log_path(tmp_path, 1, 10, 0))
     assert rank_log_path(tmp_path, 1, 10, 0).read_text().splitlines() == [f"line {i}" for i in range(50)]
-    assert opened.count(path0) < 50  # batches were merged, never one open per line
-    assert opened.count(path0) == opened.count(str(rank_log_path(tmp_path, 1, 10, 1)))
+    assert 0 < opened.count("rank-0.log") < 50  # batches were merged, never one open per line
+    assert opened.count("rank-0.log") == opened.count("rank-1.log")
 
 
 def test_paging_by_line_offset_reports_total_and_next(tmp_path):
     k = LogKeeper(tmp_path, thread=False)
     k.write({(1, 10, 0): lines("l", 2500)})
-    path = rank_log_path(tmp_path, 1, 10, 0)
-    first = read_page(path, offset=0, limit=1000)
+    where = (tmp_path, 1, 10, 0)
+    first = read_page(*where, offset=0, limit=1000)
     assert first["total"] == 2500 and first["next_offset"] == 1000 and len(first["lines"]) == 1000
     assert first["lines"][0] == "l 00000" and first["lines"][-1] == "l 00999"
-    last = read_page(path, offset=2000, limit=1000)
+    last = read_page(*where, offset=2000, limit=1000)
     assert last["lines"][0] == "l 02000" and last["lines"][-1] == "l 02499" and last["next_offset"] is None
-    assert read_page(path, offset=9999, limit=10)["lines"] == []
-    assert read_page(tmp_path / "missing.log", offset=0, limit=10) == {
+    assert read_page(*where, offset=9999, limit=10)["lines"] == []
+    assert read_page(tmp_path, 1, 10, 5, offset=0, limit=10) == {
         "offset": 0, "limit": 10, "total": 0, "next_offset": None, "dropped_lines": 0, "dropped_bytes": 0, "lines": []}
 
 
@@ -57,10 +62,9 @@ def test_paging_across_chunk_boundaries_and_long_lines(tmp_path, monkeypatch):
     k = LogKeeper(tmp_path, thread=False)
     want = lines("w", 300, width=37) + ["y" * 500] + lines("z", 5)
     k.write({(1, 10, 0): want})
-    path = rank_log_path(tmp_path, 1, 10, 0)
     got, offset = [], 0
     while offset is not None:
-        page = read_page(path, offset=offset, limit=7)
+        page = read_page(tmp_path, 1, 10, 0, offset=offset, limit=7)
         got += page["lines"]
         offset = page["next_offset"]
     assert got == want
@@ -70,7 +74,7 @@ def test_a_line_being_written_is_not_counted(tmp_path):
     path = rank_log_path(tmp_path, 1, 10, 0)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"one\ntwo\nthr")
-    page = read_page(path, offset=0, limit=10)
+    page = read_page(tmp_path, 1, 10, 0, offset=0, limit=10)
     assert page["lines"] == ["one", "two"] and page["total"] == 2
 
 
@@ -82,13 +86,13 @@ def test_cap_cuts_the_oldest_lines_and_offsets_stay_stable(tmp_path):
     files = keptlogs.job_files(tmp_path, 3)
     assert sum(p.stat().st_size for p in files) <= cap
     path = rank_log_path(tmp_path, 3, 30, 0)
-    page = read_page(path, offset=0, limit=5000)
+    page = read_page(tmp_path, 3, 30, 0, offset=0, limit=5000)
     assert page["total"] == 2000 and page["dropped_lines"] > 0
     assert page["offset"] == page["dropped_lines"]  # an offset that was cut starts at the first kept line
     assert page["lines"][-1] == "b39 line 049 ..."
     # offset N is still the N-th line ever printed
     n = page["dropped_lines"] + 10
-    assert read_page(path, offset=n, limit=1)["lines"] == [f"b{n // 50:02d} line {n % 50:03d} ..."]
+    assert read_page(tmp_path, 3, 30, 0, offset=n, limit=1)["lines"] == [f"b{n // 50:02d} line {n % 50:03d} ..."]
     assert k.stats["lines_cut_by_cap"] == page["dropped_lines"]
     assert page["dropped_bytes"] == 40 * 50 * 17 - path.stat().st_size
 
@@ -98,8 +102,8 @@ def test_cap_cuts_the_largest_file_of_the_job_first(tmp_path):
     k.write({(4, 40, 0): lines("quiet", 10)})
     for _ in range(20):
         k.write({(4, 41, 1): lines("chatty", 40)})
-    assert read_page(rank_log_path(tmp_path, 4, 40, 0), offset=0, limit=100)["dropped_lines"] == 0
-    chatty = read_page(rank_log_path(tmp_path, 4, 41, 1), offset=0, limit=10_000)
+    assert read_page(tmp_path, 4, 40, 0, offset=0, limit=100)["dropped_lines"] == 0
+    chatty = read_page(tmp_path, 4, 41, 1, offset=0, limit=10_000)
     assert chatty["dropped_lines"] > 0 and chatty["total"] == 800
     assert sum(p.stat().st_size for p in keptlogs.job_files(tmp_path, 4)) <= 10_000
 
@@ -108,7 +112,7 @@ def test_a_batch_larger_than_half_the_cap_keeps_its_newest_lines(tmp_path):
     k = LogKeeper(tmp_path, max_bytes=1000, thread=False)
     k.write({(5, 50, 0): lines("old", 5)})
     k.write({(5, 50, 0): lines("big", 200)})
-    page = read_page(rank_log_path(tmp_path, 5, 50, 0), offset=0, limit=1000)
+    page = read_page(tmp_path, 5, 50, 0, offset=0, limit=1000)
     assert page["total"] == 205 and page["lines"][-1] == "big 00199" and page["lines"][0].startswith("big")
     assert page["dropped_lines"] == 205 - len(page["lines"])
 
@@ -148,18 +152,17 @@ def test_line_index_follows_growth_and_cuts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(keptlogs, "CHUNK", 256)  # an index mark every ~256 bytes
     k = LogKeeper(tmp_path, max_bytes=60_000, thread=False)
-    path = rank_log_path(tmp_path, 2, 20, 0)
     written: list[str] = []
     rnd = random.Random(7)
     for batch in range(60):
         new = [f"batch {batch} line {i} " + "y" * rnd.randrange(0, 90) for i in range(rnd.randrange(1, 40))]
         k.write({(2, 20, 0): new})
         written += new
-        dropped = read_page(path, offset=0, limit=0)["dropped_lines"]
+        dropped = read_page(tmp_path, 2, 20, 0, offset=0, limit=0)["dropped_lines"]
         for _ in range(3):  # random pages, served from the index as the file grows and is cut
             offset, limit = rnd.randrange(0, len(written) + 5), rnd.randrange(1, 50)
-            page = read_page(path, offset=offset, limit=limit)
+            page = read_page(tmp_path, 2, 20, 0, offset=offset, limit=limit)
             start = max(offset, dropped)
             assert page["total"] == len(written) and page["offset"] == start
             assert page["lines"] == written[start:start + limit], (batch, offset, limit)
-    assert read_page(path, offset=0, limit=1)["dropped_lines"] > 0  # the cap did cut meanwhile
+    assert read_page(tmp_path, 2, 20, 0, offset=0, limit=1)["dropped_lines"] > 0  # the cap did cut meanwhile

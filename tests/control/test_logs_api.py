@@ -14,7 +14,8 @@ pytestmark = pytest.mark.django_db(transaction=True)  # on_commit runs (job dele
 @pytest.fixture
 def root(tmp_path, settings):
     settings.TRAINYARD_ARTIFACT_ROOT = tmp_path / "artifacts"
-    return settings.TRAINYARD_ARTIFACT_ROOT
+    settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path / "keptlogs"
+    return settings.TRAINYARD_KEPT_LOG_ROOT
 
 
 def running(user, name="j"):

@@ -13,10 +13,10 @@ pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(autouse=True)
-def artifact_root(tmp_path, settings):
+def kept_root(tmp_path, settings):
     """Kept logs go under the test's own directory, never the repository's var/."""
-    settings.TRAINYARD_ARTIFACT_ROOT = tmp_path / "artifacts"
-    return settings.TRAINYARD_ARTIFACT_ROOT
+    settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path / "keptlogs"
+    return settings.TRAINYARD_KEPT_LOG_ROOT
 
 
 def sample(attempt, rank, step):
@@ -89,9 +89,9 @@ def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_se
     drain(relay)
     relay.close()  # flushes the disk writer
     for rank in (0, 1):
-        kept = rank_log_path(settings.TRAINYARD_ARTIFACT_ROOT, job.pk, attempt.pk, rank).read_text().splitlines()
+        kept = rank_log_path(settings.TRAINYARD_KEPT_LOG_ROOT, job.pk, attempt.pk, rank).read_text().splitlines()
         assert kept == [f"rank {rank} poll {i} line {j}" for i in range(30) for j in range(7)]
-    assert not job_log_dir(settings.TRAINYARD_ARTIFACT_ROOT, gone_id).exists()
+    assert not job_log_dir(settings.TRAINYARD_KEPT_LOG_ROOT, gone_id).exists()
     assert relay.keeper.stats["lines_written"] == 420
     # the live list is as before: the newest lines with their rank, attempt and stream
     live = [json.loads(x) for x in r.lrange(job_log_key(job.pk), 0, -1)]
@@ -100,9 +100,9 @@ def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_se
     assert int(stats[b"log_lines_kept_total"]) == 420 and int(stats[b"log_lines_not_kept_total"]) == 0
 
 
-def test_relay_survives_an_unwritable_artifact_root(user, nodes, redis_server, tmp_path, settings):
-    settings.TRAINYARD_ARTIFACT_ROOT = tmp_path / "not-a-dir"
-    settings.TRAINYARD_ARTIFACT_ROOT.write_text("a file where the artifact root should be")
+def test_relay_survives_an_unwritable_kept_log_root(user, nodes, redis_server, tmp_path, settings):
+    settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path / "not-a-dir"
+    settings.TRAINYARD_KEPT_LOG_ROOT.write_text("a file where the kept log root should be")
     job = services.job_submit(user=user, spec={"name": "x"})
     services.schedule_tick()
     attempt = job.attempts.get()

@@ -181,3 +181,59 @@ def test_malicious_upload_through_the_server_stores_nothing(web):
         assert status == 400 and "'..' component" in body["errors"]["file"][0]
         after = sorted((web["root"] / "bundles").rglob("*.tar.gz"))
         assert after == before
+
+
+# ---------------------------------------------------------------- body limits per path (issue 21, section 6)
+
+MIB = 1024 * 1024
+
+
+def _headers_only(web, path: str, length: int, *, token: bool = True):
+    conn = http.client.HTTPConnection("127.0.0.1", web["port"], timeout=10)
+    conn.putrequest("POST", path)
+    if token:
+        conn.putheader("Authorization", f"Token {web['token']}")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(length))
+    conn.endheaders()  # no body is ever sent: the answer must come from the headers alone
+    started = time.monotonic()
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"{}"), time.monotonic() - started
+
+
+def test_a_2_mib_body_elsewhere_is_413_before_it_is_sent(web):
+    """Only /api/v1/code/ takes the bundle limit; every other path takes 1 MiB
+    (TRAINYARD_HTTP_MAX_BODY_BYTES), decided from the headers, before authentication."""
+    for path, token in (("/api/v1/jobs/", True), ("/api/v1/jobs/", False), ("/api/v1/auth/token/", False),
+                        ("/api/v1/jobs/?x=/api/v1/code/", True), ("/api/v1/cod%65/x/", True)):
+        status, body, took = _headers_only(web, path, 2 * MIB, token=token)
+        assert status == 413, (path, status, body)
+        assert "TRAINYARD_HTTP_MAX_BODY_BYTES" in body["errors"]["detail"][0] and took < 5, (path, body, took)
+    # the code path decoded as daphne decodes it for Django: %63 is "c", the bundle limit applies
+    status, body, _ = _headers_only(web, "/api/v1/%63ode/", 1000 * LIMIT)
+    assert status == 413 and "TRAINYARD_BUNDLE_MAX_BYTES" in body["errors"]["file"][0]
+
+
+def test_a_chunked_body_elsewhere_is_cut_off_past_1_mib(web):
+    conn = http.client.HTTPConnection("127.0.0.1", web["port"], timeout=10)
+    conn.putrequest("POST", "/api/v1/jobs/")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    size = MIB + 64 * 1024
+    try:
+        conn.send(b"%x\r\n" % size + b" " * size + b"\r\n")  # no terminating chunk: the server must not wait for it
+        resp = conn.getresponse()
+        status, payload = resp.status, resp.read()
+    except (BrokenPipeError, ConnectionResetError):
+        status, payload = None, b""  # refused while streaming, before the answer could be read
+    assert status in (413, None), (status, payload)  # never handed to Django (a 401 from it)
+    if status == 413:
+        assert b"TRAINYARD_HTTP_MAX_BODY_BYTES" in payload
+
+
+def test_the_code_path_still_takes_a_bundle_over_1_mib(web, tmp_path):
+    path = big_bundle(tmp_path, 2 * MIB)
+    assert path.stat().st_size > MIB
+    status, body = post_file(web, path)
+    assert status in (200, 201), body

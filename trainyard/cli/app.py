@@ -11,6 +11,7 @@ import click
 from . import config
 from .client import Api
 from .errors import CliError
+from .safe import clean, text
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -43,7 +44,8 @@ class TrainyardGroup(click.Group):
 
 
 def _fail(message: str, code: int) -> int:
-    click.echo(f"error: {' '.join(message.split())}", err=True)
+    # the message may echo server text (an API error naming a job's output): control characters shown
+    click.echo(f"error: {clean(' '.join(message.split()))}", err=True)
     return code
 
 
@@ -88,7 +90,7 @@ def login(url, token, username):
         password = click.prompt("Password", hide_input=sys.stdin.isatty())
         body = Api(url).request("POST", "/api/v1/auth/token/", body={"username": username, "password": password},
                                 doing="login")
-        token, who = body["token"], f"as {body['username']}" + (" (staff)" if body.get("is_staff") else "")
+        token, who = body["token"], f"as {clean(body['username'])}" + (" (staff)" if body.get("is_staff") else "")
     path = config.save(url, token)
     click.echo(f"logged in to {url} {who}; saved in {path}")
     for name in ("TRAINYARD_URL", "TRAINYARD_TOKEN"):
@@ -135,7 +137,7 @@ def _upload(api: Api, directory: str) -> str:
     if not isinstance(res, dict) or not isinstance(res.get("bundle"), str):
         raise CliError(f"upload of {directory}: the server's answer names no bundle")
     click.echo(f"uploaded {directory}: {len(packed.files)} files, {packed.unpacked_bytes} bytes "
-               f"({len(packed.data)} packed) -> {res['bundle']}", err=True)
+               f"({len(packed.data)} packed) -> {clean(res['bundle'])}", err=True)
     return res["bundle"]
 
 
@@ -155,7 +157,7 @@ def submit(spec_file, code_dir, watch_job, as_json):
     if as_json:
         _print_json(job)
     else:
-        click.echo(job["id"])
+        click.echo(clean(job["id"]))
     if watch_job:
         from .watch import watch
 
@@ -176,7 +178,7 @@ def ls(as_json):
     console = _console()
     console.print(jobs_table(page["results"]))
     if page.get("next"):
-        console.print(f"({len(page['results'])} newest of {page['count']})")
+        console.print(text(f"({len(page['results'])} newest of {page['count']})"))
 
 
 @cli.command(context_settings=CONTEXT)
@@ -209,7 +211,7 @@ def watch(job_id):
 def cancel(job_id):
     """Cancel a job (its owner or staff)."""
     job = _api().post(f"/api/v1/jobs/{job_id}/cancel/", doing=f"cancel of job {job_id}")
-    click.echo(f"job {job_id}: cancel requested, now {job['status']}")
+    click.echo(f"job {job_id}: cancel requested, now {clean(job['status'])}")
 
 
 @cli.command(context_settings=CONTEXT)
@@ -234,7 +236,7 @@ def rollback(job_id, checkpoint):
     """Roll a job back to one of its checkpoints (staff only; see `trainyard checkpoints ID`)."""
     job = _api().post(f"/api/v1/jobs/{job_id}/rollback/", {"checkpoint": checkpoint},
                       doing=f"rollback of job {job_id}")
-    click.echo(f"job {job_id}: rolling back to checkpoint {checkpoint}, now {job['status']}")
+    click.echo(f"job {job_id}: rolling back to checkpoint {checkpoint}, now {clean(job['status'])}")
 
 
 @cli.command(context_settings=CONTEXT)
@@ -286,4 +288,4 @@ def plan(request_file, top, as_json):
         return _print_json(result)
     console = _console()
     for part in plans_view(result, top):
-        console.print(part)
+        console.print(text(part) if isinstance(part, str) else part)

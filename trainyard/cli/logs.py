@@ -5,6 +5,7 @@ Without --attempt: the newest attempt that has logs (the API's default); without
 rank that attempt kept a file for, one after the other, each line prefixed "[rank R]". With -f the
 files are polled from their next offsets until the job has ended (offsets make the follow exact:
 no line twice, none skipped); a newer attempt (a restart) is followed from its first line.
+Every line goes through `safe.clean`: a job's escape sequences are shown, never obeyed.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import click
 
 from .client import Api
+from .safe import clean
 from .watch import TERMINAL
 
 PAGE = 5000
@@ -38,7 +40,8 @@ class LogReader:
         while True:
             body = self._page(self.attempt, rank, self.offsets.get(rank, 0))
             lines = body.get("lines") or []
-            for line in lines:
+            for line in lines:  # a job's own bytes: control sequences shown, never sent to the terminal
+                line = clean(line)
                 click.echo(line if self.rank is not None else f"[rank {rank}] {line}")
             printed += len(lines)
             self.offsets[rank] = body.get("offset", 0) + len(lines)

@@ -8,7 +8,8 @@ directory, and a file inside an excluded directory cannot be re-included (as in 
 
 Refused with a message naming the file: a file larger than the packed cap (TRAINYARD_BUNDLE_MAX_BYTES,
 100 MiB), more than TRAINYARD_BUNDLE_MAX_FILES (10,000) files, more than 500 MiB unpacked, a symlink
-pointing outside DIR, a FIFO/socket/device. The server checks the same limits again.
+pointing outside DIR, a FIFO/socket/device, a file more than TRAINYARD_BUNDLE_MAX_DEPTH (64) path
+components deep. The server checks the same limits again.
 
 The archive is reproducible: sorted members, mtime 0, no owner names, modes 0644/0755 and a gzip
 header without a timestamp, so the same tree packs to the same sha256 (the server stores it once).
@@ -111,6 +112,9 @@ def collect(root: Path, limits: BundleLimits) -> list[tuple[str, Path]]:
 
 
 def _check_member(root: Path, rel: str, path: Path, limits: BundleLimits) -> os.stat_result:
+    if rel.count("/") + 1 > limits.max_depth:
+        raise CliError(f"{rel[:80]}...: {rel.count('/') + 1} path components deep, over the bundle limit of "
+                       f"{limits.max_depth} (TRAINYARD_BUNDLE_MAX_DEPTH)")
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
         target = (path.parent / os.readlink(path)).resolve()

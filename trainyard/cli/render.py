@@ -1,7 +1,17 @@
-"""Tables and key/value views for `ls`, `show`, `checkpoints`, `nodes` and `plan` (rich)."""
+"""Tables and key/value views for `ls`, `show`, `checkpoints`, `nodes` and `plan` (rich).
+
+Every cell is a rich Text of `safe.clean(value)` (`_row`): job names, failure messages, labels and
+paths are other people's (or their jobs') text, printed literally: no control sequence reaches the
+terminal, and `[...]` / `:emoji:` in them are not read as rich markup."""
 from __future__ import annotations
 
 from rich.table import Table
+
+from .safe import text
+
+
+def _row(table: Table, *cells) -> None:
+    table.add_row(*(text(c) for c in cells))
 
 
 def _when(value: str | None) -> str:
@@ -27,8 +37,8 @@ def jobs_table(jobs: list[dict]) -> Table:
     for col in ("ID", "NAME", "STATUS", "OWNER", "STEP", "RESTARTS", "CREATED"):
         t.add_column(col, no_wrap=col != "NAME")
     for j in jobs:
-        t.add_row(str(j["id"]), j.get("name", ""), j.get("status", ""), j.get("owner", ""), _steps(j),
-                  str(j.get("restarts", 0)), _when(j.get("created_at")))
+        _row(t, str(j["id"]), j.get("name", ""), j.get("status", ""), j.get("owner", ""), _steps(j),
+                str(j.get("restarts", 0)), _when(j.get("created_at")))
     return t
 
 
@@ -49,16 +59,16 @@ def job_view(job: dict) -> list:
             ("finished", _when(job.get("finished_at")))]
     for key, value in rows:
         if value:
-            fields.add_row(key, value)
+            _row(fields, key, value)
     attempts = Table(box=None, header_style="bold", title="attempts", title_justify="left")
     for col in ("#", "ID", "STATUS", "OUTCOME", "LAST STEP", "RANKS", "FAILURE"):
         attempts.add_column(col)
     for a in job.get("attempts") or []:
         failure = a.get("failure") or {}
-        text = failure.get("message") or failure.get("class") or "" if isinstance(failure, dict) else str(failure)
+        why = failure.get("message") or failure.get("class") or "" if isinstance(failure, dict) else str(failure)
         nodes = sorted({r.get("node", "") for r in a.get("ranks") or []})
-        attempts.add_row(str(a.get("number")), str(a.get("id")), a.get("status", ""), a.get("outcome") or "",
-                         str(a.get("last_step") or 0), f"{len(a.get('ranks') or [])} on {','.join(nodes)}", text)
+        _row(attempts, str(a.get("number")), str(a.get("id")), a.get("status", ""), a.get("outcome") or "",
+                       str(a.get("last_step") or 0), f"{len(a.get('ranks') or [])} on {','.join(nodes)}", why)
     return [fields, attempts] if job.get("attempts") else [fields]
 
 
@@ -69,8 +79,8 @@ def checkpoints_table(rows: list[dict]) -> Table:
     for c in rows:
         state = ("deleted" if c.get("deleted") else "pinned" if c.get("pinned")
                  else "superseded" if c.get("superseded") else "kept")
-        t.add_row(str(c["id"]), str(c.get("step")), str(c.get("attempt") or ""), _when(c.get("created_at")),
-                  _size(c.get("size_bytes")), state, c.get("path") or "")
+        _row(t, str(c["id"]), str(c.get("step")), str(c.get("attempt") or ""), _when(c.get("created_at")),
+                _size(c.get("size_bytes")), state, c.get("path") or "")
     return t
 
 
@@ -81,9 +91,9 @@ def nodes_table(nodes: list[dict]) -> Table:
     for n in nodes:
         pct = lambda v: "" if v is None else f"{v:.0f}%"  # noqa: E731
         labels = ",".join(f"{k}={v}" for k, v in sorted((n.get("labels") or {}).items()))
-        t.add_row(n["name"], n.get("status", "") + (f" ({n['drain_mode']})" if n.get("drain_mode") else ""),
-                  f"{n.get('slots_used', 0)}/{n.get('slots', 0)}", n.get("address", ""), pct(n.get("cpu_percent")),
-                  pct(n.get("mem_percent")), str(len(n.get("devices") or [])), labels)
+        _row(t, n["name"], n.get("status", "") + (f" ({n['drain_mode']})" if n.get("drain_mode") else ""),
+                f"{n.get('slots_used', 0)}/{n.get('slots', 0)}", n.get("address", ""), pct(n.get("cpu_percent")),
+                pct(n.get("mem_percent")), str(len(n.get("devices") or [])), labels)
     return t
 
 
@@ -102,9 +112,9 @@ def plans_view(result: dict, top: int) -> list:
     for col in ("#", "LAYOUT", "MICRO-BATCH", "RECOMPUTE", "SCHEDULE", "STEP", "TFLOP/S", "MEMORY", "BUBBLE"):
         t.add_column(col, no_wrap=True)
     for i, p in enumerate(plans[:top], 1):
-        t.add_row(str(i), _layout(p), str(p["micro_batch"]), p["recompute"], p.get("schedule") or "",
-                  f"{p['step_time_s']:.3g} s", f"{p['tflops_per_device']:.3g}", f"{p['memory_gb_per_device']:.1f} GB",
-                  f"{p['bubble_fraction']:.0%}")
+        _row(t, str(i), _layout(p), str(p["micro_batch"]), p["recompute"], p.get("schedule") or "",
+                f"{p['step_time_s']:.3g} s", f"{p['tflops_per_device']:.3g}", f"{p['memory_gb_per_device']:.1f} GB",
+                f"{p['bubble_fraction']:.0%}")
     return [t, f"best: {plans[0]['explain']}",
             f"{len(plans)} plans fit ({min(top, len(plans))} shown); {len(rejected)} rejected listed"
             + (f", nearest: {rejected[0]['reason']}" if rejected else "")]

@@ -13,6 +13,7 @@ import time
 
 from .client import Api
 from .errors import CliError
+from .safe import clean, text
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 RECONNECTS = 5  # attempts in a row that receive nothing, then the CLI gives up
@@ -141,6 +142,7 @@ def follow(api: Api, job_id: int, on_message, on_idle=lambda: None) -> None:
 
 def watch(api: Api, job_id: int, console) -> int:
     """A live progress bar until the job ends: 0 if it SUCCEEDED, 1 otherwise."""
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     state = JobState(job_id)
@@ -150,17 +152,18 @@ def watch(api: Api, job_id: int, console) -> int:
     task = progress.add_task("job", total=None, status="…", loss="-", rate="-")
 
     def refresh():
-        progress.update(task, completed=state.step, total=state.total or None, status=state.status,
+        # the status column is a markup template ("[bold]{status}"): its value is cleaned and escaped
+        progress.update(task, completed=state.step, total=state.total or None, status=escape(clean(state.status)),
                         loss=f"{state.loss:.4g}" if state.loss is not None else "-",
                         rate=f"{state.samples_per_s:.1f}" if state.samples_per_s is not None else "-")
 
     def on_message(msg: dict) -> bool:
-        for line in state.apply(msg):
-            progress.console.print(line, markup=False, highlight=False)
+        for line in state.apply(msg):  # server text (event messages, reasons): shown, never obeyed
+            progress.console.print(text(line), highlight=False)
         refresh()
         return state.status in TERMINAL
 
     with progress:
         follow(api, job_id, on_message)
-    console.print(state.summary(), markup=False, highlight=False)
+    console.print(text(state.summary()), highlight=False)
     return 0 if state.status == "SUCCEEDED" else 1

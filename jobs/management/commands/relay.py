@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand
 
+from jobs.keptlogs import default_keeper
 from jobs.telemetry import Relay
 
 
@@ -12,4 +13,5 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=500)
 
     def handle(self, *args, **opts):
-        Relay(consumer=opts["consumer"], batch=opts["batch"]).run_forever()
+        # the kept logs go under TRAINYARD_KEPT_LOG_ROOT (the control plane's own directory)
+        Relay(consumer=opts["consumer"], batch=opts["batch"], keeper=default_keeper()).run_forever()
