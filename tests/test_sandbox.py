@@ -202,3 +202,32 @@ def test_adopt_and_loss_work_with_the_sandbox(tmp_path):
     while leftovers(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers(pids) == []
+
+
+@needs_sandbox
+@pytest.mark.procs
+def test_a_sandbox_sees_only_its_own_slots_gpu(tmp_path):
+    """Issue 21 s1 on a GPU machine: the sandbox of slot 0 holds its GPU's device node and not slot
+    1's, so CUDA inside sees one GPU. Skipped on machines with fewer than two NVIDIA GPUs (CI)."""
+    import dataclasses
+    import sys
+
+    from workers import gpus
+
+    if len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[len("nvidia"):].isdigit()]) < 2:
+        pytest.skip("needs two or more NVIDIA GPUs")
+    monitor = gpus.GpuMonitor(os.environ.get("CUDA_VISIBLE_DEVICES")).start()
+    (uuid,), (mine,) = monitor.slot_nodes((0,))
+    _, (theirs,) = monitor.slot_nodes((1,))
+    req = request(tmp_path, "node-a")
+    base = plan_for(req, tmp_path)
+    plan = dataclasses.replace(base, mounts=dataclasses.replace(base.mounts, devices=(mine,), cuda=True))
+    for d in sandbox.SANDBOX_DIRS:
+        os.makedirs(os.path.join(req.run_dir, d), exist_ok=True)
+    with open(os.path.join(req.run_dir, "config.json"), "w") as f:
+        f.write("{}")
+    plan.prepare()
+    code = f"import os, torch; print(torch.cuda.device_count(), os.path.exists({mine!r}), os.path.exists({theirs!r}))"
+    done = plan.run({"PATH": sandbox.SYSTEM_PATH, "CUDA_VISIBLE_DEVICES": uuid}, [sys.executable, "-c", code], 180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "True", "False"], done.stdout

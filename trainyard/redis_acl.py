@@ -118,5 +118,5 @@ def attempt_rule(attempt_id: int, *, stream: str, preempt_key: str, password_sha
     """`ACL SETUSER <attempt_user(attempt_id)>` arguments: XADD to its own stream (in MULTI/EXEC),
     GET its own preemption key, the connection handshake; nothing else."""
     return ["reset", "on", f"#{password_sha}", f"%W~{stream}", f"%R~{preempt_key}", "resetchannels", "-@all",
-            "+xadd", "+get", "+multi", "+exec", "+ping", "+auth", "+hello", "+client|setinfo", "+client|setname",
+            "+xadd", "+get", "+multi", "+exec", "+ping", "+auth", "+hello", "+client|setname",
             "+select", "+quit", "+reset"]

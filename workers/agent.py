@@ -190,7 +190,7 @@ class Agent:
                 if plan.enabled:
                     plan.prepare()
                 check_python_runs(user_code["python"], node=self.name,
-                                  run=(lambda argv, t: plan.run({"PATH": "/usr/bin:/bin"}, argv, t)) if plan.enabled else None)
+                                  run=self._probe_in(plan) if plan.enabled else None)
         except UserCodeError as exc:
             log.warning("attempt %s cannot start on %s: %s", attempt_id, self.name, exc)
             self._report_failed_start(cbs, attempt_id, str(exc))
@@ -231,6 +231,13 @@ class Agent:
         log.info("launched attempt %s (job %s) on %s, rdzv %s:%s%s", attempt_id, req.job_id, self.name,
                  rdzv_host, port, "" if plan.enabled else " UNSANDBOXED (TRAINYARD_INSECURE_NO_SANDBOX=1)")
         return True
+
+    @staticmethod
+    def _probe_in(plan: sandbox.SandboxPlan):
+        def run(argv: list[str], timeout_s: float) -> tuple[int, str]:
+            done = plan.run({"PATH": sandbox.SYSTEM_PATH}, argv, timeout_s)
+            return done.returncode, done.stderr
+        return run
 
     def _gpus(self, msg: Launch) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(UUIDs, device nodes) of a cuda attempt's GPUs in a sandbox; () () otherwise."""

@@ -51,6 +51,7 @@ RO_ENV = "TRAINYARD_SANDBOX_RO"  # extra read-only paths (os.pathsep-separated):
 PASS_ENV = "TRAINYARD_SANDBOX_PASS_ENV"  # agent variables the ranks get (names; NAME* for a prefix)
 UID_BASE, GID_BASE, ID_RANGE = 200_000_000, 200_000_000, 100_000_000
 NPROC = 16384  # processes and threads of one attempt on one node (torch starts many threads)
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 SHM_BYTES = 8 << 30  # the private /dev/shm (NCCL's intra-node buffers live there)
 TMP_BYTES = 1 << 30  # the private /tmp (tmpfs; TMPDIR points at the attempt's disk tmp/)
 PROBE_TIMEOUT_S = 20.0
@@ -378,9 +379,9 @@ class SandboxPlan:
             return None
         return ("/usr", *self.mounts.python_prefixes, *self.cfg.ro_paths)
 
-    def run(self, env: Mapping[str, str], argv: list[str], timeout_s: float) -> tuple[int, str]:
-        """Run a short command in this sandbox (the job's python probe): (exit code, stderr).
-        Raises subprocess.TimeoutExpired."""
+    def run(self, env: Mapping[str, str], argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+        """Run a short command in this sandbox (the job's python probe), its output captured as
+        text. Raises subprocess.TimeoutExpired."""
         from trainyard.private import write_private
 
         bwrap, options, command = self.command(env, argv, "/")
@@ -393,4 +394,4 @@ class SandboxPlan:
         finally:
             os.close(fd)
             os.unlink(path)
-        return done.returncode, done.stderr
+        return done
