@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from trainyard.keys import CONTROL_QUEUE, node_queue, preempt_key
+from trainyard.keys import CONTROL_BEAT_QUEUE, node_queue, preempt_key
 from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
                               CalibrateRequest, PreemptRequest, Stop)
 
@@ -52,7 +52,8 @@ def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
 
 
 def request_tick() -> None:
-    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_QUEUE, expires=10)
+    # control.beat: a schedule tick on `control` (which nodes may write) is refused (jobs.tasks.BeatTask).
+    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_BEAT_QUEUE, expires=10)
 
 
 def publish(group: str, message: dict) -> None:
