@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.slots < 1:
         raise SystemExit("--slots must be at least 1")
     credential = load_credential(args.credential_file, args.name)
-    configure_node(args.name)  # before anything connects: its own unacked keys, no declarations
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     gpus = start_gpu_monitor(args.device, args.slots)
+    configure_node(args.name)  # before anything connects: its own unacked keys, no declarations
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
                   Path(args.run_dir).resolve() / args.name, gpus, credential)
     AGENT.adopt_running()
