@@ -37,7 +37,8 @@ from pathlib import Path
 # ---------------------------------------------------------------- Celery queues
 
 CONTROL_QUEUE = "control"
-"""The control worker's queue: scheduling ticks and every report from the node agents."""
+"""The control worker's queue of every report from the node agents (every node's Redis user may
+LPUSH onto it; the periodic tasks have CONTROL_BEAT_QUEUE)."""
 
 
 CONTROL_BEAT_QUEUE = "control.beat"

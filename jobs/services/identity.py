@@ -90,8 +90,8 @@ def security_event(kind: str, node: str, detail: str = "", *, registered: bool |
     are counted in their kind's OTHER_SOURCES row (its detail names the latest). So the table
     stays under (registered nodes + that cap + 1) rows per kind, however many names a flood makes
     up, and `trainyard_security_events_total` still counts every refusal. The warnings are
-    rate-limited per kind (_log). `registered`: whether the source is
-    a registered node, when the caller knows (None: looked up)."""
+    rate-limited per kind (_log). `registered`: whether the source is a registered node, when the
+    caller knows (None: looked up)."""
     node, detail = str(node)[:64], str(detail)[:500]
     _log(kind, node, detail)
     if SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail):
