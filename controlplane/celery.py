@@ -1,4 +1,4 @@
-"""Celery for the control plane (`celery -A controlplane worker -Q control` and `beat`): Django,
+"""Celery for the control plane (`celery -A controlplane worker -Q control,control.beat` and `beat`): Django,
 the control plane's app (jobs.celery_app, which serves jobs.tasks) and the beat schedule."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_
                               NODES_CHECK_TASK, SCHEDULE_TICK_TASK)
 
 # Ticks also run on submit and on attempt end; the beat catches everything else (nodes freed by
-# a heartbeat, lost nodes) within 2 s.
+# a heartbeat, lost nodes) within 2 s. Every one goes to control.beat (jobs.celery_app's task_routes),
+# which no node may write; the control worker runs them only from there (jobs.tasks.BeatTask).
 app.conf.beat_schedule = {
     "schedule-tick": {"task": SCHEDULE_TICK_TASK, "schedule": 2.0, "options": {"expires": 4}},
     "nodes-check": {"task": NODES_CHECK_TASK, "schedule": 2.0, "options": {"expires": 4}},

@@ -28,6 +28,9 @@ TRAINYARD_NODE_KEY = os.environ.get("TRAINYARD_NODE_KEY", "") or security.derive
 TRAINYARD_HEARTBEAT_MAX_AGE_S = float(os.environ.get("TRAINYARD_HEARTBEAT_MAX_AGE_S", "60"))
 # Unregistered nodes' join requests kept at most (a flood of invented names cannot grow the table).
 TRAINYARD_JOIN_REQUESTS_MAX = int(os.environ.get("TRAINYARD_JOIN_REQUESTS_MAX", "100"))
+# Security events (jobs/services/identity.py): distinct unregistered sources with a row of their own;
+# beyond them each kind counts in one "(other sources)" row, so made-up node names cannot grow the table.
+TRAINYARD_SECURITY_EVENT_SOURCES_MAX = int(os.environ.get("TRAINYARD_SECURITY_EVENT_SOURCES_MAX", "100"))
 DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
 ALLOWED_HOSTS = security.allowed_hosts(os.environ)
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from trainyard.keys import CONTROL_QUEUE, node_queue, preempt_key
+from trainyard.keys import CONTROL_BEAT_QUEUE, node_queue, preempt_key
 from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
                               CalibrateRequest, PreemptRequest, Stop)
 
@@ -52,7 +52,8 @@ def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
 
 
 def request_tick() -> None:
-    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_QUEUE, expires=10)
+    # control.beat: a schedule tick on `control` (which nodes may write) is refused (jobs.tasks.BeatTask).
+    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_BEAT_QUEUE, expires=10)
 
 
 def publish(group: str, message: dict) -> None:
@@ -117,15 +118,23 @@ def _redis():
 
 
 def _acl_save(client) -> None:
-    """Persist the ACL (a Redis restart keeps the attempts' users); a server without an ACL file
-    keeps them only in memory, and services.busaccess re-creates missing ones every few seconds."""
+    """Persist the ACL (a Redis restart keeps the attempts' users). A server without an ACL file, or
+    one that may not rewrite it (docs/deploy.md installs it read-only for Redis), keeps them only in
+    memory; services.busaccess re-creates missing ones every few seconds (after a restart or an
+    operator's ACL LOAD), with the same derived passwords."""
     import redis
 
     try:
         client.execute_command("ACL", "SAVE")
     except redis.ResponseError as exc:
-        if "ACL file" not in str(exc):
-            raise
+        global _acl_save_warned
+        if not _acl_save_warned:
+            _acl_save_warned = True
+            log.warning("ACL SAVE failed (%s): the attempts' Redis users live in memory and are re-created "
+                        "by the nodes check after a Redis restart", exc)
+
+
+_acl_save_warned = False
 
 
 def bus_user_grant(attempt_id: int, job_id: int, password: str, *, fenced: bool = False) -> None:

@@ -3,12 +3,38 @@ control`): thin, each calls one jobs.services function. Node agents send the rep
 name (trainyard.launch); services validate them with the trainyard.launch models."""
 from __future__ import annotations
 
+import logging
+
+from celery import Task
+
+from trainyard.keys import CONTROL_BEAT_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
                               ExitReport, RanksReport)
 
 from . import dispatch, services
 from .celery_app import app
+
+log = logging.getLogger("trainyard.security")
+
+
+class BeatTask(Task):
+    """A periodic task (jobs.celery_app.BEAT_TASKS): from the broker it runs only when delivered
+    from CONTROL_BEAT_QUEUE, which only the control plane's Redis user can write. One that arrives
+    on `control` was pushed by a node (its Redis user may LPUSH there): refused without running,
+    logged and counted as a security event. The queue is the one the message was popped from
+    (trainyard.celery_redis stamps it), not what its sender wrote. Called in-process, it runs."""
+
+    def __call__(self, *args, **kwargs):
+        request = self.request
+        queue = (request.delivery_info or {}).get("routing_key")
+        if not request.called_directly and not request.is_eager and queue != CONTROL_BEAT_QUEUE:
+            log.warning("refused periodic task %s delivered from queue %r (only %s runs it)", self.name,
+                        queue, CONTROL_BEAT_QUEUE)
+            services.security_event("periodic_on_control", f"queue:{queue}",
+                                    f"{self.name} arrived on {queue!r}, not {CONTROL_BEAT_QUEUE}")
+            return None
+        return super().__call__(*args, **kwargs)
 
 
 # shared=False: registered with this side's app only (Celery shares tasks with every app in a
@@ -22,14 +48,15 @@ from .celery_app import app
 # heartbeat in flight; seen in one of three full runs). Attempt reports keep the late ack: each
 # is sent once.
 PERIODIC = {"shared": False, "acks_late": False}
+BEAT = {**PERIODIC, "base": BeatTask}
 
 
-@app.task(name=SCHEDULE_TICK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
+@app.task(name=SCHEDULE_TICK_TASK, **BEAT, time_limit=60, soft_time_limit=50)
 def schedule_tick() -> list[int]:
     return services.schedule_tick()
 
 
-@app.task(name=NODES_CHECK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
+@app.task(name=NODES_CHECK_TASK, **BEAT, time_limit=60, soft_time_limit=50)
 def nodes_check() -> list[str]:
     lost = services.nodes_check()
     services.launches_resend_due()  # launches a killed control worker never sent
@@ -37,17 +64,17 @@ def nodes_check() -> list[str]:
     return lost
 
 
-@app.task(name=ETA_REFRESH_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
+@app.task(name=ETA_REFRESH_TASK, **BEAT, time_limit=60, soft_time_limit=50)
 def eta_refresh() -> int:
     return services.eta_refresh()
 
 
-@app.task(name=ATTEMPTS_CHECK_TASK, **PERIODIC, time_limit=60, soft_time_limit=50)
+@app.task(name=ATTEMPTS_CHECK_TASK, **BEAT, time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
     return services.attempts_check()
 
 
-@app.task(name=BUNDLES_GC_TASK, **PERIODIC, time_limit=600, soft_time_limit=540)
+@app.task(name=BUNDLES_GC_TASK, **BEAT, time_limit=600, soft_time_limit=540)
 def bundles_gc() -> list[str]:
     return services.bundles_gc().deleted
 

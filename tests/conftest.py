@@ -42,6 +42,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PROTO_MAX_BULK_LEN = "8mb"
+"""Redis's largest accepted bulk string (issue 21): as `make run` (Procfile) and docs/deploy.md set it,
+so an oversized XADD is refused by the server before any reader sees it (default 512 MB)."""
+
+
 class RedisServer:
     """A real redis-server (AOF on) in its own directory; stop()/start() keep port and data."""
 
@@ -94,6 +99,7 @@ class RedisServer:
             [*self.prefix, exe, *self._listen(), "--bind", self.host, "--dir", str(self.dir),
              "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
              "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+             "--proto-max-bulk-len", PROTO_MAX_BULK_LEN,
              *(["--aclfile", str(self.acl)] if self.acl is not None else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )

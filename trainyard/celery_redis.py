@@ -23,11 +23,30 @@ kombu 5.7 has two faults when Redis goes away under a worker that holds unacknow
    acknowledged meanwhile is no longer in the hash and restores nothing). This is what kombu does
    when Redis is reachable at close: the messages go back to their queue and are delivered again
    (the control tasks are idempotent, trainyard.launch).
+
+Three more changes serve the Redis ACL users (trainyard/redis_acl.py; issue 21, section 4):
+
+3. **A delivery says the queue it came from, not what its sender wrote.** kombu takes a message's
+   `delivery_info` (exchange, routing key) from the message itself, which whoever pushed it wrote:
+   a node could push a task onto `control` claiming it came from `control.beat`, and the restore of
+   an unacknowledged message goes to the queue its routing key names (RPUSH by the consumer's user,
+   the control plane's for the control worker: into `control.beat`, or into any key). The transport
+   now stamps each delivery with the queue it was popped from (default exchange, routing key = that
+   queue), so restores go back where the message was and jobs/tasks.py can trust the queue.
+4. **No Lua.** kombu's restore of overdue unacknowledged messages takes a redis-py Lock, released by
+   a Lua script (EVALSHA). A user allowed EVALSHA can run any script, and a script that loops blocks
+   Redis for every client; node users get none. The mutex here is SET NX EX, released by a
+   WATCH/GET/MULTI/DEL/EXEC on its key: the same guarantee (only the holder's token deletes it).
+5. **No CLIENT SETINFO.** redis-py 8 sends CLIENT SETINFO on connect (ignoring an error); Redis 7.0
+   has no such subcommand and refuses an ACL rule that names one, so the node users cannot be granted
+   it and the connections do not send it (`driver_info=None`).
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
+import uuid
 
 from kombu.transport import redis as kombu_redis
 
@@ -45,6 +64,25 @@ def pending_restores() -> int:
 
 
 class QoS(kombu_redis.QoS):
+    def restore_visible(self, start=0, num=10, interval=10):
+        """kombu's restore of messages unacknowledged for longer than the visibility timeout, with
+        the mutex of repair 4 (kombu 5.7's body otherwise: one in `interval` calls scans)."""
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        with self.channel.conn_or_acquire() as client:
+            ceil = time.time() - self.visibility_timeout
+            token = uuid.uuid4().hex
+            if not client.set(self.unacked_mutex_key, token, nx=True, ex=self.unacked_mutex_expire):
+                return  # another consumer of these keys is restoring
+            try:
+                visible = client.zrange(self.unacked_index_key, ceil, 0, desc=True, byscore=True,
+                                        offset=num and start, num=num, withscores=True)
+                for tag, _score in visible or []:
+                    self.restore_by_tag(tag, client)
+            finally:
+                _release(client, self.unacked_mutex_key, token)
+
     def restore_unacked(self, client=None):
         tags = list(self._delivered)
         try:
@@ -61,6 +99,16 @@ class QoS(kombu_redis.QoS):
             return None
 
 
+def _release(client, key: str, token: str) -> None:
+    """Delete the mutex `key` if it still holds `token` (it may have expired and been taken)."""
+    def release(pipe):
+        if pipe.get(key) == token.encode():
+            pipe.multi()
+            pipe.delete(key)
+
+    client.transaction(release, key)
+
+
 class Channel(kombu_redis.Channel):
     QoS = QoS
 
@@ -75,7 +123,9 @@ class Channel(kombu_redis.Channel):
             # transport is referenced only by its channels now; give it back its parameters so the
             # channel's last restore and any late acknowledgement can build a client.
             self.connection.client = self._conninfo
-        return super()._connparams(asynchronous=asynchronous)
+        params = super()._connparams(asynchronous=asynchronous)
+        params["driver_info"] = None  # no CLIENT SETINFO (repair 5)
+        return params
 
     def _restore_pending(self) -> None:
         with _pending_lock:
@@ -102,3 +152,16 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+    def _deliver(self, message, queue):
+        """Repair 3: the delivery's exchange and routing key are the queue it was popped from."""
+        props = message.get("properties") if isinstance(message, dict) else None
+        if isinstance(props, dict):
+            sent = props.get("delivery_info") if isinstance(props.get("delivery_info"), dict) else {}
+            info = {"exchange": "", "routing_key": queue}
+            if sent.get("redelivered") is True:  # kombu's restore marks it; Celery reads it
+                info["redelivered"] = True
+            if isinstance(sent.get("priority"), int) and not isinstance(sent.get("priority"), bool):
+                info["priority"] = sent["priority"]
+            props["delivery_info"] = info
+        return super()._deliver(message, queue)

@@ -7,8 +7,10 @@ agent, an absolute path in the control plane, which drops checkpoints outside it
 seven Redis names lived in five files.
 
 Redis (one database, shared by Celery, the streams and the Channels layer):
-    control                      Celery queue of the control worker (schedule, reports)
+    control                      Celery queue of the control worker: node agents' signed reports
+    control.beat                 Celery queue of the control worker: beat's periodic tasks (control plane only)
     node.<name>                  Celery queue of one node agent (launch, stop)
+    trainyard:unacked:<name>     kombu's unacked bookkeeping of one node agent (and _index:, _mutex:)
     trainyard:job:<id>:a<attempt>  one attempt's telemetry stream: only that attempt's own Redis user
                                  (its ranks, and its agents forwarding its logs) may XADD; the relay reads
     relay                        the relay's consumer group on every job stream
@@ -39,12 +41,29 @@ from pathlib import Path
 # ---------------------------------------------------------------- Celery queues
 
 CONTROL_QUEUE = "control"
-"""The control worker's queue: scheduling ticks and every report from the node agents."""
+"""The control worker's queue of every report from the node agents (every node's Redis user may
+LPUSH onto it; the periodic tasks have CONTROL_BEAT_QUEUE)."""
+
+
+CONTROL_BEAT_QUEUE = "control.beat"
+"""The control worker's second queue: beat's periodic tasks (and the control plane's own schedule
+ticks). Only the control plane's Redis user can write it (trainyard/redis_acl.py); a periodic task
+that arrives on CONTROL_QUEUE, which every node may write, is refused (jobs/tasks.py)."""
 
 
 def node_queue(node: str) -> str:
     """The queue one node agent consumes (launch and stop of its share of attempts)."""
     return f"node.{node}"
+
+
+def node_unacked_keys(node: str) -> dict[str, str]:
+    """kombu's Redis transport options naming one node agent's own unacknowledged-message keys
+    (the hash of deliveries, their time index, the restore mutex). kombu's defaults (`unacked`,
+    `unacked_index`, `unacked_mutex`) are shared by every consumer, so any node could read the
+    Launch messages held by another; these are each node's alone, and the control worker keeps the
+    defaults. `:` is not allowed in node names, so no node's queue can be another's key."""
+    return {"unacked_key": f"trainyard:unacked:{node}", "unacked_index_key": f"trainyard:unacked_index:{node}",
+            "unacked_mutex_key": f"trainyard:unacked_mutex:{node}"}
 
 
 # ---------------------------------------------------------------- Redis keys and streams

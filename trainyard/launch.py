@@ -84,9 +84,22 @@ CELERY_SETTINGS: dict[str, Any] = {
     "broker_transport": "trainyard.celery_redis:Transport",
     "broker_transport_options": {"visibility_timeout": 3600},
     "worker_hijack_root_logger": False,
+    # No result backend, so nothing to expire; with an expiry beat would also schedule Celery's
+    # `celery.backend_cleanup` every night, a builtin the apps no longer register (below).
+    "result_expires": None,
 }
 """The Celery configuration both Celery apps use (the control plane's jobs.celery_app and the
 node agents' workers.celery_app): the same serializer and delivery guarantees on both ends."""
+
+
+def drop_celery_builtins(sender, **_) -> None:
+    """An app's `on_after_finalize` receiver: unregister Celery's builtin tasks (`celery.map`,
+    `celery.starmap`, `celery.chunks`, `celery.group`, `celery.chain`, `celery.chord`,
+    `celery.chord_unlock`, `celery.accumulate`, `celery.backend_cleanup`). Neither side uses them,
+    and every node may write the control queue: `celery.map` would run any registered task with
+    arguments of the sender's choosing. A worker refuses (logs and discards) a task it does not have."""
+    for name in [n for n in sender.tasks if n.startswith("celery.")]:
+        sender.tasks.unregister(name)
 
 
 class _Message(BaseModel):

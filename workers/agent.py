@@ -25,7 +25,7 @@ from trainyard.keys import CONTROL_QUEUE, node_queue
 from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, ExitReport, Heartbeat,
                               Launch, NodeExit, RankFailure, RankInfo, RanksReport)
 
-from .celery_app import REDIS_URL, app
+from .celery_app import REDIS_URL, app, configure_node
 from .launch_spec import InterfaceError
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, check_python_runs, prepare
@@ -79,7 +79,8 @@ class Agent:
         private_dir(run_base)
         tighten(run_base.parent)  # the run root (TRAINYARD_RUN_DIR) every node's directory is under
         self.agent_id = uuid.uuid4().hex[:12]
-        self.redis = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        # driver_info=None: no CLIENT SETINFO, which the node's Redis user may not run (trainyard/redis_acl.py).
+        self.redis = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5, driver_info=None)
         self.supervisors: dict[int, Supervisor] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._registry_lock = threading.Lock()
@@ -124,7 +125,7 @@ class Agent:
     def _callbacks(self, job_id: int, attempt_id: int, stream: str, redis_url: str) -> dict:
         # The attempt's logs go to its own stream with its own Redis user (the node's user cannot
         # write any job's stream: trainyard/redis_acl.py).
-        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5, driver_info=None)
 
         def on_ranks(ranks: list[dict]) -> None:
             infos = [RankInfo.model_validate(r).model_dump(mode="json") for r in ranks]
@@ -402,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     credential = load_credential(args.credential_file, args.name)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(levelname)s %(message)s")
     gpus = start_gpu_monitor(args.device, args.slots)
+    configure_node(args.name)  # before anything connects: its own unacked keys, no declarations
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
                   Path(args.run_dir).resolve() / args.name, gpus, credential, sandbox_cfg=sandbox_config())
     AGENT.adopt_running()
@@ -411,9 +413,11 @@ def main(argv: list[str] | None = None) -> None:
     # stop (SIGTERM/Ctrl-C) takes them down too, so `make run` leaves no training behind.
     worker_shutting_down.connect(lambda **_: AGENT.stop_all(), weak=False)
     threading.Thread(target=AGENT.heartbeat_forever, name="heartbeat", daemon=True).start()
+    # No gossip, mingle or worker heartbeat events: each would need a pub/sub channel, which the
+    # node's Redis user does not have (the agent's own signed heartbeat is a task on `control`).
     app.worker_main([
         "worker", "-Q", node_queue(args.name), "-n", f"{args.name}@%h", "-P", "threads",
-        "-c", str(args.concurrency), "--without-gossip", "--without-mingle", "-l", "INFO",
+        "-c", str(args.concurrency), "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO",
     ])
 
 

@@ -72,17 +72,69 @@ def node_add(name: str, *, slots: int, address: str = "", labels: dict | None = 
     return node, credential
 
 
-def security_event(kind: str, node: str, detail: str = "") -> None:
-    """Log a refused report and count it: one row per (kind, node), its count and last detail."""
+OTHER_SOURCES = "(other sources)"
+"""The source of a kind's overflow row: not a node name (NODE_NAME refuses the parentheses)."""
+_FULL_RECHECK_S = 5.0
+_full_seen_at = -_FULL_RECHECK_S
+_LOG_WINDOW_S = 60.0
+_LOG_PER_WINDOW = 20
+_log_windows: dict[str, list] = {}  # kind -> [window start, warnings logged, refusals not logged]
+
+
+def security_event(kind: str, node: str, detail: str = "", *, registered: bool | None = None) -> None:
+    """Log a refused report and count it: one row per (kind, source), its count and last detail.
+
+    A source is the node name the report claims, which anyone who can write the control queue
+    makes up. A registered node always has its own row; other sources get one only while fewer
+    than TRAINYARD_SECURITY_EVENT_SOURCES_MAX rows of unregistered sources exist, and after that
+    are counted in their kind's OTHER_SOURCES row (its detail names the latest). So the table
+    stays under (registered nodes + that cap + 1) rows per kind, however many names a flood makes
+    up, and `trainyard_security_events_total` still counts every refusal. The warnings are
+    rate-limited per kind (_log). `registered`: whether the source is a registered node, when the
+    caller knows (None: looked up)."""
     node, detail = str(node)[:64], str(detail)[:500]
+    _log(kind, node, detail)
+    if SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail):
+        return
+    if _sources_full() and not (registered if registered is not None else Node.objects.filter(name=node).exists()):
+        node, detail = OTHER_SOURCES, f"{node}: {detail}"[:500]
+        if SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail):
+            return
+    try:
+        with transaction.atomic():
+            SecurityEvent.objects.create(kind=kind, node=node, detail=detail, count=1)
+    except IntegrityError:  # created concurrently
+        SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail)
+
+
+def _sources_full() -> bool:
+    """Whether unregistered sources have all the rows they may have. Once they do, that is believed
+    for _FULL_RECHECK_S without counting again (a flood costs two queries per refusal, not three)."""
+    global _full_seen_at
+    if time.monotonic() - _full_seen_at < _FULL_RECHECK_S:
+        return True
+    unregistered = SecurityEvent.objects.exclude(node__in=Node.objects.values("name")).exclude(node=OTHER_SOURCES)
+    if unregistered.count() < settings.TRAINYARD_SECURITY_EVENT_SOURCES_MAX:
+        return False
+    _full_seen_at = time.monotonic()
+    return True
+
+
+def _log(kind: str, node: str, detail: str) -> None:
+    """At most _LOG_PER_WINDOW warnings per kind and minute in this process; the rest are summed in
+    one line when the next minute starts (a flood of refusals does not flood the log either)."""
+    now = time.monotonic()
+    window = _log_windows.setdefault(kind, [now, 0, 0])  # start, logged, not logged
+    if now - window[0] >= _LOG_WINDOW_S:
+        if window[2]:
+            log.warning("security: %d more %s refusals in the last %.0f s were not logged one by one", window[2],
+                        kind, now - window[0])
+        window[:] = [now, 0, 0]
+    if window[1] >= _LOG_PER_WINDOW:
+        window[2] += 1
+        return
+    window[1] += 1
     log.warning("security: %s from node %r refused: %s", kind, node, detail)
-    updated = SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail)
-    if not updated:
-        try:
-            with transaction.atomic():
-                SecurityEvent.objects.create(kind=kind, node=node, detail=detail, count=1)
-        except IntegrityError:  # created concurrently
-            SecurityEvent.objects.filter(kind=kind, node=node).update(count=F("count") + 1, detail=detail)
 
 
 def join_request(name: str, body: dict) -> None:
@@ -126,7 +178,8 @@ def report_open(envelope: object, *, task: str) -> tuple[Node, dict] | None:
         if task == HEARTBEAT_TASK:
             join_request(env.node, env.body)
         else:
-            security_event("unknown_node", env.node, f"{task} from a node with no registered credential")
+            security_event("unknown_node", env.node, f"{task} from a node with no registered credential",
+                           registered=False)
         return None
     credential = nodeauth.derive_credential(master_key(), node.name, node.credential_salt)
     if nodeauth.fingerprint(credential) != node.credential_digest:

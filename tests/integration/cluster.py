@@ -74,7 +74,7 @@ class Cluster:
             # as make run starts it: controlplane.serve's daphne worker(s) on one socket
             "web": [PY, "-m", "controlplane.serve", "--workers", str(self.web_workers), "-b", self.host,
                     "-p", str(self.port)],
-            "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control", "-n", "control@%h",
+            "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control,control.beat", "-n", "control@%h",
                         "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
             "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
                      "-s", str(self.dir / "celerybeat-schedule")],

@@ -53,7 +53,7 @@ def test_killing_beat_then_the_control_worker_flips_each_to_down_within_the_ttl(
     commands = {
         "beat": [sys.executable, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
                  "-s", str(tmp_path / "celerybeat-schedule")],
-        "control": [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control",
+        "control": [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control,control.beat",
                     "-n", "control@%h", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"],
     }
     (tmp_path / "var").mkdir()

@@ -114,7 +114,8 @@ class Reporter:
         self._buf: deque = deque(maxlen=buffer or buffer_size_from_env())
         self._client = redis.Redis.from_url(
             redis_url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            driver_info=None)  # no CLIENT SETINFO: an attempt's Redis user may not run it (trainyard/redis_acl.py)
         # Counters are written by the flush thread only; read them after close().
         self.sent_samples = 0
         self.dropped_samples = 0
