@@ -68,6 +68,8 @@ bench: venv deps
 	@scripts/ensure_system_deps.sh iproute2
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sdk_overhead.py
+	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)
 	$(BIN)/python bench/load.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py

@@ -10,6 +10,9 @@ model. Breakdown from the job's own timeline:
 - to_first_step: ranks registered -> the first new step's sample (rendezvous, model build, load, step)
 
 The baseline, side by side: the same job's cold start (submit -> first step) on the same cluster.
+Run twice, side by side (issue 21): with the job sandbox (workers/sandbox.py, the default) and
+with TRAINYARD_INSECURE_NO_SANDBOX=1, so the output says what the sandbox adds to a recovery
+(`--sandbox on|off` runs one side only).
 """
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ def _first_sample_ts(c: Cluster, job_id: int, attempt_id: int) -> float | None:
     return rows[0]["ts"] if rows else None
 
 
-def measure(log=print) -> dict:
+def measure(log=print, sandboxed: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
         c = Cluster(Path(tmp))
+        if not sandboxed:
+            c.env["TRAINYARD_INSECURE_NO_SANDBOX"] = "1"
         try:
             c.start()
             t_submit = time.time()
@@ -74,7 +79,7 @@ def measure(log=print) -> dict:
     total = first_new - t_kill
     cold = cold_first - t_submit
     return {
-        "model": "demo gpt (spec defaults), 2 ranks x 1 proc, gloo, CPU",
+        "model": "demo gpt (spec defaults), 2 ranks x 1 proc, gloo, CPU", "sandboxed": sandboxed,
         "kill_to_first_new_step_s": round(total, 2),
         "breakdown_s": {"detection": round(ended - t_kill, 2), "scheduling": round(placed - ended, 2),
                         "process_start": round(ranks_up - placed, 2),
@@ -88,6 +93,20 @@ def measure(log=print) -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
     import json
 
-    print(json.dumps(measure(log=lambda m: print(m, file=sys.stderr)), indent=2))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sandbox", choices=["both", "on", "off"], default="both")
+    args = ap.parse_args()
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    sides = {"on": [True], "off": [False], "both": [False, True]}[args.sandbox]
+    out = {("sandbox" if s else "no_sandbox"): measure(log=log, sandboxed=s) for s in sides}
+    if len(out) == 2:
+        a, b = out["sandbox"], out["no_sandbox"]
+        out["sandbox_added_s"] = {
+            "kill_to_first_new_step": round(a["kill_to_first_new_step_s"] - b["kill_to_first_new_step_s"], 2),
+            "process_start": round(a["breakdown_s"]["process_start"] - b["breakdown_s"]["process_start"], 2),
+            "cold_start": round(a["baseline_cold_start_s"] - b["baseline_cold_start_s"], 2)}
+        out["ratio_sandbox_to_no_sandbox"] = round(a["kill_to_first_new_step_s"] / b["kill_to_first_new_step_s"], 3)
+    print(json.dumps(out, indent=2))

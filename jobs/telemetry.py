@@ -10,9 +10,9 @@ killed between read and ack re-reads the entry from its pending list on restart;
 (attempt, rank, step) constraint turns the replay into a no-op instead of a duplicate.
 
 One round: XREADGROUPs over all streams, READ_STREAMS at a time, up to `batch` entries each (a
-stream that sent an entry over BIG_ENTRY_BYTES is read one entry a round until it sends small
-ones again, so memory per round stays bounded by Redis' proto-max-bulk-len, not by what a job
-chooses to send), blocking only when idle,
+new stream starts at FIRST_COUNT and doubles while its entries are small; one that sent an entry
+over BIG_ENTRY_BYTES is read one entry a round until it sends small ones again, so memory per round
+stays bounded by Redis' proto-max-bulk-len, not by what a job chooses to send), blocking only when idle,
 one transaction for everything read, then the committed samples go to the Channels groups
 `job.<id>` (through a long-lived publisher thread, in order, at most PUBLISH_MAX_SAMPLES per
 message), the log lines go to the kept files on disk (jobs.keptlogs: a writer thread, so a slow
@@ -62,6 +62,7 @@ ERROR_BACKOFF_MAX_S = 5.0
 READ_STREAMS = 64  # streams per XREADGROUP
 BATCH = 32  # entries per stream per round: a reporter's entry holds up to 500 samples (< 256 KB)
 BIG_ENTRY_BYTES = 1 << 20  # no reporter writes one; a stream that does is read one entry a round
+FIRST_COUNT = 4  # entries of a stream's first read (it doubles while they are small)
 IGNORED_FORGET_S = 60.0  # streams of no known attempt are looked up again after this
 
 
@@ -89,7 +90,7 @@ class Relay:
         self.min_round_s = min_round_s
         self._round_start = 0.0
         self.streams: dict[str, str] = {}  # stream -> next id to read ("0" = own pending first, then ">")
-        self._big: set[str] = set()  # streams read one entry a round (they sent a big entry)
+        self._counts: dict[str, int] = {}  # stream -> entries per read (see _read)
         self._ignored: set[str] = set()  # streams of no known attempt (forgotten every IGNORED_FORGET_S)
         self._ignored_at = time.monotonic()
         self._last_scan = 0.0
@@ -193,37 +194,36 @@ class Relay:
 
     def _read(self) -> list[tuple[str, list]]:
         """One round's entries: own pending entries first (after a restart), then new ones; at most
-        READ_STREAMS streams per call, `batch` entries per stream (1 for a stream sending big ones)."""
+        READ_STREAMS streams per call, each stream up to its own count: a new stream starts at
+        FIRST_COUNT entries, a stream whose entries were all small doubles up to `batch`, one that
+        sent an entry over BIG_ENTRY_BYTES is read one entry a round (memory per round stays a few
+        entries of at most proto-max-bulk-len each, whatever a job sends)."""
         pending = [s for s, i in self.streams.items() if i == "0"]
-        groups = [(pending, None)] if pending else []
-        rest = [s for s in self.streams if self.streams[s] != "0"]
-        groups += [(rest, self.block_ms)] if rest and not pending else []
+        names = pending or [s for s in self.streams if self.streams[s] != "0"]
+        block = None if pending else self.block_ms
         read = []
-        for names, block in groups:
-            for i in range(0, len(names), READ_STREAMS):
-                chunk = names[i:i + READ_STREAMS]
-                for small in (True, False):
-                    part = [s for s in chunk if (s in self._big) != small]
-                    if not part:
-                        continue
-                    resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, {s: self.streams[s] for s in part},
-                                             count=self.batch if small else 1, block=block)
-                    got = {st.decode(): entries_ for st, entries_ in resp or []}
-                    for s in part:
-                        if s in got and got[s]:
-                            read.append((s, got[s]))
-                            self._note_size(s, got[s])
-                        elif self.streams[s] == "0":
-                            self.streams[s] = ">"  # own pending list drained
-                    block = None  # only the first call of a round waits
+        for i in range(0, len(names), READ_STREAMS):
+            chunk = names[i:i + READ_STREAMS]
+            for count in sorted({self._read_count(s) for s in chunk}):
+                part = [s for s in chunk if self._read_count(s) == count]
+                resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, {s: self.streams[s] for s in part},
+                                         count=count, block=block)
+                block = None  # only the first call of a round waits
+                got = {st.decode(): entries_ for st, entries_ in resp or []}
+                for s in part:
+                    if got.get(s):
+                        read.append((s, got[s]))
+                        self._note_size(s, got[s])
+                    elif self.streams[s] == "0":
+                        self.streams[s] = ">"  # own pending list drained
         return read
+
+    def _read_count(self, stream: str) -> int:
+        return self._counts.get(stream, FIRST_COUNT)
 
     def _note_size(self, stream: str, got: list) -> None:
         big = any(len(v) > BIG_ENTRY_BYTES for _, fields in got for v in fields.values())
-        if big:
-            self._big.add(stream)
-        elif stream in self._big and len(got) == 1:
-            self._big.discard(stream)
+        self._counts[stream] = 1 if big else min(self.batch, max(FIRST_COUNT, 2 * self._read_count(stream)))
 
     def handle(self, read: list[tuple[str, list]]) -> int:
         """Check, commit, fan out and acknowledge the entries of one XREADGROUP (all streams
@@ -419,7 +419,7 @@ class Relay:
             if (i is None or i[1] not in live) and self.r.xlen(stream) == 0:
                 self.r.delete(stream)
                 self.streams.pop(stream, None)
-                self._big.discard(stream)
+                self._counts.pop(stream, None)
 
     def close(self) -> None:
         if self._keeper is not None:

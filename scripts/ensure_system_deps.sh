@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Install the Debian packages Trainyard needs when they are missing: redis-server (broker, streams,
-# channel layer), and those named as arguments (chromium, iproute2, postgresql for `make
+# channel layer), bubblewrap and util-linux's setpriv/prlimit (the node agents' job sandbox,
+# workers/sandbox.py), and those named as arguments (chromium, iproute2, postgresql for `make
 # test-postgres`). Root installs them with apt-get; anyone else gets the exact command to run.
 set -euo pipefail
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+{ command -v setpriv && command -v prlimit; } >/dev/null 2>&1 || missing+=(util-linux)
 for pkg in "$@"; do
   case "$pkg" in
     chromium) [ -x /usr/bin/chromium ] || missing+=(chromium) ;;

@@ -17,8 +17,17 @@ export TRAINYARD_RUN_DIR="${TRAINYARD_RUN_DIR:-$TRAINYARD_VAR_DIR/agents}"
 export NODE_SLOTS="${NODE_SLOTS:-2}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_DATA_ROOT" "$TRAINYARD_CHECKPOINT_ROOT" "$TRAINYARD_RUN_DIR"
-# ... and what an older version left readable by others is tightened (0700 directories).
+# ... and what an older version left readable by others is tightened (0700 directories). The data
+# root is what jobs read (read-only, as their own uids in the sandbox): readable, not writable.
 chmod go-rwx "$TRAINYARD_VAR_DIR" "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_RUN_DIR"
+chmod 0755 "$TRAINYARD_DATA_ROOT"
+# The node agents run every job in a sandbox of its own (bubblewrap, the attempt's own uid:
+# workers/sandbox.py), which needs root; they refuse to start without it.
+if [ "$(id -u)" -ne 0 ] && [ "${TRAINYARD_INSECURE_NO_SANDBOX:-}" != "1" ]; then
+  echo "make run: the node agents sandbox every job (bubblewrap namespaces, a uid per attempt), which needs" >&2
+  echo "root: run 'sudo make run', or 'TRAINYARD_INSECURE_NO_SANDBOX=1 make run' to run jobs unsandboxed as you" >&2
+  exit 1
+fi
 for port in "$WEB_PORT" "$REDIS_PORT"; do
   if .venv/bin/python -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $port)) != 0)"; then
     echo "port $port on 127.0.0.1 is already in use; set PORT (web) or REDIS_PORT to a free one" >&2

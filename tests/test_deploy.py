@@ -135,6 +135,11 @@ def _parents(module: str) -> list[str]:
 
 # ---------------------------------------------------------------- the units
 
+# What the agent's job sandbox needs (workers/sandbox.py; the unit says why for each).
+AGENT_CAPS = {"CAP_SYS_ADMIN", "CAP_SYS_CHROOT", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN",
+              "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SYS_PTRACE",
+              "CAP_SYS_RESOURCE"}
+
 @pytest.mark.parametrize("name", UNIT_NAMES)
 def test_unit_has_the_required_sections_and_hardening(name):
     cp = unit(name)
@@ -144,6 +149,12 @@ def test_unit_has_the_required_sections_and_hardening(name):
     required = {"User": ["trainyard"], "Group": ["trainyard"], "NoNewPrivileges": ["yes"],
                 "ProtectSystem": ["strict"], "ProtectHome": ["yes"], "PrivateTmp": ["yes"],
                 "Restart": ["on-failure"], "UMask": ["0077"]}
+    if name.startswith("trainyard-agent"):  # root with a bounded capability set: it makes the job sandboxes
+        required.update({"User": ["root"], "Group": ["root"]})
+        caps = set(" ".join(svc.get("CapabilityBoundingSet", [])).split())
+        assert caps == AGENT_CAPS, f"{name}: CapabilityBoundingSet={sorted(caps)}"
+        for key in ("ProtectKernelTunables", "ProtectControlGroups", "PrivateDevices"):
+            assert key not in svc, f"{name}: {key} stops bwrap from mounting the sandbox's /proc or GPUs"
     for key, want in required.items():
         assert svc.get(key) == want, f"{name}: {key}={svc.get(key)}, want {want}"
     assert float(svc["RestartSec"][0]) >= 1, f"{name}: restarts need a backoff (RestartSec)"

@@ -116,3 +116,37 @@ def test_relay_survives_an_unwritable_kept_log_root(user, nodes, redis_server, t
     assert MetricSample.objects.filter(job=job).count() == 1 and r.xlen(stream) == 0
     assert relay.keeper.stats["lines_write_errors"] == 2
     assert [json.loads(x)["line"] for x in r.lrange(job_log_key(job.pk), 0, -1)] == ["a", "b"]
+
+
+def test_oversized_entries_are_dead_lettered_without_the_relay_holding_many_at_once(user, nodes, redis_server):
+    """Issue 21 s6: an attempt may XADD entries up to Redis' proto-max-bulk-len (8 MB): each is refused
+    (over the relay's 4 MB entry limit) and dead-lettered; after the first big one its stream is read
+    one entry a round, so a stream of them never costs the relay more than one at a time."""
+    import psutil
+
+    from trainyard.keys import DEADLETTER_STREAM
+
+    job = services.job_submit(user=user, spec={"name": "x"})
+    services.schedule_tick()
+    attempt = job.attempts.get()
+    r = redis.Redis.from_url(redis_server.url)
+    stream = attempt_stream(job.pk, attempt.pk)
+    big = b"[" + b" " * (7 << 20) + b"]"
+    for _ in range(20):
+        r.xadd(stream, {"type": "metrics", "data": big})
+    r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, 1)])})
+    with pytest.raises((redis.ResponseError, redis.ConnectionError)):  # the server's own cap: nothing bigger
+        r.xadd(stream, {"type": "metrics", "data": b" " * (9 << 20)})
+    relay = Relay(redis_server.url, block_ms=20)
+    me = psutil.Process()
+    base, peak = me.memory_info().rss, 0
+    for _ in range(80):
+        relay.step()
+        peak = max(peak, me.memory_info().rss - base)
+        if r.xlen(stream) == 0:
+            break
+    assert r.xlen(stream) == 0 and MetricSample.objects.filter(job=job).count() == 1
+    reasons = [f[b"reason"].decode() for _, f in r.xrange(DEADLETTER_STREAM)]
+    assert len(reasons) == 20 and all("over the 4194304 byte limit" in x for x in reasons)
+    assert relay._counts[stream] > 1  # small again after the good one
+    assert peak < 100 << 20, f"the relay grew by {peak >> 20} MB reading 20 x 7 MB entries"
