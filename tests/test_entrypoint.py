@@ -15,7 +15,7 @@ import pytest
 
 from jobs.policy.diagnosis import diagnose
 from trainyard import keys
-from workers.entrypoint import UserCodeError, prepare
+from workers.entrypoint import check_python_runs, UserCodeError, prepare
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -120,14 +120,36 @@ def test_a_python_that_does_not_exist_or_cannot_run_is_a_user_error(tmp_path):
     assert fields["python"] == sys.executable
 
 
+def test_under_a_sandbox_the_jobs_python_and_script_must_be_in_its_read_only_paths(tmp_path):
+    """Issue 21 s1: a `python` or a bundle-less script elsewhere (a directory an earlier job could
+    write, the agent's state) is refused without being run or even looked at."""
+    ro = ("/usr", str(EXAMPLES))
+    planted = tmp_path / "agents" / "node-a" / "attempt-3" / "tmp" / "python"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("#!/bin/sh\n")
+    planted.chmod(0o755)
+    for python in (str(planted), "/opt/envs/nlp/bin/python", "/usr/../tmp/python"):
+        with pytest.raises(UserCodeError, match="is not in a read-only path of the job sandbox on node n") as exc:
+            prepare(user_spec(python=python, entrypoint={"script": str(EXAMPLES / "plain" / "train.py")}),
+                    tmp_path / "r", node="n", ro_roots=ro)
+        assert failure_class(str(exc.value))[:2] == ("user_error", False)
+    with pytest.raises(UserCodeError, match="entrypoint.script '/srv/x/train.py' is not in a read-only path"):
+        prepare(user_spec(entrypoint={"script": "/srv/x/train.py"}), tmp_path / "r", node="n", ro_roots=ro)
+    with pytest.raises(UserCodeError, match="does not exist on node n"):  # inside: the usual checks follow
+        prepare(user_spec(python="/usr/nowhere/bin/python"), tmp_path / "r", node="n", ro_roots=ro)
+    script = str(EXAMPLES / "plain" / "train.py")
+    assert prepare(user_spec(entrypoint={"script": script}), tmp_path / "r", node="n", ro_roots=ro)["script"] == script
+
+
 @pytest.mark.procs
 def test_a_python_without_torch_fails_before_torchrun_with_its_error(tmp_path):
     other = shutil.which("python3", path="/usr/bin:/bin")
     if other is None or os.path.realpath(other) == os.path.realpath(sys.executable):
         pytest.skip("no second interpreter on this machine")
+    prepare(user_spec(python=other, entrypoint={"script": str(EXAMPLES / "plain" / "train.py")}), tmp_path,
+            node="node-a")  # the static checks pass; running it is the agent's, in the sandbox
     with pytest.raises(UserCodeError) as exc:
-        prepare(user_spec(python=other, entrypoint={"script": str(EXAMPLES / "plain" / "train.py")}), tmp_path,
-                node="node-a")
+        check_python_runs(other, node="node-a")
     assert "cannot run torch.distributed.run: ModuleNotFoundError: No module named 'torch'" in str(exc.value)
     assert failure_class(str(exc.value))[:2] == ("user_error", False)
 

@@ -231,3 +231,15 @@ def test_a_sandbox_sees_only_its_own_slots_gpu(tmp_path):
     done = plan.run({"PATH": sandbox.SYSTEM_PATH, "CUDA_VISIBLE_DEVICES": uuid}, [sys.executable, "-c", code], 180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "True", "False"], done.stdout
+
+
+def test_the_attempts_redis_url_keeps_the_ca_and_drops_the_nodes_client_certificate():
+    from workers.agent import attempt_redis_url
+
+    url, ca = attempt_redis_url("rediss://gpu-1:nodepw@redis.internal:6390/0?ssl_cert_reqs=required&"
+                                "ssl_ca_certs=/etc/trainyard/ca.pem&ssl_certfile=/etc/trainyard/gpu-1.pem&"
+                                "ssl_keyfile=/etc/trainyard/gpu-1.key", "trainyard-attempt-7", "a/pw")
+    assert url.startswith("rediss://trainyard-attempt-7:a%2Fpw@redis.internal:6390/0?")
+    assert "nodepw" not in url and "gpu-1.key" not in url and "gpu-1.pem" not in url
+    assert "ssl_ca_certs=%2Fetc%2Ftrainyard%2Fca.pem" in url and ca == ("/etc/trainyard/ca.pem",)
+    assert attempt_redis_url("redis://n:p@h:1/0", "u", "p") == ("redis://u:p@h:1/0", ())

@@ -172,7 +172,7 @@ class Agent:
         if (run_dir / "launched").exists():
             log.info("attempt %s was already launched on %s: ignoring duplicate launch", attempt_id, self.name)
             return False
-        redis_url = redis_acl.url_for(REDIS_URL, msg.redis_user, msg.redis_password)
+        redis_url, ca_files = attempt_redis_url(REDIS_URL, msg.redis_user, msg.redis_password)
         cbs = self._callbacks(job_id, attempt_id, msg.stream, redis_url)
         try:
             port = self._rdzv_port(attempt_id, msg.node_rank, msg.rdzv_token)
@@ -181,12 +181,12 @@ class Agent:
             return False
         private_dir(run_dir)
         checkpoint_dir = keys.job_checkpoint_dir(keys.checkpoint_root(), job_id)
-        plan = self._sandbox_plan(msg, run_dir, checkpoint_dir)
+        plan = self._sandbox_plan(msg, run_dir, checkpoint_dir, ca_files=ca_files)
         try:  # user code: the job's python, its bundle verified and unpacked into run_dir/code
             gpu_ids, devices = self._gpus(msg)
             user_code = prepare(msg.spec, run_dir, node=self.name, ro_roots=plan.ro_roots())
             plan = self._sandbox_plan(msg, run_dir, checkpoint_dir, code_dir=user_code.get("code_dir", ""),
-                                      devices=devices)
+                                      devices=devices, ca_files=ca_files)
             if user_code.get("python"):
                 if plan.enabled:
                     plan.prepare()
@@ -252,12 +252,12 @@ class Agent:
         return tuple(uuids), tuple(nodes)
 
     def _sandbox_plan(self, msg: Launch, run_dir: Path, checkpoint_dir: Path, *, code_dir: str = "",
-                      devices: tuple[str, ...] = ()) -> sandbox.SandboxPlan:
+                      devices: tuple[str, ...] = (), ca_files: tuple[str, ...] = ()) -> sandbox.SandboxPlan:
         chaos = os.environ.get(CHAOS_VAR, "")
         mounts = sandbox.Mounts(
             run_dir=str(run_dir), checkpoint_dir=str(checkpoint_dir), data_root=str(keys.data_root()),
             code_dir=code_dir, python_prefixes=sandbox.agent_python_prefixes(),
-            extra_rw=(chaos,) if chaos else (), devices=devices, cuda=msg.device == "cuda")
+            extra_rw=(chaos,) if chaos else (), extra_ro=ca_files, devices=devices, cuda=msg.device == "cuda")
         return sandbox.SandboxPlan.for_attempt(self.sandbox_cfg, mounts, job_id=msg.job_id, attempt_id=msg.attempt_id)
 
     @staticmethod
@@ -337,6 +337,21 @@ class Agent:
 
 
 AGENT: Agent | None = None
+# A rediss:// URL's TLS options that name files: the CA (which the ranks need, read-only) and the
+# node's own client certificate and key (which are the node's, never handed to a job).
+_CA_OPTIONS = ("ssl_ca_certs", "ssl_ca_path")
+_CLIENT_CERT_OPTIONS = ("ssl_certfile", "ssl_keyfile", "ssl_password")
+
+
+def attempt_redis_url(base: str, user: str, password: str) -> tuple[str, tuple[str, ...]]:
+    """(the attempt's Redis URL, the CA files its sandbox must show): the node's URL with the
+    attempt's user and password, without the node's client certificate and key."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(redis_acl.url_for(base, user, password))
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in _CLIENT_CERT_OPTIONS]
+    ca_files = tuple(os.path.abspath(v) for k, v in query if k in _CA_OPTIONS and v)
+    return urlunsplit(parts._replace(query=urlencode(query))), ca_files
 
 
 def _labels(text: str) -> dict:

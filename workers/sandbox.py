@@ -127,6 +127,7 @@ class Mounts:
     code_dir: str = ""
     python_prefixes: tuple[str, ...] = ()  # the interpreter's environment (read-only)
     extra_rw: tuple[str, ...] = ()  # test-only: the chaos directory (TRAINYARD_CHAOS_DIR)
+    extra_ro: tuple[str, ...] = ()  # the Redis CA file a rediss:// URL names
     devices: tuple[str, ...] = ()  # /dev/nvidia<minor> of the attempt's GPUs
     cuda: bool = False
 
@@ -181,7 +182,7 @@ def bwrap_args(cfg: SandboxConfig, m: Mounts, *, uid: int, gid: int, env: Mappin
     rw = [os.path.join(run, d) for d in SANDBOX_DIRS] + [m.checkpoint_dir, *m.extra_rw]
     ro = ([os.path.join(run, "config.json")] + ([m.code_dir] if m.code_dir else [])
           + [str(REPO_ROOT / "trainyard"), str(REPO_ROOT / "workers"), m.data_root]
-          + [p for p in (*m.python_prefixes, *cfg.ro_paths) if not _under_usr(p)])
+          + [p for p in (*m.python_prefixes, *cfg.ro_paths) if not _under_usr(p)] + list(m.extra_ro))
     ro = [p for p in dict.fromkeys(ro) if os.path.exists(p)]
     # The hostname stays the node's: NCCL tells peers on one host from peers on others by it.
     args = ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try", "--die-with-parent", "--new-session",

@@ -168,7 +168,7 @@ def test_no_telemetry_message_then_user_metric_charts(page, base, cluster):
     attempt = done["attempts"][-1]["id"]
     r = redis.Redis.from_url(cluster.redis.url)
     for step in range(1, 11):
-        r.xadd(f"trainyard:job:{job['id']}", {"type": "metrics", "data": json.dumps([
+        r.xadd(f"trainyard:job:{job['id']}:a{attempt}", {"type": "metrics", "data": json.dumps([
             {"attempt": attempt, "rank": rank, "step": step, "ts": time.time(), "loss": 3.0 - step / 10,
              "metrics": {"acc": step / 10 + rank / 100, "val/loss": 2.0 - step / 20, "bad name": 1.0}}
             for rank in (0, 1)])})

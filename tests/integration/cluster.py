@@ -145,6 +145,19 @@ class Cluster:
                     pass
         self.redis.stop()
 
+    def launch_payloads(self, attempt_id: int) -> dict[str, dict]:
+        """node -> the Launch the control plane sends for this attempt (its sealed secrets included),
+        from the database, as jobs.services.scheduling.launch_resend builds it."""
+        code = ("import json, django; django.setup()\n"
+                "from jobs.models import Attempt\n"
+                "from jobs.services.scheduling import launch_payload\n"
+                f"a = Attempt.objects.select_related('job').get(pk={int(attempt_id)})\n"
+                "allocs = list(a.allocations.select_related('node').order_by('node_rank'))\n"
+                "print(json.dumps({x.node.name: launch_payload(a.job, a, x, rdzv_host=allocs[0].node.address, "
+                "nnodes=len(allocs), local_addr=x.node.address) for x in allocs}))")
+        out = subprocess.run([PY, "-c", code], cwd=REPO, env=self.env, check=True, capture_output=True, text=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     def pids(self) -> set[int]:
         """This cluster's Redis and processes, with their descendants."""
         roots = [p.pid for p in self.procs.values()] + ([self.redis.proc.pid] if self.redis.proc else [])

@@ -74,12 +74,7 @@ def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
 
     seen |= torchruns()
     app = Celery(broker=cluster.redis.url)
-    spec = running["spec"]
-    payloads = {
-        name: {"job_id": job["id"], "attempt_id": attempt["id"], "node": name, "node_rank": rank, "nnodes": 2,
-               "nproc": 1, "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": addr,
-               "stream": f"trainyard:job:{job['id']}", "spec": spec}
-        for rank, (name, addr) in enumerate((("node-a", "127.0.0.1"), ("node-b", "127.0.0.2")))}
+    payloads = cluster.launch_payloads(attempt["id"])  # the launches as the control plane sent them
     def sealed(name: str) -> dict:  # as the control plane seals a command (jobs.dispatch.sealed)
         credential = (cluster.dir / "credentials" / name).read_text().strip()
         return nodeauth.seal(credential, name, NODE_LAUNCH_TASK, payloads[name], time.time())

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from tests.control.test_prometheus import parse, value
+from trainyard.keys import attempt_stream
 from trainyard.sdk.reporter import Reporter
 
 from .cluster import Cluster
@@ -153,7 +154,7 @@ def emit(redis_url: str, job_id: int, attempt_id: int, ranks: int, rate: float, 
     total = int(per_rank * duration_s)
 
     def rank_loop(rank):
-        rep = Reporter(redis_url, f"trainyard:job:{job_id}", rank=rank, attempt=attempt_id)
+        rep = Reporter(redis_url, attempt_stream(job_id, attempt_id), rank=rank, attempt=attempt_id)
         t0 = time.time()
         for n in range(total):
             wait = t0 + n / per_rank - time.time()
@@ -175,14 +176,14 @@ def emit(redis_url: str, job_id: int, attempt_id: int, ranks: int, rate: float, 
 def burst(r: redis.Redis, job_id: int, attempt_id: int, n_entries: int, per_entry: int, first_step: int) -> None:
     pipe = r.pipeline(transaction=False)
     for e in range(n_entries):
-        pipe.xadd(f"trainyard:job:{job_id}", {"type": "metrics", "data": json.dumps([
+        pipe.xadd(attempt_stream(job_id, attempt_id), {"type": "metrics", "data": json.dumps([
             {"rank": 0, "step": first_step + e * per_entry + k, "ts": time.time(), "loss": 1.0, "attempt": attempt_id}
             for k in range(per_entry)])})
     pipe.execute()
 
 
-def drain_time(r: redis.Redis, job_id: int, t0: float, timeout_s: float = 60) -> float:
-    while r.xlen(f"trainyard:job:{job_id}"):
+def drain_time(r: redis.Redis, job_id: int, attempt_id: int, t0: float, timeout_s: float = 60) -> float:
+    while r.xlen(attempt_stream(job_id, attempt_id)):
         assert time.monotonic() - t0 < timeout_s, "relay did not drain the burst"
         time.sleep(0.01)
     return time.monotonic() - t0
@@ -243,7 +244,7 @@ def test_a_client_that_never_reads_delays_neither_other_clients_nor_the_relay(cl
         # Relay throughput: a burst of 10k samples XADDed at once, timed until committed and acked.
         b0 = first_step + 100_000
         burst(r, job_id, attempt_id, n_entries=500, per_entry=20, first_step=b0)
-        drain_s = drain_time(r, job_id, time.monotonic())
+        drain_s = drain_time(r, job_id, attempt_id, time.monotonic())
         normal.wait(lambda: sum(1 for _, m in normal.messages[start:] if m["type"] == "telemetry"
                                 for s in m["samples"] if s["step"] >= b0) >= 10_000, 30, "the burst at the client")
         return {"sent": sent, "p50": statistics.median(lat), "p99": lat[int(0.99 * (len(lat) - 1))],

@@ -115,7 +115,7 @@ anon = redis.Redis(host=host, port=port, socket_timeout=5)
 attempt("ping", anon.ping)
 attempt("receive_tasks", lambda: anon.brpop(["node.node-a"], 1))
 attempt("write_report", lambda: anon.lpush("control", "{}"))
-attempt("write_telemetry", lambda: anon.xadd("trainyard:job:1", {"type": "metric", "data": "[]"}))
+attempt("write_telemetry", lambda: anon.xadd("trainyard:job:1:a1", {"type": "metric", "data": "[]"}))
 attempt("guess_node_password", redis.Redis(host=host, port=port, username="node-a", password="guess").ping)
 print(json.dumps(out))
 """

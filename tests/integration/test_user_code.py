@@ -175,14 +175,14 @@ def test_a_script_without_the_sdk_runs_with_its_logs_and_no_telemetry(cluster, b
 def test_a_python_missing_on_the_nodes_fails_fast_as_user_error(cluster, bundles):
     started = time.monotonic()
     job = cluster.submit({"name": "no-python", "code": {"bundle": bundles["plain"]},
-                          "entrypoint": {"script": "train.py"}, "python": "/opt/nowhere/bin/python",
+                          "entrypoint": {"script": "train.py"}, "python": "/usr/nowhere/bin/python",
                           "resources": {"nodes": 2, "procs_per_node": 1}, "max_restarts": 3})
     done = cluster.wait_status(job["id"], TERMINAL, 90)
     assert time.monotonic() - started < 60
     assert done["status"] == "FAILED" and done["restarts"] == 0 and len(done["attempts"]) == 1, done
     attempt = done["attempts"][0]
     assert attempt["outcome"] == "failed:user_error", attempt
-    assert "python '/opt/nowhere/bin/python' does not exist on node node-" in attempt["failure"]["message"]
+    assert "python '/usr/nowhere/bin/python' does not exist on node node-" in attempt["failure"]["message"]
     assert attempt["ranks"] == []
 
 
