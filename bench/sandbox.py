@@ -41,7 +41,8 @@ def one_run(work: Path, i: int, sandboxed: bool, redis_url: str, args) -> dict:
     shutil.copytree(REPO / "examples" / "sdk_ddp", code)
     stream = f"trainyard:job:1:a{i * 2 + int(sandboxed) + 1}"
     attempt = i * 2 + int(sandboxed) + 1
-    spec = {"name": "bench-sandbox", "entrypoint": {"script": "train.py"}, "train": {"steps": args.steps},
+    spec = {"name": "bench-sandbox", "code": {"bundle": "sha256:" + "0" * 64}, "entrypoint": {"script": "train.py"},
+            "train": {"steps": args.steps},
             "resources": {"nodes": 1, "procs_per_node": 2, "device": "cpu"}, "checkpoint": {"every_steps": 10**6},
             "config": {"hidden": 128, "batch": BATCH, "step_sleep_s": 0.0}}
     config = {"job_id": 1, "attempt_id": attempt, "node": "bench", "run_dir": str(run_dir), "redis_url": redis_url,

@@ -20,9 +20,11 @@ run_dir layout (one per attempt per node):
     stop_requested      stop() was called (survives an agent restart)
     reported            on_exit returned without raising; adopt() skips this run_dir
 
-Ranks get OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), req.env (a user job's `env`) and
-TRAINYARD_{RUN_CONFIG,NODE,RUN_DIR,JOB_ID,ATTEMPT_ID,LOCAL_ADDR} on top of the agent's
-environment (workers.launch_spec.build_env).
+Ranks get an allow-listed environment (workers.launch_spec.build_env: a minimal PATH, HOME and
+TMPDIR in the run directory, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES (cuda), req.env (a user job's
+`env`), TRAINYARD_{RUN_CONFIG,NODE,RUN_DIR,JOB_ID,ATTEMPT_ID,LOCAL_ADDR}), nothing else of the
+agent's; with a `sandbox` (workers/sandbox.py) they run in bubblewrap as the attempt's own uid and
+see only home/, tmp/, logs/, ranks/ (theirs), config.json and code/ (read-only) of the run directory.
 
 on_exit result (JSON-safe; the agent sends it as a trainyard.launch.NodeExit, and on_ranks'
 list as trainyard.launch.RankInfo): attempt_id, job_id, node, exit_code (torchrun's; -signum
