@@ -8,8 +8,8 @@ Prints one JSON object on stdout (progress on stderr); pure Python, a few second
 384 x 8 A100-80GB: `plan()` wall time, min and median of `--repeat` runs (target < 100 ms), with
 the plans and rejected counts and the best plan.
 
-`published`: jobs/policy/plan/published.py's rows (each with its source) with DEFAULT_GPU, fit on
-the TRAIN rows only (jobs/policy/plan/fit.py): per split, mean and max |error| of the throughput
+`published`: trainyard/plan/published.py's rows (each with its source) with DEFAULT_GPU, fit on
+the TRAIN rows only (trainyard/plan/fit.py): per split, mean and max |error| of the throughput
 predicted for the published layout against the measured one, whether the published (tp, pp) is
 among the planner's three best distinct layouts, and the regret of the planner's pick where a
 group of rows measured several layouts of one model on one cluster and batch (Megatron-LM 2021
@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jobs.policy.plan import DEFAULT_GPU, parse_plan_request, plan  # noqa: E402
-from jobs.policy.plan.fit import FIT_START, evaluate, fit, split  # noqa: E402
+from trainyard.plan import DEFAULT_GPU, parse_plan_request, plan  # noqa: E402
+from trainyard.plan.fit import FIT_START, evaluate, fit, split  # noqa: E402
 
 TRILLION = {"model": {"layers": 128, "hidden": 25600, "heads": 160, "seq_len": 2048, "vocab": 51200},
             "cluster": {"nodes": 384, "devices_per_node": 8,

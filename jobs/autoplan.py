@@ -2,7 +2,7 @@
 preview (POST /api/v1/plan/ with {"spec": ...}), which plan alike so the preview is what a submit
 gets.
 
-The request is the spec's built-in GPT on its resources (jobs/policy/plan/job.py), with the device
+The request is the spec's built-in GPT on its resources (trainyard/plan/job.py), with the device
 facts of this cluster: a CUDA job gets the name and memory the nodes' agents report for their
 GPUs; a CPU job a slot's share of a node's memory (TRAINYARD_CPU_DEVICE_MEMORY_GB) and the peak the
 newest calibration measured. The constants are the newest calibration of that device type, else
@@ -26,8 +26,8 @@ from . import selectors_knowledge
 from .models import Node
 from .policy import knowledge
 from .planning import constants_for, peak_for
-from .policy.plan.inputs import PlanInputError
-from .policy.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
+from trainyard.plan.inputs import PlanInputError
+from trainyard.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
 
 RUNNERS_UP = 3
 # The knowledge base's correction of the model: the median of measured / predicted over the nearest

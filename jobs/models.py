@@ -374,7 +374,7 @@ class KnowledgeRecord(models.Model):
     vocab = models.PositiveIntegerField(null=True, blank=True)
     params = models.BigIntegerField(null=True, blank=True)
     global_batch = models.PositiveIntegerField(null=True, blank=True)
-    # the plan, in the planner's terms (jobs/policy/plan)
+    # the plan, in the planner's terms (trainyard/plan)
     dp = models.PositiveIntegerField(null=True, blank=True)
     tp = models.PositiveIntegerField(null=True, blank=True)
     pp = models.PositiveIntegerField(null=True, blank=True)
@@ -412,7 +412,7 @@ class KnowledgeRecord(models.Model):
 class Calibration(models.Model):
     """One calibration of a device type on a node (`manage.py calibrate`, or a staff request run
     by the node's agent): the measurements (trainyard/calibration.py's document), the cost-model
-    constants fit on them (jobs/policy/plan/calibration.py) and their evaluation on held-out runs
+    constants fit on them (trainyard/plan/calibration.py) and their evaluation on held-out runs
     before (the default constants) and after. The newest row per device_name is what the planner
     uses for that device (jobs.planning.constants_for, with the row's peak_tflops: peak_for)."""
 

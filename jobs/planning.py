@@ -1,11 +1,11 @@
-"""The control plane's door to the planner (jobs/policy/plan): which constants a device type is
+"""The control plane's door to the planner (trainyard/plan): which constants a device type is
 planned with, and one call from a parsed JSON request to the planner's output document. Used by
 `POST /api/v1/plan/` (jobs/api_plan.py) and `python manage.py plan`.
 """
 from __future__ import annotations
 
 from .models import Calibration
-from .policy.plan import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants, parse_plan_request, plan
+from trainyard.plan import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants, parse_plan_request, plan
 
 
 def latest_calibration(device_name: str) -> Calibration | None:

@@ -116,7 +116,7 @@ def evaluation_items(evaluation, limit: int = 12) -> list[str]:
     return out
 
 
-# (key in an evaluation, label, shown as a percentage): jobs/policy/plan/calibration.evaluate's figures
+# (key in an evaluation, label, shown as a percentage): trainyard/plan/calibration.evaluate's figures
 CALIBRATION_FIGURES = (("spearman", "Spearman", False), ("step_error_median", "step time error median", True),
                        ("step_error_max", "max", True), ("states_error_median", "params+grads+optimizer error median",
                                                          True), ("activation_error_median", "activation error median", True))

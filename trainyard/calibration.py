@@ -1,5 +1,5 @@
 """The calibration measurement document: what `python -m workers.calibrate` writes on a node and
-what the control plane fits its cost-model constants on (jobs/policy/plan/calibration.py).
+what the control plane fits its cost-model constants on (trainyard/plan/calibration.py).
 
 It crosses the bus (a node's calibration report comes back through a control-queue task), so,
 like trainyard/launch.py's messages, both sides validate it with this one model: the harness

@@ -66,7 +66,7 @@ def _positive(v) -> bool:
 
 
 def plan_fields(spec: Mapping, plan: Mapping) -> dict:
-    """The plan a job ran under, in the planner's terms (jobs/policy/plan: dp, tp, pp, micro_batch,
+    """The plan a job ran under, in the planner's terms (trainyard/plan: dp, tp, pp, micro_batch,
     fsdp, shard_optimizer, recompute, schedule). The job's stored plan (what `parallel: auto`
     resolved to) wins over the spec's `parallel` section; fields older specs lack default to
     recompute "none" and shard_optimizer False. micro_batch: the per-replica batch over

@@ -21,9 +21,9 @@ from .. import dispatch
 from ..dbtext import text_problem
 from ..errors import Conflict, InvalidInput, NotFound
 from ..models import Allocation, Calibration, Node
-from ..policy.plan.calibration import evaluate, fit, held_out_split, peak_of
-from ..policy.plan.constants import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants
-from ..policy.plan.job import KIND_DEFAULTS
+from trainyard.plan.calibration import evaluate, fit, held_out_split, peak_of
+from trainyard.plan.constants import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants
+from trainyard.plan.job import KIND_DEFAULTS
 
 log = logging.getLogger(__name__)
 HELD_OUT_EVERY = 3  # every third run (1, 4, 7, ...) is held out of the fit and evaluated

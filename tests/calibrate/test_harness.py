@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs.policy.plan.calibration import evaluate, fit
-from jobs.policy.plan.constants import DEFAULT_CPU
+from trainyard.plan.calibration import evaluate, fit
+from trainyard.plan.constants import DEFAULT_CPU
 from trainyard.calibration import parse_measurements
 
 REPO = Path(__file__).resolve().parents[2]

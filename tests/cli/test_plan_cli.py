@@ -1,5 +1,5 @@
 """`trainyard plan FILE|-` through CliRunner against a small HTTP server whose /api/v1/plan/
-answers with the real planner (jobs.policy.plan.search.plan_dict, with the default constants: the
+answers with the real planner (trainyard.plan.search.plan_dict, with the default constants: the
 server's calibration lookup is tested in tests/control) and its 400 for bad input."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from jobs.policy.plan.search import plan_dict
-from jobs.policy.plan import PlanInputError
+from trainyard.plan.search import plan_dict
+from trainyard.plan import PlanInputError
 from trainyard.cli.app import cli
 
 REQUEST = {"model": {"layers": 8, "hidden": 4096, "heads": 32, "seq_len": 2048, "vocab": 32000},

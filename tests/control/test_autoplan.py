@@ -106,7 +106,7 @@ def _run(user, spec: dict, step_s: float, world: int):
 
 def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
     from jobs.models import KnowledgeRecord
-    from jobs.policy.plan.job import spec_parallel
+    from trainyard.plan.job import spec_parallel
 
     spec = {"name": "a", "model": GPT, "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 1},
             "train": {"global_batch": 32, "steps": 12}}
@@ -148,7 +148,7 @@ def test_every_auto_choice_is_a_spec_the_runtime_accepts(user, nodes, resources,
     replica or under model averaging, no tp x pp, FSDP only alone): each choice, and each
     runner-up, is a valid concrete spec."""
     from jobs.autoplan import plan_spec
-    from jobs.policy.plan.job import spec_parallel
+    from trainyard.plan.job import spec_parallel
 
     spec = {"name": "s", "model": GPT, "parallel": "auto", "resources": resources, "comm": {"sync": sync},
             "train": {"global_batch": 16}}

@@ -9,8 +9,8 @@ from django.core.management import CommandError, call_command
 
 from jobs import dispatch, planning, services, tasks
 from jobs.models import Allocation, Attempt, Calibration, Job, Node
-from jobs.policy.plan.constants import DeviceConstants
-from tests.policy.test_plan_calibration import TRUE, synthetic
+from trainyard.plan.constants import DeviceConstants
+from tests.plan.test_calibration import TRUE, synthetic
 from tests.nodes import signed
 from trainyard.launch import CALIBRATION_REPORT_TASK
 

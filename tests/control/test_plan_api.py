@@ -11,7 +11,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from jobs.planning import constants_for
-from jobs.policy.plan import DEFAULT_CPU, DEFAULT_GPU
+from trainyard.plan import DEFAULT_CPU, DEFAULT_GPU
 from tests import postgres
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,5 +4,5 @@ short real runs of the built-in GPT, and writes trainyard/calibration.py's measu
     python -m workers.calibrate --out FILE [--quick]
 
 torch only (no Django): it runs on a node, like the runtime. The fit of the cost model's
-constants to the document is the control plane's (jobs/policy/plan/calibration.py).
+constants to the document is the control plane's (trainyard/plan/calibration.py).
 """

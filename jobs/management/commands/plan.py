@@ -7,7 +7,7 @@ import time
 from django.core.management.base import BaseCommand, CommandError
 
 from jobs.planning import constants_for
-from jobs.policy.plan import PlanInputError, parse_plan_request, plan
+from trainyard.plan import PlanInputError, parse_plan_request, plan
 
 
 class Command(BaseCommand):

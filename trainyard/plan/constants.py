@@ -2,7 +2,7 @@
 
 `DEFAULT_GPU` was fit on published large-scale runs (published.py; the fit is fit.py, re-run by
 `bench/planner_published.py --fit`); `DEFAULT_CPU` is this machine's order of magnitude until a
-calibration (workers/calibrate, fit by jobs/policy/plan/calibration.py) replaces it.
+calibration (workers/calibrate, fit by trainyard/plan/calibration.py) replaces it.
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ class DeviceConstants:
         return cls(**kw)
 
 
-# Fit by jobs/policy/plan/fit.py on the training rows of published.py (fit.TRAIN); held-out
-# errors in tests/policy/test_plan_published.py. Re-fit: `bench/planner_published.py --fit`.
+# Fit by trainyard/plan/fit.py on the training rows of published.py (fit.TRAIN); held-out
+# errors in tests/plan/test_published.py. Re-fit: `bench/planner_published.py --fit`.
 DEFAULT_GPU = DeviceConstants(
     name="gpu",
     matmul_eff=((1024.0, 0.384), (4096.0, 0.6489920622500002), (16384.0, 0.6579999999999999)),
@@ -99,7 +99,7 @@ DEFAULT_GPU = DeviceConstants(
 # This machine's CPUs (one training thread per rank, fp32), order of magnitude until `manage.py
 # calibrate` measures them: a 1-thread fp32 matmul reached ~0.04 / 0.15 / 0.19 / 0.10 / 0.075
 # TFLOP/s at n = 64 / 128 / 256 / 512 / 1024 (torch, loaded machine, 2026-12-01), against the
-# 0.2 TFLOP/s peak jobs/policy/plan/job.py assumes for a "cpu" process.
+# 0.2 TFLOP/s peak trainyard/plan/job.py assumes for a "cpu" process.
 DEFAULT_CPU = DeviceConstants(
     name="cpu",
     matmul_eff=((64.0, 0.2), (128.0, 0.6), (256.0, 0.8), (1024.0, 0.4)),

@@ -1,4 +1,4 @@
-"""The calibration fit (jobs/policy/plan/calibration.py) on documents whose figures come from
+"""The calibration fit (trainyard/plan/calibration.py) on documents whose figures come from
 known constants: the fit must recover what made them (links, activation factor, predictions),
 and the evaluation must say how far other constants are from them."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from jobs.policy.plan import calibration as cal
-from jobs.policy.plan.constants import DEFAULT_CPU, DeviceConstants
+from trainyard.plan import calibration as cal
+from trainyard.plan.constants import DEFAULT_CPU, DeviceConstants
 from trainyard.calibration import MeasurementsError, parse_measurements
 
 PEAK = 0.2

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-from jobs.policy.plan import PlanInputError, parse_plan_request
+from trainyard.plan import PlanInputError, parse_plan_request
 
 GOOD = {"model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 256},
         "cluster": {"nodes": 2, "devices_per_node": 2, "device": {"name": "cpu", "memory_gb": 8, "peak_tflops": 0.1},

@@ -1,10 +1,10 @@
-"""The planner's cost model (jobs/policy/plan/cost.py) against hand-computed memory and the
+"""The planner's cost model (trainyard/plan/cost.py) against hand-computed memory and the
 step-time properties any sane model has."""
 import dataclasses
 
 import pytest
 
-from jobs.policy.plan import DEFAULT_GPU, Candidate, memory, parse_plan_request, step_time
+from trainyard.plan import DEFAULT_GPU, Candidate, memory, parse_plan_request, step_time
 
 # The demo-sized GPT: layers 4, hidden 128, heads 4, seq 64, vocab 256; fp32 on 2 devices.
 H, S, V, L = 128, 64, 256, 4
@@ -105,7 +105,7 @@ def test_more_micro_batches_cut_the_bubble():
 def test_constants_round_trip_through_json_and_interpolate_log_linearly():
     import json
 
-    from jobs.policy.plan import DEFAULT_CPU, DeviceConstants
+    from trainyard.plan import DEFAULT_CPU, DeviceConstants
 
     for k in (DEFAULT_GPU, DEFAULT_CPU):
         assert DeviceConstants.from_dict(json.loads(json.dumps(k.to_dict()))) == k

@@ -1,4 +1,4 @@
-"""The planner against published large-scale runs (jobs/policy/plan/published.py, each row with
+"""The planner against published large-scale runs (trainyard/plan/published.py, each row with
 its source): DEFAULT_GPU was fit on the TRAIN rows only (re-run here), and the throughput the
 cost model predicts for each held-out row's published layout is compared with the one measured.
 
@@ -14,9 +14,9 @@ import math
 
 import pytest
 
-from jobs.policy.plan import DEFAULT_GPU
-from jobs.policy.plan.fit import FIT_START, evaluate, fit, regret, split
-from jobs.policy.plan.published import ROWS, TRAIN, measured_tokens_per_s
+from trainyard.plan import DEFAULT_GPU
+from trainyard.plan.fit import FIT_START, evaluate, fit, regret, split
+from trainyard.plan.published import ROWS, TRAIN, measured_tokens_per_s
 
 
 def test_every_row_has_a_source_and_train_and_held_out_are_disjoint():

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from jobs.policy.plan import DEFAULT_GPU, parse_plan_request, plan, plan_dict, plan_for_job
-from jobs.policy.plan.job import spec_parallel
+from trainyard.plan import DEFAULT_GPU, parse_plan_request, plan, plan_dict, plan_for_job
+from trainyard.plan.job import spec_parallel
 
 A100 = {"name": "A100-80GB", "memory_gb": 80, "peak_tflops": 312}
 TRILLION = {"model": {"layers": 128, "hidden": 25600, "heads": 160, "seq_len": 2048, "vocab": 51200},
@@ -119,7 +119,7 @@ def test_plan_for_job_plans_what_our_runtime_runs():
 def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
     import pytest as _pytest
 
-    from jobs.policy.plan import PlanInputError
+    from trainyard.plan import PlanInputError
 
     small = {"model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 128, "vocab": 256},
              "cluster": {"nodes": 2, "devices_per_node": 8, "device": A100, "intra_node_gbs": 300, "inter_node_gbs": 25},
@@ -138,7 +138,7 @@ def test_no_candidate_at_all_is_a_field_error_not_an_empty_answer():
 def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():
     import pytest as _pytest
 
-    from jobs.policy.plan import PlanInputError
+    from trainyard.plan import PlanInputError
     from trainyard.spec import parse_job_spec
 
     spec = parse_job_spec({"name": "x", "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 2},
