@@ -1,6 +1,6 @@
 from django.contrib import admin, messages
 
-from .models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node,
+from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node,
                      NodeJoinRequest, Quota, QuotaChange, SecurityEvent)
 
 
@@ -21,7 +21,7 @@ class NodeAdmin(admin.ModelAdmin):
 
     @admin.action(description="Reissue the credential (shown once; the old one stops working)")
     def reissue_credential(self, request, queryset):
-        from . import services
+        from jobs import services
 
         for node in queryset:
             _, credential = services.node_add(node.name, slots=node.slots_approved or node.slots,
@@ -46,7 +46,7 @@ class NodeJoinRequestAdmin(admin.ModelAdmin):
 
     @admin.action(description="Approve: register the node with the slots and address it asked for")
     def approve(self, request, queryset):
-        from . import services
+        from jobs import services
 
         for req in queryset:
             _, credential = services.node_add(req.name, slots=max(1, req.slots), address=req.address,
@@ -123,7 +123,7 @@ class QuotaAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         from django.db import transaction
 
-        from . import services
+        from jobs import services
 
         with transaction.atomic():
             before = Quota.objects.filter(pk=obj.pk).values("max_slots", "device_hours").first() if change else None
@@ -179,12 +179,12 @@ class CodeBundleAdmin(admin.ModelAdmin):
         return False
 
     def delete_model(self, request, obj):
-        from . import services
+        from jobs import services
 
         services.bundle_delete(obj)
 
     def delete_queryset(self, request, queryset):
-        from . import services
+        from jobs import services
 
         for bundle in queryset:
             services.bundle_delete(bundle)

@@ -18,13 +18,13 @@ from rest_framework.views import APIView
 from trainyard.safefs import UnsafePath
 from trainyard.textdoc import echo
 
-from . import keptlogs, selectors, services
-from .dbtext import text_problem
-from .errors import Forbidden, InvalidInput, NotFound
-from .models import Node
-from .payloads import event_dict
-from .serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer, MetricSerializer, NodeSerializer
-from .throttles import SubmitThrottle
+from jobs import keptlogs, selectors, services
+from jobs.dbtext import text_problem
+from jobs.errors import Forbidden, InvalidInput, NotFound
+from jobs.models import Node
+from jobs.payloads import event_dict
+from jobs.serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer, MetricSerializer, NodeSerializer
+from jobs.throttles import SubmitThrottle
 
 MAX_METRICS_LIMIT = 10_000
 MAX_LOG_LIMIT = 5000

@@ -19,10 +19,10 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
-from . import tokens
-from .client_ip import client_ip
-from .dbtext import text_problem
-from .errors import InvalidInput
+from jobs import tokens
+from jobs.client_ip import client_ip
+from jobs.dbtext import text_problem
+from jobs.errors import InvalidInput
 
 
 LOCKED_OUT = ("too many failed logins for this username from this address: locked out for a while "

@@ -10,10 +10,10 @@ from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from .dbtext import text_problem
-from .errors import Forbidden, InvalidInput
-from .models import Calibration
-from .services import calibration as calibration_services
+from jobs.dbtext import text_problem
+from jobs.errors import Forbidden, InvalidInput
+from jobs.models import Calibration
+from jobs.services import calibration as calibration_services
 
 
 def _brief(evaluation: dict, key: str) -> dict | None:

@@ -26,10 +26,10 @@ from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from . import services
-from .errors import InvalidInput, NotFound, PayloadTooLarge, Unavailable
-from .models import CodeBundle
-from .services import bundles as bundle_services
+from jobs import services
+from jobs.errors import InvalidInput, NotFound, PayloadTooLarge, Unavailable
+from jobs.models import CodeBundle
+from jobs.services import bundles as bundle_services
 from trainyard.bundle import is_digest
 from trainyard.safefs import UnsafePath
 

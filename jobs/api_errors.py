@@ -13,7 +13,7 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
 from rest_framework.views import set_rollback
 
-from .errors import DomainError
+from jobs.errors import DomainError
 from trainyard.plan import PlanInputError
 from trainyard.rules import bounded_errors
 from trainyard.spec import SpecError

@@ -16,10 +16,10 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.views import APIView
 
-from . import selectors_knowledge
-from .errors import InvalidInput
-from .models import KnowledgeRecord
-from .policy.knowledge import PLAN_FIELDS, SHAPE_FIELDS, relative_error
+from jobs import selectors_knowledge
+from jobs.errors import InvalidInput
+from jobs.models import KnowledgeRecord
+from jobs.policy.knowledge import PLAN_FIELDS, SHAPE_FIELDS, relative_error
 from trainyard.spec import ModelSpec
 
 KINDS = get_args(ModelSpec.model_fields["kind"].annotation)

@@ -14,8 +14,8 @@ from django.conf import settings
 
 from trainyard.spec import SpecError, parse_job_spec
 
-from .autoplan import plan_spec
-from .planning import plan_document
+from jobs.autoplan import plan_spec
+from jobs.planning import plan_document
 
 
 def spec_document(data) -> dict:

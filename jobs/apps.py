@@ -6,4 +6,4 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import signals  # noqa: F401  (connects the receivers)
+        from jobs import signals  # noqa: F401  (connects the receivers)

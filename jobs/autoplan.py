@@ -22,10 +22,10 @@ from django.conf import settings
 
 from trainyard.spec import SpecError, parse_job_spec
 
-from . import selectors_knowledge
-from .models import Node
-from .policy import knowledge
-from .planning import constants_for, peak_for
+from jobs import selectors_knowledge
+from jobs.models import Node
+from jobs.policy import knowledge
+from jobs.planning import constants_for, peak_for
 from trainyard.plan.inputs import PlanInputError
 from trainyard.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
 

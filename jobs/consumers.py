@@ -20,7 +20,7 @@ from django.conf import settings
 
 from trainyard.textdoc import echo
 
-from . import payloads, selectors, tokens
+from jobs import payloads, selectors, tokens
 
 MAX_INFLIGHT = 32
 WINDOW_POINTS = 4000

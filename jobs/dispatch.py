@@ -11,7 +11,7 @@ from trainyard.keys import CONTROL_BEAT_QUEUE, node_queue, preempt_key
 from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
                               CalibrateRequest, PreemptRequest, Stop)
 
-from .celery_app import app
+from jobs.celery_app import app
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def sealed(node: str, task: str, body: dict) -> dict:
 
     from trainyard import nodeauth
 
-    from .models import Node
+    from jobs.models import Node
 
     salt = Node.objects.filter(name=node).values_list("credential_salt", flat=True).first()
     credential = (nodeauth.derive_credential(settings.TRAINYARD_NODE_KEY.encode(), node, salt)

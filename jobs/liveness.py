@@ -110,7 +110,7 @@ def processes() -> list[dict]:
     for role in (*STAMPED, "relay"):
         age = stamps.get(role)
         rows.append({"process": role, "up": age is not None, "age_s": age})
-    from .models import Node  # lazily: controlplane/celery.py imports this module before the worker forks
+    from jobs.models import Node  # lazily: controlplane/celery.py imports this module before the worker forks
 
     now = timezone.now()
     for name, beat in Node.objects.order_by("name").values_list("name", "last_heartbeat"):

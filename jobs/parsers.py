@@ -16,7 +16,7 @@ from rest_framework.utils.json import strict_constant
 
 from trainyard.textdoc import DocError, check_depth
 
-from .errors import PayloadTooLarge
+from jobs.errors import PayloadTooLarge
 
 
 class JSONParser(DRFJSONParser):

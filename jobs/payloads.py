@@ -12,9 +12,9 @@ import time
 from django.db.models import Count, ExpressionWrapper, F, IntegerField, Max, Q, Window
 from django.db.models.functions import DenseRank
 
-from . import selectors
-from .models import Checkpoint, Job, MetricSample, Node
-from .serializers import CheckpointSerializer, JobSerializer, NodeSerializer
+from jobs import selectors
+from jobs.models import Checkpoint, Job, MetricSample, Node
+from jobs.serializers import CheckpointSerializer, JobSerializer, NodeSerializer
 
 METRIC_VALUES = MetricSample.FIELDS + ("attempt_id", "extra")
 

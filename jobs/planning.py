@@ -4,7 +4,7 @@ planned with, and one call from a parsed JSON request to the planner's output do
 """
 from __future__ import annotations
 
-from .models import Calibration
+from jobs.models import Calibration
 from trainyard.plan import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants, parse_plan_request, plan
 
 

@@ -27,8 +27,8 @@ from django.http import HttpResponse
 
 from trainyard import keys
 
-from . import liveness, selectors
-from .models import ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
+from jobs import liveness, selectors
+from jobs.models import ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"

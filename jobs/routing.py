@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import consumers
+from jobs import consumers
 
 websocket_urlpatterns = [
     path("ws/jobs/<int:job_id>/", consumers.JobConsumer.as_asgi()),

@@ -6,9 +6,9 @@ from django.db.models import Q, QuerySet
 
 from trainyard import keys
 
-from .models import Allocation, Attempt, Job, MetricSample, Node
-from .policy import fairshare
-from .policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob, eligibility
+from jobs.models import Allocation, Attempt, Job, MetricSample, Node
+from jobs.policy import fairshare
+from jobs.policy.scheduling import ClusterView, NodeState, QueuedJob, Quotas, RunningJob, eligibility
 
 
 def jobs_visible_to(user) -> QuerySet[Job]:
@@ -75,7 +75,7 @@ def quotas_snapshot(now) -> Quotas:
 
     from django.conf import settings
 
-    from .models import Quota
+    from jobs.models import Quota
 
     team_slots, user_slots, budgets = {}, {}, []
     for q in Quota.objects.select_related("team", "user"):
@@ -166,7 +166,7 @@ def has_telemetry_expr():
 
 
 def queue_positions() -> dict[int, int]:
-    from .policy.scheduling import queue_order
+    from jobs.policy.scheduling import queue_order
 
     return {j.id: i + 1 for i, j in enumerate(queue_order(cluster_view()))}
 
@@ -258,7 +258,7 @@ def quota_table() -> list[dict]:
     from django.contrib.auth.models import Group
     from django.utils import timezone
 
-    from .models import Quota
+    from jobs.models import Quota
 
     now = timezone.now()
     window = timedelta(seconds=settings.TRAINYARD_QUOTA_WINDOW_S)
@@ -293,7 +293,7 @@ PAST_RUNS = 500
 
 def past_runs() -> list:
     """The predictor's history: attempts that ran to the end, newest PAST_RUNS."""
-    from .policy.predictor import PastRun, shape_from_spec
+    from jobs.policy.predictor import PastRun, shape_from_spec
 
     out = []
     for a in (Attempt.objects.filter(outcome="succeeded", started_at__isnull=False, ended_at__isnull=False)

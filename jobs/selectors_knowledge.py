@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 from django.db.models import Q, QuerySet
 
-from .models import KnowledgeRecord, Node
-from .policy import knowledge
-from .policy.predictor import JobShape, MeasuredStep
+from jobs.models import KnowledgeRecord, Node
+from jobs.policy import knowledge
+from jobs.policy.predictor import JobShape, MeasuredStep
 
 # Records ranked per query, newest first (the ranking itself is in Python).
 CANDIDATES = 5000

@@ -9,9 +9,9 @@ from django.conf import settings
 from django.utils import timezone
 from rest_framework import serializers
 
-from . import selectors
-from .models import Attempt, Checkpoint, Job, MetricSample, Node
-from .policy import diagnosis
+from jobs import selectors
+from jobs.models import Attempt, Checkpoint, Job, MetricSample, Node
+from jobs.policy import diagnosis
 
 
 class AttemptSerializer(serializers.ModelSerializer):

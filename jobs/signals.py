@@ -9,8 +9,8 @@ from django.dispatch import receiver
 
 from trainyard.private import tighten
 
-from . import dispatch, keptlogs, tokens
-from .models import ApiToken, Job
+from jobs import dispatch, keptlogs, tokens
+from jobs.models import ApiToken, Job
 
 
 @receiver(post_delete, sender=Job, dispatch_uid="jobs.kept_logs_cleanup")

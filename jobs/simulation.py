@@ -44,9 +44,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
-from .policy.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
-from .policy.predictor import TraceHistory
-from .policy.scheduling import (POLICIES, ClusterView, NodeState, Placement, Quotas, QueuedJob, RunningJob,
+from jobs.policy.fairshare import DEFAULT_HALF_LIFE_S, UsageMeter
+from jobs.policy.predictor import TraceHistory
+from jobs.policy.scheduling import (POLICIES, ClusterView, NodeState, Placement, Quotas, QueuedJob, RunningJob,
                                 schedule)
 
 TRACE_COLUMNS = ("job_id", "submit_s", "user", "team", "slots", "duration_s", "estimate_s", "priority")

@@ -12,8 +12,8 @@ from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
                               ExitReport, RanksReport)
 
-from . import dispatch, services
-from .celery_app import app
+from jobs import dispatch, services
+from jobs.celery_app import app
 
 log = logging.getLogger("trainyard.security")
 

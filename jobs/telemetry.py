@@ -44,10 +44,10 @@ from django.db import InterfaceError, OperationalError, connection
 
 from trainyard import keys
 
-from . import entries, services
-from .keptlogs import LogKeeper, Lines, default_keeper
-from .relay_publish import ChannelsPublisher, telemetry_message
-from .models import Attempt
+from jobs import entries, services
+from jobs.keptlogs import LogKeeper, Lines, default_keeper
+from jobs.relay_publish import ChannelsPublisher, telemetry_message
+from jobs.models import Attempt
 
 log = logging.getLogger("trainyard.relay")
 LOG_KEEP_LINES = 5000

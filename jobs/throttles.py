@@ -18,7 +18,7 @@ from rest_framework.exceptions import Throttled
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.throttling import SimpleRateThrottle
 
-from .client_ip import client_ip
+from jobs.client_ip import client_ip
 
 
 class _ExplainedRateThrottle(SimpleRateThrottle):

@@ -30,7 +30,7 @@ def digest(key: str) -> str:
 
 def issue(user) -> str:
     """Create a new token for `user` and return its key: the only time the key exists in clear."""
-    from .models import ApiToken
+    from jobs.models import ApiToken
 
     key = secrets.token_urlsafe(32)
     ApiToken.objects.create(user=user, digest=digest(key), prefix=key[:8])
@@ -39,7 +39,7 @@ def issue(user) -> str:
 
 def lookup(key: str):
     """The ApiToken (with its user) whose key this is, else None."""
-    from .models import ApiToken
+    from jobs.models import ApiToken
 
     if not key or len(key) > MAX_KEY_LENGTH:
         return None
@@ -54,7 +54,7 @@ def still_valid(user_id: int, token_id: int | None) -> bool:
     """The user is still active and (for a token's socket) the token still exists."""
     from django.contrib.auth import get_user_model
 
-    from .models import ApiToken
+    from jobs.models import ApiToken
 
     if token_id is not None:
         return ApiToken.objects.filter(pk=token_id, user_id=user_id, user__is_active=True).exists()

@@ -1,7 +1,7 @@
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
-from . import api, api_auth, api_calibration, api_code, api_knowledge, api_plan, views, views_knowledge, views_relay
+from jobs import api, api_auth, api_calibration, api_code, api_knowledge, api_plan, views, views_knowledge, views_relay
 
 router = DefaultRouter()
 router.register("jobs", api.JobViewSet, basename="api-job")

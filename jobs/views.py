@@ -14,12 +14,12 @@ from django.utils import timezone
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from . import liveness, selectors, services
-from .errors import TooManyRequests, TransitionError
-from .payloads import checkpoint_dict, event_dict
-from .throttles import submit_refusal
-from .forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from .models import Job, MetricSample, Node, NodeJoinRequest, QuotaChange
+from jobs import liveness, selectors, services
+from jobs.errors import TooManyRequests, TransitionError
+from jobs.payloads import checkpoint_dict, event_dict
+from jobs.throttles import submit_refusal
+from jobs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
+from jobs.models import Job, MetricSample, Node, NodeJoinRequest, QuotaChange
 from trainyard.spec import SpecError, parse_text
 
 

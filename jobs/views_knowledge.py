@@ -3,19 +3,19 @@ and memory, the best known plan per model shape and cluster, and the device cali
 
 The same filters and record JSON as GET /api/v1/knowledge/ (jobs/api_knowledge.py); the page
 renders text the API leaves as numbers. The calibrations section shows the `Calibration` rows
-(jobs/models.py, added with `python manage.py calibrate`) when that model exists."""
+(jobs/models/planning.py, added with `python manage.py calibrate`) when that model exists."""
 from __future__ import annotations
 
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import render
 
-from . import selectors_knowledge
-from .api_knowledge import KINDS, best_dict, parse_filters, record_dict
-from .errors import InvalidInput
-from .models import KnowledgeRecord, Node
+from jobs import selectors_knowledge
+from jobs.api_knowledge import KINDS, best_dict, parse_filters, record_dict
+from jobs.errors import InvalidInput
+from jobs.models import KnowledgeRecord, Node
 
 try:  # added by the calibration part of issue 13; the section is left out without it
-    from .models import Calibration
+    from jobs.models import Calibration
 except ImportError:  # pragma: no cover - depends on which parts are merged
     Calibration = None
 

@@ -24,7 +24,7 @@ from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.http.request import split_domain_port, validate_host
 
-from . import tokens
+from jobs import tokens
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 

@@ -23,17 +23,17 @@ This module is the package's public API: `services.job_submit(user=..., spec=...
 """
 from __future__ import annotations
 
-from .attempts import attempt_preempt, attempts_check
-from .busaccess import attempt_access_reconcile
-from .bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
-from .calibration import calibration_report, calibration_request, calibration_store
-from .checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
-from .identity import node_add, report_open, security_event
-from .ingest import telemetry_ingest, telemetry_owners
-from .jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
-from .nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
-from .quotas import quota_audit, quotas_update
-from .scheduling import eta_refresh, launches_resend_due, schedule_tick
+from jobs.services.attempts import attempt_preempt, attempts_check
+from jobs.services.busaccess import attempt_access_reconcile
+from jobs.services.bundles import bundle_delete, bundle_files, bundle_store, bundles_gc
+from jobs.services.calibration import calibration_report, calibration_request, calibration_store
+from jobs.services.checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
+from jobs.services.identity import node_add, report_open, security_event
+from jobs.services.ingest import telemetry_ingest, telemetry_owners
+from jobs.services.jobs import job_apply_recommendation, job_cancel, job_rollback, job_submit
+from jobs.services.nodes import attempt_node_exit, attempt_ranks, node_clear, node_heartbeat, node_set_schedulable, nodes_check
+from jobs.services.quotas import quota_audit, quotas_update
+from jobs.services.scheduling import eta_refresh, launches_resend_due, schedule_tick
 
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",

@@ -15,14 +15,14 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from .. import dispatch, selectors
-from ..models import Attempt, Job, Node
-from ..policy import diagnosis, gpu_health
-from .busaccess import attempt_access_end
-from .checkpoints import checkpoints_reconcile, resume_checkpoint
-from .events import job_event, job_publish_status, job_set_status
-from .knowledge import knowledge_record
-from .profiling import attempt_profile_update
+from jobs import dispatch, selectors
+from jobs.models import Attempt, Job, Node
+from jobs.policy import diagnosis, gpu_health
+from jobs.services.busaccess import attempt_access_end
+from jobs.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.services.events import job_event, job_publish_status, job_set_status
+from jobs.services.knowledge import knowledge_record
+from jobs.services.profiling import attempt_profile_update
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from django.db import IntegrityError, transaction
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from ..errors import InvalidInput, PayloadTooLarge
-from ..models import CodeBundle, Job
+from jobs.errors import InvalidInput, PayloadTooLarge
+from jobs.models import CodeBundle, Job
 from trainyard import keys, safefs
 from trainyard.bundle import BundleError, BundleInfo, BundleLimits, inspect_bundle, is_digest, open_stored
 from trainyard.safefs import UnsafePath

@@ -21,8 +21,8 @@ from django.utils import timezone
 
 from trainyard import attemptauth
 
-from .. import dispatch
-from ..models import Attempt
+from jobs import dispatch
+from jobs.models import Attempt
 
 FENCED_KEEP_S = 24 * 3600
 LIVE = (Attempt.Status.STARTING, Attempt.Status.RUNNING, Attempt.Status.STOPPING)

@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from trainyard.calibration import MeasurementsError, parse_measurements
 from trainyard.launch import CalibrationReport
 
-from .. import dispatch
-from ..dbtext import text_problem
-from ..errors import Conflict, InvalidInput, NotFound
-from ..models import Allocation, Calibration, Node
+from jobs import dispatch
+from jobs.dbtext import text_problem
+from jobs.errors import Conflict, InvalidInput, NotFound
+from jobs.models import Allocation, Calibration, Node
 from trainyard.plan.calibration import evaluate, fit, held_out_split, peak_of
 from trainyard.plan.constants import DEFAULT_CPU, DEFAULT_GPU, DeviceConstants
 from trainyard.plan.job import KIND_DEFAULTS

@@ -24,13 +24,13 @@ from django.utils import timezone
 from trainyard import attemptauth, keys, safefs
 from trainyard.spec import CheckpointSpec
 
-from .. import dispatch
-from ..errors import TransitionError
-from ..models import Attempt, Checkpoint, Job
-from ..payloads import checkpoint_dict
-from ..policy import checkpoints as ckpt_policy
-from .busaccess import attempt_secrets
-from .events import job_event
+from jobs import dispatch
+from jobs.errors import TransitionError
+from jobs.models import Attempt, Checkpoint, Job
+from jobs.payloads import checkpoint_dict
+from jobs.policy import checkpoints as ckpt_policy
+from jobs.services.busaccess import attempt_secrets
+from jobs.services.events import job_event
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser

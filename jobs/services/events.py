@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from django.db import transaction
 from django.utils import timezone
 
-from .. import dispatch
-from ..models import Attempt, Job, JobEvent
-from ..payloads import event_dict
+from jobs import dispatch
+from jobs.models import Attempt, Job, JobEvent
+from jobs.payloads import event_dict
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser

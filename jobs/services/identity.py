@@ -21,8 +21,8 @@ from pydantic import ValidationError
 from trainyard import nodeauth
 from trainyard.launch import HEARTBEAT_TASK, Heartbeat, Signed
 
-from ..errors import InvalidInput
-from ..models import Node, NodeJoinRequest, SecurityEvent
+from jobs.errors import InvalidInput
+from jobs.models import Node, NodeJoinRequest, SecurityEvent
 
 log = logging.getLogger("trainyard.security")
 

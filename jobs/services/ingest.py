@@ -20,11 +20,11 @@ from operator import itemgetter
 from django.db import transaction
 from django.utils import timezone
 
-from ..dbtext import storable
-from ..models import Attempt, Job, JobEvent, MetricSample
-from .checkpoints import checkpoint_register
-from .events import job_event
-from .knowledge import knowledge_refresh
+from jobs.dbtext import storable
+from jobs.models import Attempt, Job, JobEvent, MetricSample
+from jobs.services.checkpoints import checkpoint_register
+from jobs.services.events import job_event
+from jobs.services.knowledge import knowledge_refresh
 
 log = logging.getLogger(__name__)
 

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 
-from .. import autoplan, dispatch, selectors, selectors_knowledge
-from ..errors import RollbackCheckpointError, TooManyRequests, TransitionError
-from ..models import Attempt, Checkpoint, Job
-from ..policy import checkpoints as ckpt_policy
-from ..policy import planner, predictor, profiling, scheduling
-from ..policy.scheduling import eligibility
-from .attempts import attempt_stop
-from .bundles import bundle_files
-from .checkpoints import checkpoint_publish, checkpoint_states, checkpoints_reconcile, resume_checkpoint
-from .events import job_event, job_set_status
+from jobs import autoplan, dispatch, selectors, selectors_knowledge
+from jobs.errors import RollbackCheckpointError, TooManyRequests, TransitionError
+from jobs.models import Attempt, Checkpoint, Job
+from jobs.policy import checkpoints as ckpt_policy
+from jobs.policy import planner, predictor, profiling, scheduling
+from jobs.policy.scheduling import eligibility
+from jobs.services.attempts import attempt_stop
+from jobs.services.bundles import bundle_files
+from jobs.services.checkpoints import checkpoint_publish, checkpoint_states, checkpoints_reconcile, resume_checkpoint
+from jobs.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ import logging
 from django.db import transaction
 from django.db.models import Max, Sum
 
-from ..models import Attempt, KnowledgeRecord, MetricSample
-from ..policy import knowledge
+from jobs.models import Attempt, KnowledgeRecord, MetricSample
+from jobs.policy import knowledge
 
 log = logging.getLogger(__name__)
 

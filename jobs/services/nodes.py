@@ -17,16 +17,16 @@ from django.utils import timezone
 
 from trainyard.launch import Heartbeat, NodeExit, RankInfo
 
-from .. import dispatch
-from ..dbtext import storable
-from ..errors import NodeActionError
-from ..models import Allocation, Attempt, ControlPlaneClock, Job, Node
-from ..policy import gpu_health
-from ..policy.scheduling.eligibility import summarize_devices
-from .attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
-from .busaccess import attempt_access_fence
-from .events import job_event, job_set_status
-from .identity import join_request, security_event
+from jobs import dispatch
+from jobs.dbtext import storable
+from jobs.errors import NodeActionError
+from jobs.models import Allocation, Attempt, ControlPlaneClock, Job, Node
+from jobs.policy import gpu_health
+from jobs.policy.scheduling.eligibility import summarize_devices
+from jobs.services.attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
+from jobs.services.busaccess import attempt_access_fence
+from jobs.services.events import job_event, job_set_status
+from jobs.services.identity import join_request, security_event
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser

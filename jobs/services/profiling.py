@@ -14,10 +14,10 @@ from functools import partial
 from django.db import transaction
 from django.utils import timezone
 
-from .. import dispatch
-from ..models import Attempt
-from ..policy import profiling
-from .events import job_event
+from jobs import dispatch
+from jobs.models import Attempt
+from jobs.policy import profiling
+from jobs.services.events import job_event
 
 NAMES = {profiling.COMPUTE: "compute-bound", profiling.COMM: "communication-bound", profiling.INPUT: "input-bound",
          profiling.UNKNOWN: "not enough telemetry"}

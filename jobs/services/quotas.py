@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
-from .. import dispatch
-from ..errors import QuotaError
-from ..models import Quota, QuotaChange
+from jobs import dispatch
+from jobs.errors import QuotaError
+from jobs.models import Quota, QuotaChange
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser

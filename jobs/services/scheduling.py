@@ -18,13 +18,13 @@ from django.utils import timezone
 from trainyard import keys, redis_acl
 from trainyard.launch import Launch, Resume
 
-from .. import dispatch, selectors
-from ..models import Allocation, Attempt, Job, Node, SchedulerLock
-from ..policy import diagnosis, scheduling
-from .attempts import attempt_preempt
-from .busaccess import attempt_access_grant, attempt_secrets
-from .checkpoints import checkpoints_reconcile, resume_checkpoint
-from .events import job_event, job_set_status
+from jobs import dispatch, selectors
+from jobs.models import Allocation, Attempt, Job, Node, SchedulerLock
+from jobs.policy import diagnosis, scheduling
+from jobs.services.attempts import attempt_preempt
+from jobs.services.busaccess import attempt_access_grant, attempt_secrets
+from jobs.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.services.events import job_event, job_set_status
 
 
 def schedule_tick() -> list[int]:

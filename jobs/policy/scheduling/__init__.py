@@ -27,13 +27,13 @@ The modules, bottom up, each with its part of the reference in its docstring:
 This package's namespace is its public API: the names below are what the control plane, the
 simulator and the benchmark use.
 """
-from .cluster import (POLICIES, ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, Quotas,
+from jobs.policy.scheduling.cluster import (POLICIES, ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, Quotas,
                       RunningJob, Share)
-from .order import queue_order
-from .placement import fits_cluster
-from .predict import ETA_TOLERANCE_S, eta_changes, predict_starts
-from .quotas import running_borrowing, team_usage
-from .tick import schedule
+from jobs.policy.scheduling.order import queue_order
+from jobs.policy.scheduling.placement import fits_cluster
+from jobs.policy.scheduling.predict import ETA_TOLERANCE_S, eta_changes, predict_starts
+from jobs.policy.scheduling.quotas import running_borrowing, team_usage
+from jobs.policy.scheduling.tick import schedule
 
 __all__ = [
     "POLICIES", "ClusterView", "Decision", "NodeState", "Placement", "Preemption", "QueuedJob", "Quotas",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..fairshare import DEFAULT_HALF_LIFE_S
+from jobs.policy.fairshare import DEFAULT_HALF_LIFE_S
 
 POLICIES = ("fifo", "backfill", "trainyard")
 # A running job past its predicted end: its prediction was wrong, and with heavy-tailed run

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .cluster import NodeState, QueuedJob
+from jobs.policy.scheduling.cluster import NodeState, QueuedJob
 
 GB = 1e9  # the spec's gpu_memory_gb and the planner's GB
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import heapq
 from typing import Iterable
 
-from ..fairshare import entitlements
-from .cluster import ClusterView, QueuedJob, check_policy
-from .quotas import classify
+from jobs.policy.fairshare import entitlements
+from jobs.policy.scheduling.cluster import ClusterView, QueuedJob, check_policy
+from jobs.policy.scheduling.quotas import classify
 
 # Aging of the shortest-job-first key: predicted_s / (1 + wait_s / AGING_S).
 AGING_S = 3600.0

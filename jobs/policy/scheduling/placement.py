@@ -24,8 +24,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Iterable, Mapping, Sequence
 
-from .cluster import NodeState, QueuedJob
-from .eligibility import eligible, restricted
+from jobs.policy.scheduling.cluster import NodeState, QueuedJob
+from jobs.policy.scheduling.eligibility import eligible, restricted
 
 # (node index, slot ids): a share of a job on a node, by the index FreeSlots gives the node
 IndexShares = tuple[tuple[int, Sequence[int]], ...]

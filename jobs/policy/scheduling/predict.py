@@ -6,9 +6,9 @@ import heapq
 from bisect import insort
 from typing import Mapping
 
-from .cluster import ClusterView, QueuedJob, expected_end
-from .order import queue_order
-from .placement import Eligibility, FreeSlots, exclusion, reserve
+from jobs.policy.scheduling.cluster import ClusterView, QueuedJob, expected_end
+from jobs.policy.scheduling.order import queue_order
+from jobs.policy.scheduling.placement import Eligibility, FreeSlots, exclusion, reserve
 
 # predict_starts: how many queued jobs behind the head the forward simulation considers for
 # backfill at each event (like Slurm's bf_max_job_test; deeper jobs wait their turn).

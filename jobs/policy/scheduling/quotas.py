@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-from .cluster import ClusterView, RunningJob
+from jobs.policy.scheduling.cluster import ClusterView, RunningJob
 
 
 def classify(running: Iterable[RunningJob], team_slots: Mapping[str, int]) -> tuple[set[int], dict]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Collection, Iterable, Mapping
 
-from .cluster import QueuedJob, RunningJob
-from .placement import FreeSlots, IndexShares
+from jobs.policy.scheduling.cluster import QueuedJob, RunningJob
+from jobs.policy.scheduling.placement import FreeSlots, IndexShares
 
 
 def victim_order(running: Iterable[RunningJob], borrowing: Collection[int]) -> list[RunningJob]:

@@ -21,13 +21,13 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
-from .cluster import (ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share,
+from jobs.policy.scheduling.cluster import (ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share,
                       check_policy, expected_end)
-from .order import queue_order
-from .eligibility import unservable_reason
-from .placement import Eligibility, FreeSlots, exclusion, reserve
-from .quotas import classify
-from .reclaim import fits_by, pick_victims, victim_order
+from jobs.policy.scheduling.order import queue_order
+from jobs.policy.scheduling.eligibility import unservable_reason
+from jobs.policy.scheduling.placement import Eligibility, FreeSlots, exclusion, reserve
+from jobs.policy.scheduling.quotas import classify
+from jobs.policy.scheduling.reclaim import fits_by, pick_victims, victim_order
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""A job: what a user submitted, its status and its plan."""
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth.models import Group
+from django.db import models
+
+
+class Job(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "QUEUED"
+        STARTING = "STARTING"
+        RUNNING = "RUNNING"
+        STOPPING = "STOPPING"
+        SUCCEEDED = "SUCCEEDED"
+        FAILED = "FAILED"
+        CANCELLED = "CANCELLED"
+
+    ACTIVE = (Status.STARTING, Status.RUNNING, Status.STOPPING)
+    TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    PRIORITIES = {"low": 0, "normal": 1, "high": 2}
+
+    name = models.CharField(max_length=200)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    team = models.ForeignKey(Group, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    spec = models.JSONField()
+    plan = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
+    status_reason = models.CharField(max_length=500, blank=True)
+    priority = models.SmallIntegerField(default=1)
+    slots = models.PositiveIntegerField(help_text="processes the job needs at once (nodes x procs_per_node)")
+    step = models.PositiveBigIntegerField(default=0)
+    restarts = models.PositiveIntegerField(default=0)
+    cancel_requested = models.BooleanField(default=False)
+    # Nodes the next attempt should not use (the node that failed to join a rendezvous, ...);
+    # ignored when the job could not fit without them.
+    avoid_nodes = models.JSONField(default=list, blank=True)
+    predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")
+    predicted_start_at = models.DateTimeField(null=True, blank=True, help_text="ETA while queued")
+    borrowing = models.BooleanField(default=False, help_text="runs beyond its team's quota on idle capacity")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["status", "-priority", "id"], name="job_queue_idx"),
+            models.Index(fields=["owner", "-id"], name="job_owner_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pk}:{self.name}"
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.spec.get("train", {}).get("steps", 0))
