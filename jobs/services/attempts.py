@@ -16,9 +16,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from jobs import dispatch, selectors
-from jobs.models import Attempt, Job, Node
-from jobs.policy import diagnosis, gpu_health
-from jobs.services.busaccess import attempt_access_end
+from jobs.models import Attempt, Job
+from jobs.policy import diagnosis
+from jobs.services.busaccess import attempt_access_end, attempt_access_fence
 from jobs.services.checkpoints import checkpoints_reconcile, resume_checkpoint
 from jobs.services.events import job_event, job_publish_status, job_set_status
 from jobs.services.knowledge import knowledge_record
@@ -39,22 +39,22 @@ def attempt_stop(attempt: Attempt, *, reason: str) -> None:
     attempt_maybe_finish(attempt)
 
 
-def attempt_maybe_finish(attempt: Attempt) -> None:
-    """End the attempt once no node still runs it, and move the job on."""
+def attempt_maybe_finish(attempt: Attempt) -> bool:
+    """End the attempt once no node still runs it, and move the job on; True if it ended now.
+    (A failure blamed on a node may then quarantine it: jobs.services.nodes, which handles the
+    reports and losses through which such failures arrive.)"""
     if attempt.status == Attempt.Status.ENDED or attempt.allocations.filter(active=True).exists():
-        return
+        return False
     attempt.refresh_from_db()
     job = Job.objects.get(pk=attempt.job_id)
     outcome, failure = _attempt_outcome(job, attempt)
     if not Attempt.objects.filter(pk=attempt.pk).exclude(status=Attempt.Status.ENDED).update(
             status=Attempt.Status.ENDED, outcome=outcome, failure=failure, ended_at=timezone.now()):
-        return
+        return False
     attempt_access_end(attempt)  # its Redis user goes (a fenced one keeps the read of its fence)
     job_event(job, "attempt_ended", f"attempt {attempt.number} ended: {outcome}", attempt=attempt,
            outcome=outcome, **({"evidence": failure} if failure else {}))
     knowledge_record(attempt)  # whatever the outcome: its warm steps measured the configuration
-    if failure.get("node") and failure.get("class") in diagnosis.NODE_FAULT_CLASSES:
-        node_maybe_quarantine(failure["node"], job=job, attempt=attempt)
     if outcome == "succeeded":
         job_set_status(job, Job.ACTIVE, Job.Status.SUCCEEDED, "")
         job_event(job, "succeeded", _success_text(job, attempt), attempt=attempt)
@@ -90,6 +90,7 @@ def attempt_maybe_finish(attempt: Attempt) -> None:
         job_set_status(job, Job.ACTIVE, Job.Status.FAILED, why[:500])
         job_event(job, "failed", why, attempt=attempt, failure_class=failure.get("class"))
     transaction.on_commit(dispatch.request_tick)
+    return True
 
 
 def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
@@ -123,36 +124,6 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
     return outcome, {"class": d.failure_class, "retry": d.retry, "rank": d.rank, "node": d.node,
                      "message": d.message, "traceback": d.traceback, "suggestion": d.suggestion,
                      "exclude": list(d.exclude)}
-
-
-def node_maybe_quarantine(name: str, *, job: Job | None = None, attempt: Attempt | None = None) -> bool:
-    """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window: the
-    attempt failures blamed on it plus the GPU faults (Xid, uncorrected ECC) its agent reported
-    (jobs/policy/gpu_health.py). Called when an attempt fails on the node and when a heartbeat
-    brings a GPU fault. True if it quarantined the node now."""
-    window = settings.TRAINYARD_QUARANTINE_WINDOW_S
-    cutoff = timezone.now() - timedelta(seconds=window)
-    node = Node.objects.filter(name=name).only("devices", "quarantined_at").first()
-    if node is None or node.quarantined_at is not None:
-        return False
-    recent = Attempt.objects.filter(ended_at__gte=cutoff, status=Attempt.Status.ENDED).exclude(failure={})
-    hits = [a for a in recent.only("id", "failure")
-            if a.failure.get("node") == name and a.failure.get("class") in diagnosis.NODE_FAULT_CLASSES]
-    faults = gpu_health.gpu_faults(node.devices, since=cutoff.timestamp())
-    if not gpu_health.quarantine_due(len(hits), faults, settings.TRAINYARD_QUARANTINE_FAILURES):
-        return False
-    parts = ([f"attempts {', '.join(str(a.pk) for a in hits)}"] if hits else []) + [f.text() for f in faults]
-    reason = f"implicated in {len(hits) + len(faults)} failures within {window / 60:.0f} min (" + "; ".join(parts) + ")"
-    if not Node.objects.filter(name=name, quarantined_at__isnull=True).update(
-            quarantined_at=timezone.now(), quarantine_reason=reason[:500]):
-        return False
-    Node.objects.filter(name=name).exclude(status=Node.Status.LOST).update(status=Node.Status.QUARANTINED)
-    log.warning("node %s quarantined: %s", name, reason)
-    if job is not None:
-        job_event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
-                  attempt=attempt, node=name, failures=[a.pk for a in hits], gpu_faults=[f.text() for f in faults])
-    transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
-    return True
 
 
 def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None) -> bool:
@@ -269,3 +240,20 @@ def _attempt_stragglers_check(attempt: Attempt, recent: list[dict]) -> list[int]
         if {f["rank"] for f in now} != set(before):
             job_publish_status(attempt.job)
     return [f["rank"] for f in now]
+
+
+def attempt_fence(attempt: Attempt, node: str) -> None:
+    """Fence an attempt written off with a lost node: its ranks may run on behind a partition.
+    From here on nothing of it beyond the last step the control plane accepted is taken in (the
+    relay drops its later samples, checkpoint_register refuses its later checkpoints), and the
+    fence is set in Redis, where every rank of it polls (trainyard/sdk/reporter.py): the moment a
+    rank reaches Redis again it exits, before it flushes another sample or starts a checkpoint."""
+    if attempt.fenced_step is not None:
+        return
+    Attempt.objects.filter(pk=attempt.pk, fenced_step__isnull=True).update(fenced_step=attempt.last_step)
+    attempt.fenced_step = attempt.last_step
+    job_event(attempt.job, "fenced", f"attempt {attempt.number} fenced at step {attempt.last_step}: node {node} "
+              f"was lost, so its ranks may still run; nothing of theirs after that step is kept",
+              attempt=attempt, node=node, step=attempt.last_step)
+    transaction.on_commit(partial(dispatch.fence, attempt.pk, f"node_lost:{node}"))
+    attempt_access_fence(attempt)  # its ranks may read the fence, and write nothing more

@@ -21,10 +21,9 @@ from jobs import dispatch
 from jobs.dbtext import storable
 from jobs.errors import NodeActionError
 from jobs.models import Allocation, Attempt, ControlPlaneClock, Job, Node
-from jobs.policy import gpu_health
+from jobs.policy import diagnosis, gpu_health
 from jobs.policy.scheduling.eligibility import summarize_devices
-from jobs.services.attempts import attempt_maybe_finish, attempt_preempt, attempt_stop, node_maybe_quarantine
-from jobs.services.busaccess import attempt_access_fence
+from jobs.services.attempts import attempt_fence, attempt_maybe_finish, attempt_preempt, attempt_stop
 from jobs.services.events import job_event, job_set_status
 from jobs.services.identity import join_request, security_event
 
@@ -101,6 +100,46 @@ def _foreign(attempt_id: int, node_name: str, what: str) -> bool:
     return True
 
 
+def node_maybe_quarantine(name: str, *, job: Job | None = None, attempt: Attempt | None = None) -> bool:
+    """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window: the
+    attempt failures blamed on it plus the GPU faults (Xid, uncorrected ECC) its agent reported
+    (jobs/policy/gpu_health.py). Called when an attempt fails on the node and when a heartbeat
+    brings a GPU fault. True if it quarantined the node now."""
+    window = settings.TRAINYARD_QUARANTINE_WINDOW_S
+    cutoff = timezone.now() - timedelta(seconds=window)
+    node = Node.objects.filter(name=name).only("devices", "quarantined_at").first()
+    if node is None or node.quarantined_at is not None:
+        return False
+    recent = Attempt.objects.filter(ended_at__gte=cutoff, status=Attempt.Status.ENDED).exclude(failure={})
+    hits = [a for a in recent.only("id", "failure")
+            if a.failure.get("node") == name and a.failure.get("class") in diagnosis.NODE_FAULT_CLASSES]
+    faults = gpu_health.gpu_faults(node.devices, since=cutoff.timestamp())
+    if not gpu_health.quarantine_due(len(hits), faults, settings.TRAINYARD_QUARANTINE_FAILURES):
+        return False
+    parts = ([f"attempts {', '.join(str(a.pk) for a in hits)}"] if hits else []) + [f.text() for f in faults]
+    reason = f"implicated in {len(hits) + len(faults)} failures within {window / 60:.0f} min (" + "; ".join(parts) + ")"
+    if not Node.objects.filter(name=name, quarantined_at__isnull=True).update(
+            quarantined_at=timezone.now(), quarantine_reason=reason[:500]):
+        return False
+    Node.objects.filter(name=name).exclude(status=Node.Status.LOST).update(status=Node.Status.QUARANTINED)
+    log.warning("node %s quarantined: %s", name, reason)
+    if job is not None:
+        job_event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
+                  attempt=attempt, node=name, failures=[a.pk for a in hits], gpu_faults=[f.text() for f in faults])
+    transaction.on_commit(partial(dispatch.publish_cluster_changed, "nodes"))
+    return True
+
+
+def _quarantine_if_blamed(attempt: Attempt) -> None:
+    """After an attempt ended through a node's report or loss: quarantine the node its failure blames,
+    if that node is now implicated in enough faults (node_maybe_quarantine)."""
+    attempt.refresh_from_db(fields=["status", "failure"])
+    failure = attempt.failure or {}
+    if (attempt.status == Attempt.Status.ENDED and failure.get("node")
+            and failure.get("class") in diagnosis.NODE_FAULT_CLASSES):
+        node_maybe_quarantine(failure["node"], job=attempt.job, attempt=attempt)
+
+
 def _new_gpu_faults(before: list, after: list) -> bool:
     """The heartbeat brings a GPU fault (Xid, uncorrected ECC) the previous one did not carry."""
     since = timezone.now().timestamp() - settings.TRAINYARD_QUARANTINE_WINDOW_S
@@ -154,23 +193,7 @@ def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
             attempt_stop(attempt, reason="failure")
         else:
             attempt_maybe_finish(attempt)
-
-
-def attempt_fence(attempt: Attempt, node: str) -> None:
-    """Fence an attempt written off with a lost node: its ranks may run on behind a partition.
-    From here on nothing of it beyond the last step the control plane accepted is taken in (the
-    relay drops its later samples, checkpoint_register refuses its later checkpoints), and the
-    fence is set in Redis, where every rank of it polls (trainyard/sdk/reporter.py): the moment a
-    rank reaches Redis again it exits, before it flushes another sample or starts a checkpoint."""
-    if attempt.fenced_step is not None:
-        return
-    Attempt.objects.filter(pk=attempt.pk, fenced_step__isnull=True).update(fenced_step=attempt.last_step)
-    attempt.fenced_step = attempt.last_step
-    job_event(attempt.job, "fenced", f"attempt {attempt.number} fenced at step {attempt.last_step}: node {node} "
-              f"was lost, so its ranks may still run; nothing of theirs after that step is kept",
-              attempt=attempt, node=node, step=attempt.last_step)
-    transaction.on_commit(partial(dispatch.fence, attempt.pk, f"node_lost:{node}"))
-    attempt_access_fence(attempt)  # its ranks may read the fence, and write nothing more
+        _quarantine_if_blamed(attempt)
 
 
 def control_plane_clock() -> ControlPlaneClock:
@@ -216,10 +239,12 @@ def nodes_check() -> list[str]:
                     active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})
                 attempt_fence(alloc.attempt, node.name)
                 attempt_stop(alloc.attempt, reason=f"node_lost:{node.name}")
+                _quarantine_if_blamed(alloc.attempt)
         launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
         stuck = Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff)
         for attempt in stuck if healthy_since < launch_cutoff else ():  # the same rule for launches
             attempt_stop(attempt, reason="launch_timeout")
+            _quarantine_if_blamed(attempt)
     return lost
 
 

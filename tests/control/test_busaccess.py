@@ -85,7 +85,7 @@ def test_the_user_goes_with_the_attempt_and_its_connections_are_cut(user, nodes,
 
 
 def test_a_fenced_attempt_may_read_its_fence_and_write_nothing(user, nodes, bus):
-    from jobs.services.nodes import attempt_fence
+    from jobs.services.attempts import attempt_fence
 
     job = submit(user)
     attempt = start(job)
