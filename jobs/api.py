@@ -22,7 +22,7 @@ from jobs import keptlogs, selectors, services
 from jobs.dbtext import text_problem
 from jobs.errors import Forbidden, InvalidInput, NotFound
 from jobs.models import Node
-from jobs.payloads import event_dict
+from jobs.rows import event_row
 from jobs.serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer, MetricSerializer, NodeSerializer
 from jobs.throttles import SubmitThrottle
 
@@ -111,7 +111,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         straggler, quarantine) with its evidence, oldest first."""
         job = self.get_object()
         page = self.paginate_queryset(job.events.order_by("id"))
-        return self.get_paginated_response([event_dict(e) for e in page])
+        return self.get_paginated_response([event_row(e) for e in page])
 
     @extend_schema(responses=CheckpointSerializer(many=True))
     @action(detail=True, methods=["get"], pagination_class=CheckpointPagination)

@@ -1,8 +1,8 @@
 """What the websockets send: a job's snapshot, its metric windows, events and checkpoints as
 JSON, and the cluster state. The API's serializers make the rows, so a socket and REST agree.
 
-The services publish event_dict and checkpoint_dict rows after commit; jobs.consumers sends the
-snapshot and windows on connect and catch-up.
+The services publish jobs.rows' event and checkpoint rows after commit (rows the API and the page
+share); jobs.consumers sends the snapshot and windows on connect and catch-up.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from django.db.models import Count, ExpressionWrapper, F, IntegerField, Max, Q, 
 from django.db.models.functions import DenseRank
 
 from jobs import selectors
-from jobs.models import Checkpoint, Job, MetricSample, Node
-from jobs.serializers import CheckpointSerializer, JobSerializer, NodeSerializer
+from jobs.models import Job, MetricSample, Node
+from jobs.rows import checkpoint_row, event_row
+from jobs.serializers import JobSerializer, NodeSerializer
 
 METRIC_VALUES = MetricSample.FIELDS + ("attempt_id", "extra")
 
@@ -52,12 +53,6 @@ def metric_window(job_id: int, *, from_step: int | None = None, max_points: int 
     return _metric_dicts(picked.order_by("step", "rank", "attempt_id")), True
 
 
-def event_dict(e) -> dict:
-    """A JobEvent as the timeline shows it (socket, API and page)."""
-    return {"id": e.pk, "kind": e.kind, "message": e.message, "created_at": e.created_at.isoformat(),
-            "attempt": e.attempt_id, "data": e.data}
-
-
 def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
     """What a job socket sends first: the job, its charts' window, logs, events, checkpoints."""
     job = Job.objects.prefetch_related("attempts__allocations__node").select_related("owner").get(pk=job_id)
@@ -65,14 +60,9 @@ def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
     return {
         "type": "snapshot", "job": JobSerializer(job).data, "samples": samples, "downsampled": downsampled,
         "logs": selectors.job_log_lines(job_id, limit=1000),
-        "events": [event_dict(e) for e in job.events.order_by("-id")[:200]][::-1],
-        "checkpoints": [checkpoint_dict(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],
+        "events": [event_row(e) for e in job.events.order_by("-id")[:200]][::-1],
+        "checkpoints": [checkpoint_row(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],
     }
-
-
-def checkpoint_dict(c: Checkpoint) -> dict:
-    """A checkpoint's API row, as the job page's checkpoint table receives it."""
-    return dict(CheckpointSerializer(c).data)
 
 
 def cluster_state(user, fresh_after: float = 0.0) -> dict:

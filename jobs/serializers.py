@@ -10,6 +10,7 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from jobs import selectors
+from jobs.rows import checkpoint_row
 from jobs.models import Attempt, Checkpoint, Job, MetricSample, Node
 from jobs.policy import diagnosis
 
@@ -140,6 +141,9 @@ class CheckpointSerializer(serializers.ModelSerializer):
 
     def get_deleted(self, obj) -> bool:
         return obj.deleted_at is not None
+
+    def to_representation(self, instance: Checkpoint) -> dict:
+        return checkpoint_row(instance)  # the fields above are the schema; the row is built once (jobs/rows.py)
 
 
 class NodeSerializer(serializers.ModelSerializer):

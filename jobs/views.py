@@ -16,7 +16,7 @@ from django.views.decorators.http import require_POST
 
 from jobs import liveness, selectors, services
 from jobs.errors import TooManyRequests, TransitionError
-from jobs.payloads import checkpoint_dict, event_dict
+from jobs.rows import checkpoint_row, event_row
 from jobs.throttles import submit_refusal
 from jobs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
 from jobs.models import Job, MetricSample, Node, NodeJoinRequest, QuotaChange
@@ -188,7 +188,7 @@ def _latest_step_summary(job: Job) -> dict:
 
 def _checkpoint_row(c) -> dict:
     """The API's checkpoint JSON (the page seeds its table with it), plus what the first paint shows."""
-    row = checkpoint_dict(c)
+    row = checkpoint_row(c)
     row["attempt_number"] = c.attempt.number if c.attempt else None
     row["state"] = "deleted" if row["deleted"] else "superseded" if c.superseded else "active"
     return row
@@ -201,7 +201,7 @@ def job_detail(request, pk: int):
     attempts = list(job.attempts.prefetch_related("allocations__node").order_by("-number"))
     for a in attempts:
         a.rank_rows = selectors.attempt_rank_rows(a)
-    events = [event_dict(e) for e in job.events.order_by("-id")[:200]]
+    events = [event_row(e) for e in job.events.order_by("-id")[:200]]
     checkpoints = [_checkpoint_row(c)
                    for c in job.checkpoints.select_related("attempt").order_by("-step", "-id")[:100]]
     res = job.spec.get("resources", {})

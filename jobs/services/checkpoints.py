@@ -27,7 +27,7 @@ from trainyard.spec import CheckpointSpec
 from jobs import dispatch
 from jobs.errors import TransitionError
 from jobs.models import Attempt, Checkpoint, Job
-from jobs.payloads import checkpoint_dict
+from jobs.rows import checkpoint_row
 from jobs.policy import checkpoints as ckpt_policy
 from jobs.services.busaccess import attempt_secrets
 from jobs.services.events import job_event
@@ -73,7 +73,7 @@ def resume_checkpoint(job: Job) -> Checkpoint | None:
 
 def checkpoint_publish(c: Checkpoint) -> None:
     """Send the checkpoint's row to the job's page, after commit."""
-    payload = {"type": "job.checkpoint", "checkpoint": checkpoint_dict(c)}
+    payload = {"type": "job.checkpoint", "checkpoint": checkpoint_row(c)}
     transaction.on_commit(partial(dispatch.publish, f"job.{c.job_id}", payload))
 
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from jobs import dispatch
 from jobs.models import Attempt, Job, JobEvent
-from jobs.payloads import event_dict
+from jobs.rows import event_row
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
@@ -24,7 +24,7 @@ def job_event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None
               actor: AbstractUser | None = None, **data) -> JobEvent:
     """Record one entry of the job's timeline (data: its evidence) and publish it after commit."""
     event = JobEvent.objects.create(job=job, attempt=attempt, kind=kind, message=message, data=data, actor=actor)
-    payload = {"type": "job.event", "event": event_dict(event)}
+    payload = {"type": "job.event", "event": event_row(event)}
     transaction.on_commit(partial(dispatch.publish, f"job.{job.pk}", payload))
     return event
 
