@@ -22,7 +22,7 @@ from jobs.dbtext import storable
 from jobs.errors import NodeActionError
 from jobs.models import Allocation, Attempt, ControlPlaneClock, Job, Node
 from jobs.policy import diagnosis, gpu_health
-from jobs.policy.scheduling.eligibility import summarize_devices
+from jobs.policy.devices import summarize_devices
 from jobs.services.attempts import attempt_fence, attempt_maybe_finish, attempt_preempt, attempt_stop
 from jobs.services.events import job_event, job_set_status
 from jobs.services.identity import join_request, security_event

@@ -4,7 +4,8 @@ node's labels; a job no node can serve waits with the reason. Pure policy, table
 import pytest
 
 from jobs.policy.scheduling import ClusterView, NodeState, QueuedJob, predict_starts, schedule
-from jobs.policy.scheduling.eligibility import node_slots, summarize_devices, unservable_reason
+from jobs.policy.devices import summarize_devices
+from jobs.policy.scheduling.eligibility import node_slots, unservable_reason
 
 GB = 10**9
 
