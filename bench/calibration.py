@@ -31,7 +31,7 @@ import django  # noqa: E402
 django.setup()
 
 from trainyard.plan.calibration import evaluate  # noqa: E402
-from jobs.services.calibration import calibration_fit  # noqa: E402
+from jobs.planning.services.calibration import calibration_fit  # noqa: E402
 
 KEYS = ("spearman", "step_error_median", "step_error_max", "states_error_max", "activation_error_max")
 

@@ -18,7 +18,7 @@ new / old time. Times are medians of `--repeat` runs. Targets: a tick < 1 s, >= 
 placements/s, predict_starts of 10,000 jobs < 5 s.
 
 `policies`: for each seed, `bench/tracegen.py` writes a trace of `--jobs` jobs at offered load
-`--load` for a cluster of `--nodes` x `--slots-per-node`, and `jobs.simulation.simulate` replays it
+`--load` for a cluster of `--nodes` x `--slots-per-node`, and `jobs.scheduling.simulation.simulate` replays it
 under fifo, backfill and trainyard (entitlements: equal shares). Per seed and on average:
 avg/p50/p99 JCT, average wait, utilization, preemptions, each team's share of its entitlement,
 and trainyard's JCT reduction against fifo and backfill. Targets: >= 30% lower average JCT than
@@ -41,9 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from jobs.policy.scheduling import (  # noqa: E402
-    ClusterView, NodeState, Quotas, QueuedJob, RunningJob, predict_starts, queue_order, schedule)
-from jobs.simulation import SimConfig, TraceJob, simulate  # noqa: E402
+from jobs.scheduling.policy import ClusterView, NodeState, Quotas, QueuedJob, RunningJob, predict_starts, queue_order, schedule  # noqa: E402
+from jobs.scheduling.simulation import SimConfig, TraceJob, simulate  # noqa: E402
 
 import tracegen  # noqa: E402
 

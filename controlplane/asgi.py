@@ -17,9 +17,9 @@ django_asgi_app = get_asgi_application()
 from django.conf import settings  # noqa: E402
 
 from controlplane import daphne_bodies  # noqa: E402
-from jobs.api_code import MULTIPART_OVERHEAD, UPLOAD_PATH, UploadSizeGuard  # noqa: E402
-from jobs.routing import websocket_urlpatterns  # noqa: E402
-from jobs.ws_auth import WebsocketAuthStack  # noqa: E402
+from jobs.bundles.api import MULTIPART_OVERHEAD, UPLOAD_PATH, UploadSizeGuard  # noqa: E402
+from jobs.runs.routing import websocket_urlpatterns  # noqa: E402
+from jobs.access.ws_auth import WebsocketAuthStack  # noqa: E402
 
 # Under daphne: a body is bounded per path from its headers, before any of it is received (the code
 # bundle limit on /api/v1/code/ only, TRAINYARD_HTTP_MAX_BODY_BYTES everywhere else), Twisted does not

@@ -1,5 +1,5 @@
 """Celery for the control plane (`celery -A controlplane worker -Q control,control.beat` and `beat`): Django,
-the control plane's app (jobs.celery_app, which serves jobs.tasks) and the beat schedule."""
+the control plane's app (jobs.core.celery_app, which serves jobs.tasks) and the beat schedule."""
 from __future__ import annotations
 
 import os
@@ -10,13 +10,13 @@ import django  # noqa: E402
 
 django.setup()
 
-from jobs.celery_app import app  # noqa: E402
-from jobs.liveness import ControlStamp  # noqa: E402
+from jobs.core.celery_app import app  # noqa: E402
+from jobs.fleet.liveness import ControlStamp  # noqa: E402
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK,  # noqa: E402
                               NODES_CHECK_TASK, SCHEDULE_TICK_TASK)
 
 # Ticks also run on submit and on attempt end; the beat catches everything else (nodes freed by
-# a heartbeat, lost nodes) within 2 s. Every one goes to control.beat (jobs.celery_app's task_routes),
+# a heartbeat, lost nodes) within 2 s. Every one goes to control.beat (jobs.core.celery_app's task_routes),
 # which no node may write; the control worker runs them only from there (jobs.tasks.BeatTask).
 app.conf.beat_schedule = {
     "schedule-tick": {"task": SCHEDULE_TICK_TASK, "schedule": 2.0, "options": {"expires": 4}},
@@ -32,6 +32,6 @@ app.conf.beat_schedule = {
 # Liveness (jobs/liveness.py): the worker stamps trainyard:alive:control from its event loop, beat
 # stamps trainyard:alive:beat on every tick; /metrics and the nodes page read them.
 app.steps["consumer"].add(ControlStamp)
-app.conf.beat_scheduler = "jobs.liveness:StampingScheduler"
+app.conf.beat_scheduler = "jobs.fleet.liveness:StampingScheduler"
 
 __all__ = ["app"]

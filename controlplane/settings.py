@@ -77,7 +77,7 @@ AXES_RESET_ON_SUCCESS = True
 AXES_HTTP_RESPONSE_CODE = 429
 # The address a lockout counts against: the same as the API throttles' (jobs/client_ip.py: the peer,
 # or behind a proxy of TRAINYARD_TRUSTED_PROXIES the right-most X-Forwarded-For address not in it).
-AXES_CLIENT_IP_CALLABLE = "jobs.client_ip.client_ip"
+AXES_CLIENT_IP_CALLABLE = "jobs.core.client_ip.client_ip"
 
 ROOT_URLCONF = "controlplane.urls"
 TEMPLATES = [
@@ -130,20 +130,20 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Token first, so a request without credentials gets 401 with WWW-Authenticate, not 403.
-        "jobs.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/tokens.py)
+        "jobs.access.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/tokens.py)
         "rest_framework.authentication.SessionAuthentication",
     ],
     # IsAuthenticated, with requests without credentials counted against TRAINYARD_THROTTLE_ANON
-    "DEFAULT_PERMISSION_CLASSES": ["jobs.throttles.IsAuthenticatedOrThrottled"],
+    "DEFAULT_PERMISSION_CLASSES": ["jobs.core.throttles.IsAuthenticatedOrThrottled"],
     # DRF's defaults, with a JSON parser that answers 400 for a body nested too deeply to parse.
-    "DEFAULT_PARSER_CLASSES": ["jobs.parsers.JSONParser", "rest_framework.parsers.FormParser",
+    "DEFAULT_PARSER_CLASSES": ["jobs.core.parsers.JSONParser", "rest_framework.parsers.FormParser",
                                "rest_framework.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "jobs.api_errors.exception_handler",
+    "EXCEPTION_HANDLER": "jobs.core.api_errors.exception_handler",
     # jobs/throttles.py: rates from the TRAINYARD_THROTTLE_* settings below (429 with Retry-After)
-    "DEFAULT_THROTTLE_CLASSES": ["jobs.throttles.AnonThrottle", "jobs.throttles.UserThrottle"],
+    "DEFAULT_THROTTLE_CLASSES": ["jobs.core.throttles.AnonThrottle", "jobs.core.throttles.UserThrottle"],
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Trainyard API",

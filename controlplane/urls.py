@@ -3,7 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView
 
-from jobs import prometheus
+from jobs.telemetry import prometheus
 
 urlpatterns = [
     path("admin/", admin.site.urls),

@@ -1,7 +1,6 @@
 from django.contrib import admin, messages
 
-from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node,
-                     NodeJoinRequest, Quota, QuotaChange, SecurityEvent)
+from jobs.models import Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent
 
 
 @admin.register(Node)

@@ -9,7 +9,9 @@ from django.dispatch import receiver
 
 from trainyard.private import tighten
 
-from jobs import dispatch, keptlogs, tokens
+from jobs.core import dispatch
+from jobs.telemetry import keptlogs
+from jobs.access import tokens
 from jobs.models import ApiToken, Job
 
 

@@ -12,14 +12,15 @@ from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
                               ExitReport, RanksReport)
 
-from jobs import dispatch, services
-from jobs.celery_app import app
+from jobs.core import dispatch
+from jobs import services
+from jobs.core.celery_app import app
 
 log = logging.getLogger("trainyard.security")
 
 
 class BeatTask(Task):
-    """A periodic task (jobs.celery_app.BEAT_TASKS): from the broker it runs only when delivered
+    """A periodic task (jobs.core.celery_app.BEAT_TASKS): from the broker it runs only when delivered
     from CONTROL_BEAT_QUEUE, which only the control plane's Redis user can write. One that arrives
     on `control` was pushed by a node (its Redis user may LPUSH there): refused without running,
     logged and counted as a security event. The queue is the one the message was popped from

@@ -18,7 +18,7 @@ def node_up(payload: dict):
 def credential(name: str, *, slots: int = 2, address: str = "127.0.0.1") -> str:
     """Node `name`'s credential, registering it first if needed (what its agent's file holds)."""
     from jobs.models import Node
-    from jobs.services import identity
+    from jobs.fleet.services import identity
     from trainyard import nodeauth
 
     node = Node.objects.filter(name=name).exclude(credential_digest="").first()

@@ -30,7 +30,7 @@ def test_the_asgi_guard_bounds_other_paths_by_content_length():
     """For ASGI servers other than daphne: the same limits from Content-Length."""
     import asyncio
 
-    from jobs.api_code import UploadSizeGuard
+    from jobs.bundles.api import UploadSizeGuard
 
     seen = []
 

@@ -95,7 +95,7 @@ def test_control_plane_and_agents_resolve_the_same_root(settings):
 def test_each_side_serves_its_own_tasks_with_the_shared_settings():
     import jobs.tasks  # noqa: F401 - registers the control tasks
     import workers.tasks  # noqa: F401 - registers the node tasks
-    from jobs.celery_app import app as control
+    from jobs.core.celery_app import app as control
     from workers.celery_app import app as node
 
     assert {SCHEDULE_TICK_TASK, HEARTBEAT_TASK, RANKS_TASK, NODE_EXIT_TASK} <= set(control.tasks)
@@ -110,7 +110,7 @@ def test_reports_are_acked_after_they_run_and_periodic_tasks_before():
     """An attempt's rank and exit reports are sent once: a worker killed mid-task must run them
     again (late ack). Ticks and heartbeats repeat every 2 s, so they are acked early, which keeps
     a Redis restart during one from crashing the control worker (jobs/tasks.py)."""
-    from jobs.celery_app import app as control
+    from jobs.core.celery_app import app as control
     from jobs.tasks import PERIODIC  # noqa: F401 - registers the control tasks
 
     assert control.tasks[RANKS_TASK].acks_late and control.tasks[NODE_EXIT_TASK].acks_late

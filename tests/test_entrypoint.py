@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.policy.diagnosis import diagnose
+from jobs.attempts.policy.diagnosis import diagnose
 from trainyard import keys
 from workers.entrypoint import check_python_runs, UserCodeError, prepare
 

@@ -363,7 +363,7 @@ def test_failures_without_error_files_come_from_torchruns_summary(tmp_path):
 
 
 def test_a_script_without_record_is_diagnosed_from_the_traceback_on_its_stderr(tmp_path):
-    from jobs.policy.diagnosis import diagnose
+    from jobs.attempts.policy.diagnosis import diagnose
 
     rank_dir = tmp_path / "logs" / "attempt-1_abc" / "attempt_0"
     (rank_dir / "0").mkdir(parents=True)
@@ -613,7 +613,7 @@ def test_a_script_that_never_imports_the_sdk_is_labelled_and_supervised(tmp_path
 @pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_a_script_without_the_sdk_failing_is_diagnosed_from_its_traceback(tmp_path):
-    from jobs.policy.diagnosis import diagnose
+    from jobs.attempts.policy.diagnosis import diagnose
 
     rec = Recorder()
     assert Supervisor(user_request(tmp_path, args=("--fail-rank", "1", "--steps", "200")), **rec.callbacks()).start()

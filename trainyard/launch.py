@@ -88,7 +88,7 @@ CELERY_SETTINGS: dict[str, Any] = {
     # `celery.backend_cleanup` every night, a builtin the apps no longer register (below).
     "result_expires": None,
 }
-"""The Celery configuration both Celery apps use (the control plane's jobs.celery_app and the
+"""The Celery configuration both Celery apps use (the control plane's jobs.core.celery_app and the
 node agents' workers.celery_app): the same serializer and delivery guarantees on both ends."""
 
 

@@ -96,7 +96,7 @@ class Agent:
     def command_open(self, envelope: object, task: str) -> dict | None:
         """The body of a command from the control plane, or None: a command runs only if it names
         this node and the task it arrived as, carries this node's signature (the control plane
-        seals with the node's credential, jobs.dispatch.sealed) and is at most COMMAND_MAX_AGE_S
+        seals with the node's credential, jobs.core.dispatch.sealed) and is at most COMMAND_MAX_AGE_S
         old. Anything else that could write to this node's queue is refused, and logged."""
         why = ""
         env = envelope if isinstance(envelope, dict) else {}

@@ -1,7 +1,7 @@
 """The node agents' Celery app. It needs only the Redis URL, so an agent on another machine runs
 it without Django or a database; it serves node.<name> queues (workers.tasks) and sends its
 reports to the control queue by task name (trainyard.launch). The control plane has its own
-app (jobs.celery_app) with the same settings (trainyard.launch.CELERY_SETTINGS).
+app (jobs.core.celery_app) with the same settings (trainyard.launch.CELERY_SETTINGS).
 
 Everything here fits the node's Redis user (trainyard/redis_acl.py), which may only LPUSH to
 `control`, pop its own queue and keep its own unacknowledged-message keys: `configure_node` (the

@@ -3,7 +3,7 @@
 The agent calls `prepare(spec, run_dir, node=...)` after the rendezvous port is settled and before
 the launcher starts torchrun. It returns the LaunchRequest fields of a user-code launch (none for
 the built-in trainer) or raises `UserCodeError`, whose message is the failure the node reports:
-it starts with `EntrypointError:` or `BundleError:`, which jobs.policy.diagnosis classes as
+it starts with `EntrypointError:` or `BundleError:`, which jobs.attempts.policy.diagnosis classes as
 `user_error` (no retry: the same job on another node would fail the same way).
 
 - `python`: must be an absolute path to an executable file on this node, inside a read-only path

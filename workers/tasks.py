@@ -15,7 +15,7 @@ from .celery_app import app
 
 
 # Every command is a Signed envelope sealed by the control plane with this node's credential
-# (jobs.dispatch.sealed); Agent.command_open returns its body, or None (refused and logged).
+# (jobs.core.dispatch.sealed); Agent.command_open returns its body, or None (refused and logged).
 
 
 @app.task(name=NODE_LAUNCH_TASK, shared=False, time_limit=180, acks_late=False)

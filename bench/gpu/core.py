@@ -117,7 +117,7 @@ def pinned_batch() -> dict:
 
 def _diagnose_case(case: str) -> dict:
     need_cuda()
-    from jobs.policy.diagnosis import diagnose
+    from jobs.attempts.policy.diagnosis import diagnose
     from workers.launcher_logs import read_error_file, tail_lines
     with workdir() as d:
         logs = d / "logs"

@@ -3,11 +3,21 @@
 from django.db import migrations, models
 
 
+def summarize_devices(devices):
+    """A frozen copy of what jobs/fleet/policy/devices.py computed when this migration was
+    written: a migration must not import application code, which moves (one that did broke
+    `migrate` from scratch when the function moved)."""
+    gpus = [d for d in devices if isinstance(d, dict) and d.get("kind") == "cuda"]
+    if gpus:
+        mems = [d.get("memory_bytes") for d in gpus]
+        smallest = min((int(m) for m in mems if isinstance(m, (int, float)) and not isinstance(m, bool)), default=0)
+        return "cuda", len(gpus), max(0, smallest)
+    return ("cpu" if any(isinstance(d, dict) for d in devices) else ""), 0, 0
+
+
 def backfill(apps, schema_editor):
     """Summarise the devices each node last reported, so a GPU node that is down during the
     upgrade still counts as one (its next heartbeat rewrites the same fields)."""
-    from jobs.policy.scheduling.eligibility import summarize_devices
-
     Node = apps.get_model("jobs", "Node")
     for node in Node.objects.all().only("pk", "devices"):
         kind, gpus, mem = summarize_devices(node.devices or [])

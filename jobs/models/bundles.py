@@ -7,7 +7,7 @@ from django.db import models
 
 class CodeBundle(models.Model):
     """A code bundle stored at keys.bundle_path(artifact root, digest); rows change through
-    jobs.services.bundles (which also writes and deletes the file)."""
+    jobs.bundles.services (which also writes and deletes the file)."""
 
     digest = models.CharField(max_length=71, unique=True, help_text='"sha256:<hex>" of the .tar.gz')
     bytes = models.BigIntegerField(help_text="packed size")

@@ -69,7 +69,7 @@ class Calibration(models.Model):
     by the node's agent): the measurements (trainyard/calibration.py's document), the cost-model
     constants fit on them (trainyard/plan/calibration.py) and their evaluation on held-out runs
     before (the default constants) and after. The newest row per device_name is what the planner
-    uses for that device (jobs.planning.constants_for, with the row's peak_tflops: peak_for)."""
+    uses for that device (jobs.planning.constants.constants_for, with the row's peak_tflops: peak_for)."""
 
     device_name = models.CharField(max_length=200, db_index=True, help_text='"cpu" or the CUDA device name')
     kind = models.CharField(max_length=8, help_text="cpu | cuda")

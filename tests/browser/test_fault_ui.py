@@ -74,7 +74,7 @@ def feed(page, msg: dict) -> None:
 @pytest.fixture
 def quiet(monkeypatch, settings, db):
     """No Celery/Channels sends, fast password hashing, two registered nodes."""
-    from jobs import dispatch
+    from jobs.core import dispatch
     for name in ("send_launch", "send_stop", "request_tick", "publish", "publish_cluster_changed"):
         monkeypatch.setattr(dispatch, name, lambda *a, **k: None)
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

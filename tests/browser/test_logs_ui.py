@@ -17,7 +17,8 @@ import urllib.request
 import pytest
 import redis
 
-from jobs import dispatch, services
+from jobs.core import dispatch
+from jobs import services
 
 from .conftest import screenshot
 from .test_dashboard import TERMINAL, wait_js

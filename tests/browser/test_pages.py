@@ -10,8 +10,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from jobs import dispatch, services
-from jobs.forms import field_groups, split_errors
+from jobs.core import dispatch
+from jobs import services
+from jobs.runs.forms import field_groups, split_errors
 from jobs.models import Attempt, Job, MetricSample
 from tests.nodes import node_up
 

@@ -1,6 +1,7 @@
 import pytest
 
-from jobs import dispatch
+from jobs.attempts import selectors
+from jobs.core import dispatch
 from tests.nodes import node_up
 
 
@@ -86,7 +87,6 @@ def ckpt_root(settings, tmp_path):
 @pytest.fixture
 def relay_alive(monkeypatch):
     """The relay counts as alive, so the hang detector judges attempts (no relay runs here)."""
-    from jobs import selectors
 
     monkeypatch.setattr(selectors, "relay_alive", lambda: True)
 

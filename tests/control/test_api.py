@@ -3,8 +3,9 @@ import pytest
 from django.core.management import call_command
 from rest_framework.test import APIClient
 
-from jobs import errors, services
-from jobs.api_errors import exception_handler
+from jobs.core import errors
+from jobs import services
+from jobs.core.api_errors import exception_handler
 from jobs.models import Job
 from trainyard.spec import SpecError
 

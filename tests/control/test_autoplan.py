@@ -117,7 +117,7 @@ def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
     assert doc.plan["auto"]["chosen"] == chosen
     for queued in (first, doc):  # (they would hold the slots the measured run needs)
         services.job_cancel(queued, user=user)
-    from jobs.autoplan import plan_spec
+    from jobs.planning.autoplan import plan_spec
     plans = plan_spec({**first.spec, "parallel": "auto"})["plans"]
     runner = next(p for p in plans if (p["dp"], p["tp"], p["micro_batch"], p["fsdp"], p["shard_optimizer"])
                   != (chosen["dp"], chosen["tp"], chosen["micro_batch"], chosen["fsdp"], chosen["shard_optimizer"]))
@@ -147,7 +147,7 @@ def test_every_auto_choice_is_a_spec_the_runtime_accepts(user, nodes, resources,
     """The planner searches only what the spec's rules let the runtime run (no ZeRO-1 over one
     replica or under model averaging, no tp x pp, FSDP only alone): each choice, and each
     runner-up, is a valid concrete spec."""
-    from jobs.autoplan import plan_spec
+    from jobs.planning.autoplan import plan_spec
     from trainyard.plan.job import spec_parallel
 
     spec = {"name": "s", "model": GPT, "parallel": "auto", "resources": resources, "comm": {"sync": sync},

@@ -18,8 +18,10 @@ from django.core.management import call_command
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from jobs import services, tasks, tokens
-from jobs.api_code import MULTIPART_OVERHEAD, UploadSizeGuard
+from jobs.bundles import services as bundle_services
+from jobs import services, tasks
+from jobs.access import tokens
+from jobs.bundles.api import MULTIPART_OVERHEAD, UploadSizeGuard
 from jobs.models import CodeBundle, Job
 from tests.test_bundle import GOOD, member, tar_bytes
 from trainyard import keys
@@ -277,9 +279,9 @@ def test_gc_sweeps_orphan_files_and_abandoned_uploads(client, artifacts):
     digest = upload(client, targz(GOOD)).json()["bundle"]
     CodeBundle.objects.all().delete()  # the row lost: the file is an orphan
     path = keys.bundle_path(artifacts, digest)
-    stale = services.bundles.incoming_dir() / "upload-crashed.tar.gz"
+    stale = bundle_services.incoming_dir() / "upload-crashed.tar.gz"
     stale.write_bytes(b"partial")
-    live = services.bundles.incoming_dir() / "upload-live.tar.gz"
+    live = bundle_services.incoming_dir() / "upload-live.tar.gz"
     live.write_bytes(b"arriving")
     assert services.bundles_gc().orphan_files == 0  # younger than the age
     two_hours_ago = time.time() - 7200

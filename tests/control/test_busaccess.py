@@ -11,9 +11,10 @@ import pytest
 import redis
 from django.db import transaction
 
-from jobs import dispatch, services
+from jobs.core import dispatch
+from jobs import services
 from jobs.models import Attempt
-from jobs.services.busaccess import attempt_secrets
+from jobs.attempts.services.busaccess import attempt_secrets
 from trainyard import keys, redis_acl
 from tests.conftest import RedisServer
 
@@ -85,7 +86,7 @@ def test_the_user_goes_with_the_attempt_and_its_connections_are_cut(user, nodes,
 
 
 def test_a_fenced_attempt_may_read_its_fence_and_write_nothing(user, nodes, bus):
-    from jobs.services.attempts import attempt_fence
+    from jobs.attempts.services.attempts import attempt_fence
 
     job = submit(user)
     attempt = start(job)

@@ -7,7 +7,10 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from jobs import dispatch, planning, services, tasks
+from jobs.core.errors import InvalidInput
+from jobs.core import dispatch
+from jobs.planning import constants as planning
+from jobs import services, tasks
 from jobs.models import Allocation, Attempt, Calibration, Job, Node
 from trainyard.plan.constants import DeviceConstants
 from tests.plan.test_calibration import TRUE, synthetic
@@ -45,7 +48,7 @@ def test_store_fits_on_two_thirds_and_evaluates_the_rest_before_and_after(staff)
 def test_an_invalid_document_is_refused_naming_the_field_and_stores_nothing():
     doc = synthetic()
     doc["runs"][0]["step_time_s"] = -1
-    with pytest.raises(services.calibration.InvalidInput) as e:
+    with pytest.raises(InvalidInput) as e:
         services.calibration_store(doc, node="n")
     assert "measurements.runs.0.step_time_s" in e.value.errors
     assert not Calibration.objects.exists()

@@ -26,7 +26,7 @@ def _fresh_counts():
 
 
 def ip(settings, remote: str, xff: str | None = None, trusted=()) -> str:
-    from jobs.client_ip import client_ip
+    from jobs.core.client_ip import client_ip
 
     settings.TRAINYARD_TRUSTED_PROXIES = list(trusted)
     extra = {"REMOTE_ADDR": remote, **({"HTTP_X_FORWARDED_FOR": xff} if xff is not None else {})}

@@ -4,7 +4,9 @@ import time
 
 import pytest
 
-from jobs import payloads, selectors, services
+from jobs.runs import payloads
+from jobs.scheduling import selectors
+from jobs import services
 from tests.nodes import node_up
 
 pytestmark = pytest.mark.django_db

@@ -4,7 +4,7 @@ stopped as hung."""
 import pytest
 from django.conf import settings
 
-from jobs.policy import diagnosis
+from jobs.attempts.policy import diagnosis
 from tests.control.test_services import start, submit
 from trainyard.launch import Launch
 from trainyard.sdk.config import parse_launch_config

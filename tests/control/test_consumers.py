@@ -9,7 +9,9 @@ from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.test import Client
 
-from jobs import consumers, services, tokens
+from jobs.runs import consumers
+from jobs import services
+from jobs.access import tokens
 
 pytestmark = pytest.mark.django_db(transaction=True)  # database_sync_to_async closes connections
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from jobs import services, tasks
-from jobs.celery_app import BEAT_TASKS
-from jobs.celery_app import app as control_app
+from jobs.core.celery_app import BEAT_TASKS
+from jobs.core.celery_app import app as control_app
 from jobs.models import SecurityEvent
 from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE
 from trainyard.launch import (CALIBRATION_REPORT_TASK, HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK,

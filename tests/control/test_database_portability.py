@@ -13,7 +13,7 @@ from django.db import connection, connections, transaction
 
 from jobs import services
 from jobs.models import Allocation, Attempt, Job, JobEvent, MetricSample
-from jobs.services.events import job_set_status
+from jobs.attempts.services.events import job_set_status
 
 from .test_services import start, submit
 
@@ -65,7 +65,7 @@ def test_a_tick_never_places_on_slots_another_tick_is_placing(user, nodes, monke
     """Tick 1 decided to put job A on all 4 slots and has not committed; job B (high priority)
     arrives and tick 2 runs. Tick 2 must wait for tick 1 (the lock row, FOR UPDATE) and then see
     the slots taken; deciding over the same free slots, it would have put B on them too."""
-    from jobs.policy import scheduling as policy
+    from jobs.scheduling import policy
 
     a = submit(user, resources={"nodes": 2, "procs_per_node": 2})
     decided, real = threading.Event(), policy.schedule

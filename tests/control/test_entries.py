@@ -6,9 +6,11 @@ import json
 import pytest
 from django.db import OperationalError
 
-from jobs import entries, services
+from jobs.telemetry import ingest
+from jobs.telemetry import entries
+from jobs import services
 from jobs.models import Checkpoint, JobEvent, MetricSample
-from jobs.telemetry import POISON_TRIES, Relay
+from jobs.telemetry.relay import POISON_TRIES, Relay
 from trainyard.keys import attempt_stream
 
 from .test_fault import signed, write_ckpt
@@ -144,15 +146,15 @@ def test_an_entry_that_raises_when_applied_is_dead_lettered_after_n_tries_and_th
         entry(0, 1, "metrics", [{**GOOD, "attempt": attempt.pk}]),
         entry(0, 2, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk, "count": 13}),
         entry(0, 3, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk, "count": 1})])]
-    real, calls = services.telemetry_ingest, []
+    real, calls = ingest.telemetry_ingest, []
 
-    def ingest(samples, *, events):
+    def failing(samples, *, events):
         calls.append(len(samples) + len(events))
         if any(e.get("count") == 13 for e in events):
             raise ValueError("a bug this entry trips")
         return real(samples, events=events)
 
-    monkeypatch.setattr(services, "telemetry_ingest", ingest)
+    monkeypatch.setattr(ingest, "telemetry_ingest", failing)
     relay = offline_relay()
     ok, dead = relay.sort(read)
     applied = relay.apply(ok, dead)
@@ -184,7 +186,7 @@ def test_database_errors_are_retried_with_backoff_and_the_round_committed_once(u
     attempt = start(job)
     read = [(attempt_stream(job.pk, attempt.pk), [entry(0, 1, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk,
                                                         "count": 2})])]
-    real, fails = services.telemetry_ingest, [2]
+    real, fails = ingest.telemetry_ingest, [2]
 
     def locked_twice(samples, *, events):
         if fails[0]:
@@ -192,7 +194,7 @@ def test_database_errors_are_retried_with_backoff_and_the_round_committed_once(u
             raise OperationalError("database is locked")
         return real(samples, events=events)
 
-    monkeypatch.setattr(services, "telemetry_ingest", locked_twice)
+    monkeypatch.setattr(ingest, "telemetry_ingest", locked_twice)
     relay = offline_relay()
     ok, dead = relay.sort(read)
     assert relay.apply(ok, dead) == ok and dead == []
@@ -243,7 +245,7 @@ def test_the_control_plane_never_resumes_from_outside_the_jobs_checkpoint_direct
     services.checkpoint_register(attempt.pk, data={"step": 10, "path": str(good)})
     outside = write_ckpt(ckpt_root / "elsewhere", job, attempt, 20)  # complete, but not in job-<id>/ of the root
     bad = Checkpoint.objects.create(job=job, attempt=attempt, step=20, path=str(outside))
-    from jobs.services.checkpoints import resume_checkpoint
+    from jobs.attempts.services.checkpoints import resume_checkpoint
 
     point = resume_checkpoint(job)
     assert point is not None and point.step == 10

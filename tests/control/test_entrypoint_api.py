@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from jobs.attempts import selectors
 from jobs import services
 from jobs.models import Attempt, CodeBundle, Job, JobEvent
 
@@ -62,7 +63,7 @@ def test_an_entrypoint_job_with_a_stored_bundle_is_201(user, nodes, client_for, 
 
 
 def test_a_bundle_whose_file_is_gone_is_unknown(user, nodes, client_for, bundle):
-    from jobs.services.bundles import bundle_file
+    from jobs.bundles.services import bundle_file
 
     bundle_file(bundle).chmod(0o644)
     bundle_file(bundle).unlink()
@@ -163,7 +164,6 @@ def test_a_built_in_job_page_still_shows_its_model(user, nodes, client):
 
 @pytest.fixture
 def relay_alive(monkeypatch):
-    from jobs import selectors
 
     monkeypatch.setattr(selectors, "relay_alive", lambda: True)
 
@@ -200,14 +200,14 @@ def test_an_explicit_timeout_bounds_a_script_without_the_sdk(user, nodes, bundle
 
 
 def test_past_runs_of_the_same_code_predict_the_next(user, nodes, bundle):
-    from jobs import selectors
+    from jobs.planning import selectors as planning_selectors
 
     job = services.job_submit(user=user, spec=entry_spec(bundle))
     attempt = start(job)
     now = timezone.now()
     Attempt.objects.filter(pk=attempt.pk).update(outcome="succeeded", started_at=now - timedelta(seconds=400),
                                                  ended_at=now, last_step=0)
-    runs = selectors.past_runs()
+    runs = planning_selectors.past_runs()
     assert len(runs) == 1 and runs[0].steps_run == 0 and runs[0].shape.bundle == bundle  # no SDK: no steps
     again = services.job_submit(user=user, spec=entry_spec(bundle))
     assert again.predicted_s == pytest.approx(400.0, abs=1) and again.plan["prediction_source"] == "history:user"

@@ -6,6 +6,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from jobs.attempts import selectors
 from jobs import services
 from jobs.models import Attempt, Checkpoint, Job, JobEvent, MetricSample, Node
 
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("ckpt_root", "relay
 
 def signed(manifest: dict, attempt) -> dict:
     """The manifest with the proof the attempt's ranks add (its key from the sealed Launch)."""
-    from jobs.services.busaccess import attempt_secrets
+    from jobs.attempts.services.busaccess import attempt_secrets
     from trainyard import attemptauth
 
     body = {k: v for k, v in manifest.items() if k != "proof"}
@@ -292,7 +293,6 @@ def test_hang_is_detected_stopped_and_restarted(user, nodes, sent, django_captur
 
 
 def test_no_hang_verdict_while_the_relay_is_down(user, nodes, monkeypatch):
-    from jobs import selectors
 
     monkeypatch.setattr(selectors, "relay_alive", lambda: False)
     job = submit(user, hang_timeout_s=5)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from jobs import keptlogs
-from jobs.keptlogs import LogKeeper, read_page
+from jobs.telemetry import keptlogs
+from jobs.telemetry.keptlogs import LogKeeper, read_page
 from trainyard.keys import rank_log_path
 
 

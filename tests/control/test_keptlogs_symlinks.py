@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from jobs import keptlogs, services
-from jobs.keptlogs import LogKeeper
+from jobs.telemetry import keptlogs
+from jobs import services
+from jobs.telemetry.keptlogs import LogKeeper
 from trainyard import keys
 from trainyard.keys import job_log_dir, rank_log_path
 

@@ -4,7 +4,9 @@ steps), late samples, the nearest/best reads, the predictor at submit, GET /api/
 import pytest
 from rest_framework.test import APIClient
 
-from jobs import selectors_knowledge, services
+from jobs.planning.services.knowledge import knowledge_record
+from jobs.planning import selectors as planning_selectors
+from jobs import services
 from jobs.models import Job, KnowledgeRecord
 
 from .test_services import ok_result, start, submit
@@ -49,7 +51,7 @@ def test_a_finished_attempt_records_its_warm_steps_once(user, nodes):
     assert rec.predicted_memory_gb == job.plan["planner"]["memory_gb_per_device"] > 0
     # a duplicate exit report or a re-run of the writer changes nothing
     finish(attempt)
-    services.knowledge.knowledge_record(attempt)
+    knowledge_record(attempt)
     assert KnowledgeRecord.objects.count() == 1
 
 
@@ -99,16 +101,16 @@ def test_nearest_and_best_reads(user, nodes):
     run_job(user, step_s=0.05, model={"hidden": 256, "heads": 4})
     run_job(user, step_s=0.2, model={"layers": 8})
     cluster = {"nodes": 2, "devices_per_node": 1, "device": {"name": "cpu"}}
-    near = selectors_knowledge.knowledge_nearest({"kind": "gpt", "layers": 4, "hidden": 192, "seq_len": 128,
+    near = planning_selectors.knowledge_nearest({"kind": "gpt", "layers": 4, "hidden": 192, "seq_len": 128,
                                                   "global_batch": 32}, cluster, limit=2)
     assert [(r.layers, r.hidden) for r in near] == [(4, 256), (4, 128)]  # 192/256 is nearer than 192/128
     assert near[0].distance < near[1].distance
-    assert selectors_knowledge.knowledge_nearest({"kind": "gpt", "layers": 4}, {"device": "cuda"}) == []
-    assert selectors_knowledge.knowledge_nearest({"kind": "mlp", "layers": 4}, cluster) == []
-    best = selectors_knowledge.knowledge_best({"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128,
+    assert planning_selectors.knowledge_nearest({"kind": "gpt", "layers": 4}, {"device": "cuda"}) == []
+    assert planning_selectors.knowledge_nearest({"kind": "mlp", "layers": 4}, cluster) == []
+    best = planning_selectors.knowledge_best({"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128,
                                                "vocab": 256, "global_batch": 32}, cluster)
     assert best["plan"]["dp"] == 2 and best["runs"] == 1 and best["step_time_s"] == pytest.approx(0.2)
-    assert selectors_knowledge.knowledge_best({"kind": "gpt", "layers": 3}, cluster) is None
+    assert planning_selectors.knowledge_best({"kind": "gpt", "layers": 3}, cluster) is None
 
 
 def test_submit_predicts_from_the_nearest_record_when_no_run_had_the_same_spec(user, nodes):
@@ -188,7 +190,7 @@ def test_the_page_lists_records_best_plans_and_says_what_is_wrong(user, nodes, c
 
 def test_the_calibrations_section_follows_the_model(user, staff, nodes, client):
     from jobs import models
-    from jobs.views_knowledge import calibration_summary, evaluation_items
+    from jobs.planning.views import calibration_summary, evaluation_items
 
     assert evaluation_items({"spearman": 0.9123, "step_time": {"median_rel_error": 0.0712, "held_out": 6},
                              "ok": True, "note": "quick", "list": [1, 2]}) == [
@@ -214,7 +216,7 @@ def test_the_calibrations_section_follows_the_model(user, staff, nodes, client):
 
 def test_the_device_type_is_what_the_nodes_reported_for_the_slots_used(user, nodes):
     from jobs.models import Node
-    from jobs.services.knowledge import device_name
+    from jobs.planning.services.knowledge import device_name
 
     _, attempt = run_job(user)
     assert device_name(attempt, "cpu") == "cpu"
@@ -227,7 +229,7 @@ def test_the_device_type_is_what_the_nodes_reported_for_the_slots_used(user, nod
 
 
 def test_a_long_attempt_is_measured_over_its_newest_steps(user, nodes, monkeypatch):
-    from jobs.services import knowledge as writer
+    from jobs.planning.services import knowledge as writer
 
     monkeypatch.setattr(writer, "WINDOW_STEPS", 12)
     job = submit(user, train={"steps": 40})

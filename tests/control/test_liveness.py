@@ -12,7 +12,8 @@ import redis
 from django.test import Client
 from django.utils import timezone
 
-from jobs import liveness, prometheus
+from jobs.fleet import liveness
+from jobs.telemetry import prometheus
 from jobs.models import Node
 from tests.conftest import free_port
 from tests.control.test_prometheus import parse, value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import services
-from jobs.keptlogs import LogKeeper
+from jobs.telemetry.keptlogs import LogKeeper
 from trainyard.keys import job_log_dir, rank_log_path
 
 pytestmark = pytest.mark.django_db(transaction=True)  # on_commit runs (job deletion)

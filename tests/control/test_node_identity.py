@@ -12,7 +12,8 @@ import time
 import pytest
 from django.core.management import CommandError, call_command
 
-from jobs import prometheus, services, tasks
+from jobs.telemetry import prometheus
+from jobs import services, tasks
 from jobs.models import Allocation, Attempt, Node, NodeJoinRequest, SecurityEvent
 from tests.nodes import credential, node_up, signed
 from trainyard import nodeauth
@@ -182,7 +183,7 @@ def test_the_nodes_page_shows_join_requests_to_staff_only(sent, staff, user, cli
 def test_commands_down_a_nodes_queue_are_sealed_with_its_credential(nodes, monkeypatch):
     """The control plane signs Launch, Stop and calibration requests with the node's credential,
     derived from its master key and the node's salt (the database keeps no credential)."""
-    from jobs import dispatch
+    from jobs.core import dispatch
     from trainyard.launch import NODE_LAUNCH_TASK, NODE_STOP_TASK
 
     monkeypatch.undo()  # the real send_stop, with Celery's send_task recorded instead of sent

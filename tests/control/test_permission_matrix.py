@@ -18,7 +18,7 @@ from django.contrib.auth.models import Group
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver, reverse
 
-from jobs.routing import websocket_urlpatterns
+from jobs.runs.routing import websocket_urlpatterns
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from jobs.planning import constants_for
+from jobs.planning.constants import constants_for
 from trainyard.plan import DEFAULT_CPU, DEFAULT_GPU
 from tests import postgres
 

@@ -10,8 +10,9 @@ import pytest
 import redis
 from django.test import Client
 
-from jobs import prometheus, services
-from jobs.prometheus import Exposition
+from jobs.telemetry import prometheus
+from jobs import services
+from jobs.telemetry.prometheus import Exposition
 from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, attempt_stream
 from tests.conftest import free_port
 

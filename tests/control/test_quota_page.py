@@ -8,7 +8,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from jobs import services, views
+from jobs import services
+from jobs.runs import views
 from jobs.models import Job, Node
 
 from .test_services import start, submit

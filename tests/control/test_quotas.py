@@ -4,6 +4,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from jobs.attempts import selectors
 from jobs import services
 from jobs.models import Attempt, Job, JobEvent, Node, Quota, QuotaChange
 
@@ -107,7 +108,7 @@ def test_drain_bad_input(staff, nodes, client_for):
 
 def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, client_for, sent, monkeypatch,
                                                          django_capture_on_commit_callbacks):
-    from jobs import dispatch
+    from jobs.core import dispatch
 
     asked = []
     monkeypatch.setattr(dispatch, "request_preempt", lambda a, reason, grace: asked.append((a, reason)))
@@ -133,7 +134,7 @@ def test_drain_preempt_checkpoints_running_attempts_away(user, staff, nodes, cli
 
 def test_preemption_grace_expiry_stops_the_processes(user, nodes, sent, monkeypatch, settings,
                                                      django_capture_on_commit_callbacks):
-    from jobs import dispatch, selectors
+    from jobs.core import dispatch
 
     monkeypatch.setattr(dispatch, "request_preempt", lambda *a: None)
     monkeypatch.setattr(selectors, "relay_alive", lambda: True)
@@ -152,7 +153,7 @@ def test_preemption_grace_expiry_stops_the_processes(user, nodes, sent, monkeypa
 
 
 def test_job_finishing_during_its_grace_period_succeeds(user, nodes, monkeypatch):
-    from jobs import dispatch
+    from jobs.core import dispatch
 
     monkeypatch.setattr(dispatch, "request_preempt", lambda *a: None)
     job = submit(user)

@@ -6,7 +6,7 @@ import redis
 
 from jobs import services
 from jobs.models import MetricSample
-from jobs.telemetry import Relay
+from jobs.telemetry.relay import Relay
 from trainyard.keys import RELAY_GROUP, RELAY_STATS_KEY, job_log_dir, attempt_stream, job_log_key, rank_log_path
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db(transaction=True)]

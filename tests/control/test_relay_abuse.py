@@ -7,7 +7,8 @@ import json
 import pytest
 import redis
 
-from jobs import prometheus, services
+from jobs.telemetry import prometheus
+from jobs import services
 from jobs.models import Checkpoint, JobEvent, MetricSample
 from trainyard.keys import DEADLETTER_STREAM, RELAY_GROUP, RELAY_STATS_KEY, attempt_stream
 

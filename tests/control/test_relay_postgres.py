@@ -24,7 +24,8 @@ import json
 import django
 django.setup()
 from django.contrib.auth import get_user_model
-from jobs import dispatch, services
+from jobs import services
+from jobs.core import dispatch
 dispatch.send_launch = lambda *a, **k: None
 dispatch.request_tick = lambda *a, **k: None
 dispatch.publish = lambda *a, **k: None

@@ -2,7 +2,8 @@
 quota changes taking effect at the next tick, ETAs, the predictor at submit."""
 import pytest
 
-from jobs import dispatch, services
+from jobs.core import dispatch
+from jobs import services
 from jobs.models import Attempt, Job, JobEvent, Quota
 
 from .test_services import start, submit

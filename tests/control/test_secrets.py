@@ -12,7 +12,8 @@ from django.db import connection
 from django.test import Client
 from rest_framework.test import APIClient
 
-from jobs import dispatch, tokens
+from jobs.core import dispatch
+from jobs.access import tokens
 from jobs.models import ApiToken
 
 REAL_PUBLISH = dispatch.publish  # tests/control/conftest.py records publishes instead; these need them sent

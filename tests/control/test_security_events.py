@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from jobs import prometheus, services
+from jobs.fleet.services import identity
+from jobs.telemetry import prometheus
+from jobs import services
 from jobs.models import NodeJoinRequest, SecurityEvent
 from trainyard.launch import RANKS_TASK
 
@@ -20,12 +22,12 @@ def test_ten_thousand_made_up_names_leave_a_bounded_table_and_every_count(settin
     overflow row, `trainyard_security_events_total` counts all 10,000, and a registered node's own
     refusals still get their row after the flood."""
     settings.TRAINYARD_SECURITY_EVENT_SOURCES_MAX = 20
-    monkeypatch.setattr(services.identity, "_full_seen_at", services.identity._full_seen_at)  # restored after
+    monkeypatch.setattr(identity, "_full_seen_at", identity._full_seen_at)  # restored after
     for i in range(10_000):
         envelope = {"node": f"made-up-{i}", "task": RANKS_TASK, "ts": time.time(), "body": {}, "sig": "0" * 64}
         assert services.report_open(envelope, task=RANKS_TASK) is None
     assert SecurityEvent.objects.filter(kind="unknown_node").count() == 21
-    other = SecurityEvent.objects.get(kind="unknown_node", node=services.identity.OTHER_SOURCES)
+    other = SecurityEvent.objects.get(kind="unknown_node", node=identity.OTHER_SOURCES)
     assert other.count == 10_000 - 20 and "made-up-9999" in other.detail
     assert metric("trainyard_security_events_total", kind="unknown_node") == 10_000
     services.security_event("bad_signature", "node-a", "a registered node's own refusal")

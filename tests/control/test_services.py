@@ -7,7 +7,7 @@ from django.db import connections
 from django.utils import timezone
 
 from jobs import services
-from jobs.errors import TransitionError
+from jobs.core.errors import TransitionError
 from jobs.models import Allocation, Job, JobEvent, MetricSample, Node
 from trainyard.spec import SpecError
 from tests.nodes import node_up

@@ -9,7 +9,9 @@ import tracemalloc
 import pytest
 from django.db import connection
 
-from jobs import payloads, services
+from jobs.runs import payloads as runs_payloads
+from jobs.telemetry import payloads as telemetry_payloads
+from jobs import services
 from jobs.models import MetricSample
 
 pytestmark = pytest.mark.django_db
@@ -39,8 +41,8 @@ def test_the_snapshot_is_bounded_in_rows_queries_and_memory(long_job, django_ass
     t0 = time.monotonic()
     try:
         with django_assert_max_num_queries(3):  # the lineage's attempts, the count, the picked rows
-            payloads.metric_window(job.pk, max_points=4000)
-        snap = payloads.job_snapshot(job.pk, max_points=4000)
+            telemetry_payloads.metric_window(job.pk, max_points=4000)
+        snap = runs_payloads.job_snapshot(job.pk, max_points=4000)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -62,7 +64,7 @@ def test_the_snapshot_is_bounded_in_rows_queries_and_memory(long_job, django_ass
 def test_a_catch_up_window_is_bounded_too(long_job):
     job, steps = long_job
     from_step = steps[len(steps) // 2]
-    window, downsampled = payloads.metric_window(job.pk, from_step=from_step, max_points=1000)
+    window, downsampled = telemetry_payloads.metric_window(job.pk, from_step=from_step, max_points=1000)
     assert downsampled and 500 <= len(window) <= 1000
     assert min(s["step"] for s in window) == from_step and max(s["step"] for s in window) == steps[-1]
 
@@ -73,5 +75,5 @@ def test_a_short_job_is_sent_whole(user, nodes):
     attempt = job.attempts.get()
     MetricSample.objects.bulk_create(MetricSample(job=job, attempt=attempt, rank=r, step=s, ts=1.0)
                                      for s in range(100) for r in range(2))
-    window, downsampled = payloads.metric_window(job.pk, max_points=4000)
+    window, downsampled = telemetry_payloads.metric_window(job.pk, max_points=4000)
     assert not downsampled and len(window) == 200

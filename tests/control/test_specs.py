@@ -103,7 +103,7 @@ def test_impossible_combinations_are_refused_at_submit_naming_the_field(spec, fi
 
 
 def test_the_stored_plan_describes_the_mesh_and_every_rank():
-    from jobs.policy import planner
+    from jobs.planning.policy import planner
     from trainyard.mesh import stage_layers
 
     spec = parse_job_spec({"name": "x", "parallel": {"dp": 2, "pp": 2, "microbatches": 4},

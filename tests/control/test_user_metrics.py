@@ -6,9 +6,11 @@ import math
 
 import pytest
 
-from jobs import payloads, services
+from jobs.runs import payloads as runs_payloads
+from jobs.telemetry import payloads as telemetry_payloads
+from jobs import services
 from jobs.models import MetricSample
-from jobs.services.ingest import MAX_USER_METRICS, user_metrics
+from jobs.telemetry.ingest import MAX_USER_METRICS, user_metrics
 
 pytestmark = pytest.mark.django_db
 
@@ -62,7 +64,7 @@ def test_ingest_stores_them_and_never_fails_the_batch(running, caplog, client_fo
     api = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
     assert [(r["rank"], r["step"], r["metrics"]) for r in api[:4]] == [
         (0, 1, {"acc": 0.25}), (1, 1, {"acc": 0.5, "grad/norm": 3.0}), (0, 2, None), (1, 2, None)]
-    window, _ = payloads.metric_window(job.pk)
+    window, _ = telemetry_payloads.metric_window(job.pk)
     assert window[1]["metrics"] == {"acc": 0.5, "grad/norm": 3.0} and "extra" not in window[1]
 
 
@@ -75,5 +77,5 @@ def test_has_telemetry_is_decided_from_the_samples(running, user, client_for):
     assert c.get(f"/api/v1/jobs/{job.pk}/").json()["has_telemetry"] is True
     listed = {j["id"]: j["has_telemetry"] for j in c.get("/api/v1/jobs/").json()["results"]}
     assert listed == {job.pk: True, silent.pk: False}
-    snapshot = payloads.job_snapshot(silent.pk)
+    snapshot = runs_payloads.job_snapshot(silent.pk)
     assert snapshot["job"]["has_telemetry"] is False

@@ -147,10 +147,10 @@ class Cluster:
 
     def launch_payloads(self, attempt_id: int) -> dict[str, dict]:
         """node -> the Launch the control plane sends for this attempt (its sealed secrets included),
-        from the database, as jobs.services.scheduling.launch_resend builds it."""
+        from the database, as jobs.attempts.services.launch.launch_resend builds it."""
         code = ("import json, django; django.setup()\n"
                 "from jobs.models import Attempt\n"
-                "from jobs.services.scheduling import launch_payload\n"
+                "from jobs.attempts.services.launch import launch_payload\n"
                 f"a = Attempt.objects.select_related('job').get(pk={int(attempt_id)})\n"
                 "allocs = list(a.allocations.select_related('node').order_by('node_rank'))\n"
                 "print(json.dumps({x.node.name: launch_payload(a.job, a, x, rdzv_host=allocs[0].node.address, "

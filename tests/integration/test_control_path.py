@@ -75,7 +75,7 @@ def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
     seen |= torchruns()
     app = Celery(broker=cluster.redis.url)
     payloads = cluster.launch_payloads(attempt["id"])  # the launches as the control plane sent them
-    def sealed(name: str) -> dict:  # as the control plane seals a command (jobs.dispatch.sealed)
+    def sealed(name: str) -> dict:  # as the control plane seals a command (jobs.core.dispatch.sealed)
         credential = (cluster.dir / "credentials" / name).read_text().strip()
         return nodeauth.seal(credential, name, NODE_LAUNCH_TASK, payloads[name], time.time())
 

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from jobs.policy.profiling import COMM, ENTER, LEAVE, MIN_GAIN
+from jobs.attempts.policy.profiling import COMM, ENTER, LEAVE, MIN_GAIN
 
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]

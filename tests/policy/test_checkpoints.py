@@ -1,6 +1,6 @@
 """Retention, resume point and rollback over checkpoint states (pure)."""
-from jobs.policy.checkpoints import CheckpointState as C
-from jobs.policy.checkpoints import resume_point, retention, rollback_supersedes
+from jobs.attempts.policy.checkpoints import CheckpointState as C
+from jobs.attempts.policy.checkpoints import resume_point, retention, rollback_supersedes
 
 
 def line(*steps):

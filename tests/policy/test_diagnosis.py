@@ -1,7 +1,7 @@
 """Table-driven tests of failure classification."""
 import pytest
 
-from jobs.policy.diagnosis import diagnose
+from jobs.attempts.policy.diagnosis import diagnose
 
 
 def rep(node, *failures, exit_code=1, signal=None):
@@ -54,7 +54,7 @@ def test_rendezvous_timeout_excludes_the_node_that_never_joined():
 
 # ---------------------------------------------------------------- hangs
 
-from jobs.policy.diagnosis import STARTUP_GRACE_S, hang_check, hang_timeout, stragglers  # noqa: E402
+from jobs.attempts.policy.diagnosis import STARTUP_GRACE_S, hang_check, hang_timeout, stragglers  # noqa: E402
 
 HANG_CASES = [
     # desc, spec, recent step_s, floor, expected (timeout, source)

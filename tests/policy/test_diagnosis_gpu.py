@@ -3,7 +3,7 @@ print: OOM before comm (an NCCL error that wraps a CUDA OOM is an OOM), and a ra
 watchdog or an asynchronous CUDA error aborted (SIGABRT, no error file) classified from its log tail."""
 import pytest
 
-from jobs.policy.diagnosis import NODE_FAULT_CLASSES, diagnose
+from jobs.attempts.policy.diagnosis import NODE_FAULT_CLASSES, diagnose
 
 ASYNC = ("CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
          "might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"

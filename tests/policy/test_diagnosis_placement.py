@@ -4,7 +4,7 @@ Table-driven with the texts torch 2.x raises (the first two captured from this C
 2.13, and checked live below)."""
 import pytest
 
-from jobs.policy.diagnosis import NODE_FAULT_CLASSES, diagnose
+from jobs.attempts.policy.diagnosis import NODE_FAULT_CLASSES, diagnose
 
 TB = ('Traceback (most recent call last):\n  File "/srv/trainyard/trainyard/sdk/run.py", line 88, in init\n'
       '    torch.cuda.set_device(local_rank)\n')

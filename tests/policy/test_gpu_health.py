@@ -1,7 +1,7 @@
 """jobs/policy/gpu_health.py: which GPU faults an agent reported count against its node."""
 from __future__ import annotations
 
-from jobs.policy.gpu_health import GpuFault, gpu_faults, quarantine_due
+from jobs.fleet.policy.gpu_health import GpuFault, gpu_faults, quarantine_due
 
 
 def gpu(index, *, xids=(), ecc=0, uuid="GPU-x"):

@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from jobs.policy import knowledge
-from jobs.policy.predictor import (
-    STARTUP_S, JobShape, MeasuredStep, PastRun, estimate_step_s, predict)
+from jobs.planning.policy import knowledge
+from jobs.planning.policy.predictor import STARTUP_S, JobShape, MeasuredStep, PastRun, estimate_step_s, predict
 from trainyard.mesh import param_count
 
 SPEC = {"model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 256},

@@ -3,9 +3,9 @@ advertises enough GPUs (of enough memory), one slot per GPU; `resources.labels` 
 node's labels; a job no node can serve waits with the reason. Pure policy, table-driven."""
 import pytest
 
-from jobs.policy.scheduling import ClusterView, NodeState, QueuedJob, predict_starts, schedule
-from jobs.policy.devices import summarize_devices
-from jobs.policy.scheduling.eligibility import node_slots, unservable_reason
+from jobs.scheduling.policy import ClusterView, NodeState, QueuedJob, predict_starts, schedule
+from jobs.fleet.policy.devices import summarize_devices
+from jobs.scheduling.policy.eligibility import node_slots, unservable_reason
 
 GB = 10**9
 
@@ -113,7 +113,7 @@ def test_pool_counts_agree_with_a_plain_exclusion_set_as_slots_come_and_go():
     to 1.3 s) must count what the same exclusion as a plain set counts."""
     import random
 
-    from jobs.policy.scheduling.placement import FreeSlots, PoolExclusion
+    from jobs.scheduling.policy.placement import FreeSlots, PoolExclusion
 
     rng = random.Random(7)
     nodes = [gpu(f"g{i}", rng.choice([1, 2, 4]), ok=rng.random() > 0.2) if i % 2 else cpu(f"c{i}", rng.choice([2, 8]))

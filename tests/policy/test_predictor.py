@@ -1,8 +1,7 @@
 """Table-driven tests of run-time prediction."""
 import pytest
 
-from jobs.policy.predictor import (
-    STARTUP_S, JobShape, PastRun, TraceHistory, estimate_step_s, parameters, predict, shape_from_spec)
+from jobs.planning.policy.predictor import STARTUP_S, JobShape, PastRun, TraceHistory, estimate_step_s, parameters, predict, shape_from_spec
 
 DEMO = JobShape(user="ann", team="nlp", nodes=2, procs_per_node=1, steps=200)
 

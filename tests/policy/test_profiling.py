@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.policy import profiling as prof
+from jobs.attempts.policy import profiling as prof
 from trainyard.spec import SpecError, parse_job_spec
 
 

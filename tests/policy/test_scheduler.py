@@ -1,7 +1,7 @@
 """Table-driven tests of the pure scheduler."""
 import pytest
 
-from jobs.policy.scheduling import NodeState, QueuedJob, fits_cluster, schedule
+from jobs.scheduling.policy import NodeState, QueuedJob, fits_cluster, schedule
 
 
 def n(name, slots=2, used=(), ok=True):
@@ -58,7 +58,7 @@ def test_fits_cluster(nodes_needed, ppn, expected):
 
 
 def test_restart_avoids_implicated_node_when_it_can():
-    from jobs.policy.scheduling import NodeState, QueuedJob, schedule
+    from jobs.scheduling.policy import NodeState, QueuedJob, schedule
 
     nodes = [NodeState("a", "127.0.0.1", 2, frozenset()), NodeState("b", "127.0.0.2", 2, frozenset()),
              NodeState("c", "127.0.0.3", 2, frozenset())]
@@ -77,9 +77,8 @@ def test_restart_avoids_implicated_node_when_it_can():
 
 import random  # noqa: E402
 
-from jobs.policy import scheduling as S  # noqa: E402
-from jobs.policy.scheduling import (  # noqa: E402
-    ClusterView, Quotas, RunningJob, eta_changes, predict_starts, queue_order, running_borrowing, team_usage)
+from jobs.scheduling import policy as S  # noqa: E402
+from jobs.scheduling.policy import ClusterView, Quotas, RunningJob, eta_changes, predict_starts, queue_order, running_borrowing, team_usage  # noqa: E402
 
 NOW = 10_000.0
 

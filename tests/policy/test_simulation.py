@@ -6,8 +6,8 @@ import math
 import pytest
 from django.core.management import CommandError, call_command
 
-from jobs.policy.fairshare import UsageMeter, decayed_slot_seconds, decayed_usage
-from jobs.simulation import SimConfig, TraceError, TraceJob, gang_shape, read_quotas, read_trace, simulate
+from jobs.scheduling.policy.fairshare import UsageMeter, decayed_slot_seconds, decayed_usage
+from jobs.scheduling.simulation import SimConfig, TraceError, TraceJob, gang_shape, read_quotas, read_trace, simulate
 
 HEADER = "job_id,submit_s,user,team,slots,duration_s,estimate_s,priority"
 

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from jobs.policy import planner
-from jobs.policy.diagnosis import STARTUP_GRACE_S, hang_armed, hang_check
-from jobs.policy.predictor import STARTUP_S, JobShape, PastRun, predict, shape_from_spec
+from jobs.planning.policy import planner
+from jobs.attempts.policy.diagnosis import STARTUP_GRACE_S, hang_armed, hang_check
+from jobs.planning.policy.predictor import STARTUP_S, JobShape, PastRun, predict, shape_from_spec
 from trainyard.spec import parse_job_spec
 
 BUNDLE = "sha256:" + "cd" * 32

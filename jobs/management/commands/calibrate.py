@@ -5,8 +5,8 @@ import sys
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.errors import InvalidInput
-from jobs.services.calibration import calibration_store
+from jobs.core.errors import InvalidInput
+from jobs.planning.services.calibration import calibration_store
 from trainyard.calibration import HarnessFailed, run_harness
 
 

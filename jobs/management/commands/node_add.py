@@ -3,7 +3,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 
 from jobs import services
-from jobs.errors import InvalidInput
+from jobs.core.errors import InvalidInput
 from trainyard.private import private_dir, write_private
 
 

@@ -6,7 +6,7 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.planning import constants_for
+from jobs.planning.constants import constants_for
 from trainyard.plan import PlanInputError, parse_plan_request, plan
 
 

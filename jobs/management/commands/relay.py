@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand
 
-from jobs.keptlogs import default_keeper
-from jobs.telemetry import Relay
+from jobs.telemetry.keptlogs import default_keeper
+from jobs.telemetry.relay import Relay
 
 
 class Command(BaseCommand):

@@ -2,8 +2,8 @@ import json
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.policy.scheduling import POLICIES
-from jobs.simulation import SimConfig, TraceError, read_quotas, read_trace, simulate
+from jobs.scheduling.policy import POLICIES
+from jobs.scheduling.simulation import SimConfig, TraceError, read_quotas, read_trace, simulate
 
 
 class Command(BaseCommand):

@@ -1,0 +1,45 @@
+"""Reads about attempts: their recent samples (hang, straggler and profile checks), their ranks, and whether the relay is alive.
+"""
+from __future__ import annotations
+from trainyard import keys
+from jobs.models import Allocation, MetricSample
+
+
+def relay_alive() -> bool:
+    """The relay refreshes this key (10 s expiry) every second while it runs."""
+    import redis
+    from django.conf import settings
+
+    try:
+        return bool(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+                    .exists(keys.RELAY_ALIVE_KEY))
+    except redis.RedisError:
+        return False
+
+
+STRAGGLER_WINDOW_STEPS = 20
+
+
+def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
+    """The attempt's samples of its last STRAGGLER_WINDOW_STEPS steps, every rank (the window
+    of the hang, straggler and profiling checks)."""
+    return list(MetricSample.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
+                .values("rank", "step", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
+
+
+def attempt_rank_rows(attempt) -> list[dict]:
+    """Every rank of an attempt (allocations prefetched with their nodes): rank, node, pid and,
+    once the runtime reported it, its place in the parallel plan (coords, role, bytes held)."""
+    plans = attempt.rank_plans or {}
+    out = []
+    for alloc in attempt.allocations.all():
+        for r in alloc.ranks:
+            row = {"rank": r["rank"], "node": alloc.node.name, "pid": r.get("pid")}
+            row.update(plans.get(str(r["rank"]), {}))
+            out.append(row)
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def attempt_rank_nodes(attempt_id: int) -> dict[int, str]:
+    return {r["rank"]: a.node.name for a in Allocation.objects.filter(attempt_id=attempt_id).select_related("node")
+            for r in a.ranks}

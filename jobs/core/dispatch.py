@@ -1,0 +1,191 @@
+"""Outbound side effects of services: Celery sends to node queues and the control queue.
+Services call these only from transaction.on_commit, so a rolled-back decision sends nothing.
+
+Sends go by task name (trainyard.launch) through the control plane's own Celery app, with the
+typed message models' JSON, so the control plane never imports the node agents' code."""
+from __future__ import annotations
+
+import logging
+
+from trainyard.keys import CONTROL_BEAT_QUEUE, node_queue, preempt_key
+from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
+                              CalibrateRequest, PreemptRequest, Stop)
+
+from jobs.core.celery_app import app
+
+log = logging.getLogger(__name__)
+
+
+def sealed(node: str, task: str, body: dict) -> dict:
+    """A command for `node`, sealed with its credential (trainyard.nodeauth: HMAC of the master key
+    and the node's salt, so the database alone signs nothing): the agent runs only what verifies.
+    A node without a credential (never registered) gets an unsigned envelope, which it refuses."""
+    import time
+
+    from django.conf import settings
+
+    from trainyard import nodeauth
+
+    from jobs.models import Node
+
+    salt = Node.objects.filter(name=node).values_list("credential_salt", flat=True).first()
+    credential = (nodeauth.derive_credential(settings.TRAINYARD_NODE_KEY.encode(), node, salt)
+                  if salt else None)
+    return nodeauth.seal(credential, node, task, body, time.time())
+
+
+def send_launch(node: str, payload: dict) -> None:
+    """Send a Launch message's JSON (built by the services) to the node's queue, sealed."""
+    app.send_task(NODE_LAUNCH_TASK, args=[sealed(node, NODE_LAUNCH_TASK, payload)], queue=node_queue(node))
+
+
+def send_stop(node: str, job_id: int, attempt_id: int, reason: str) -> None:
+    stop = Stop(job_id=job_id, attempt_id=attempt_id, reason=reason)
+    app.send_task(NODE_STOP_TASK, args=[sealed(node, NODE_STOP_TASK, stop.model_dump(mode="json"))],
+                  queue=node_queue(node))
+
+
+def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
+    req = CalibrateRequest(quick=quick, requested_by=requested_by)
+    app.send_task(NODE_CALIBRATE_TASK, args=[sealed(node, NODE_CALIBRATE_TASK, req.model_dump(mode="json"))],
+                  queue=node_queue(node))
+
+
+def request_tick() -> None:
+    # control.beat: a schedule tick on `control` (which nodes may write) is refused (jobs.tasks.BeatTask).
+    app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_BEAT_QUEUE, expires=10)
+
+
+def publish(group: str, message: dict) -> None:
+    """Fan a message out to a Channels group (job.<id>, cluster). Best effort: a browser missing
+    a live message is repaired by its next snapshot; a control-plane write must never fail on it."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    try:
+        async_to_sync(get_channel_layer().group_send)(group, message)
+    except Exception as exc:  # Redis briefly away: the state is in the database
+        log.warning("publish to %s failed: %s", group, exc)
+
+
+def publish_cluster_changed(what: str) -> None:
+    publish("cluster", {"type": "cluster.changed", "what": what})
+
+
+FENCE_TTL_S = 30 * 86400  # a node may come back from a partition days later
+
+
+def fence(attempt_id: int, reason: str) -> None:
+    """Tell an attempt's ranks, wherever they still run, to exit at once: no checkpoint, no more
+    telemetry (the preemption key with `fenced`; trainyard/sdk/reporter.py). Best effort: the
+    relay and checkpoint_register refuse a fenced attempt's later data anyway."""
+    import json
+
+    import redis
+    from django.conf import settings
+
+    request = PreemptRequest(reason=reason, grace_s=0.0, fenced=True)
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(
+            preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=FENCE_TTL_S)
+    except redis.RedisError as exc:
+        log.warning("could not set the fence of attempt %s in Redis: %s", attempt_id, exc)
+
+
+def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
+    """Ask an attempt's ranks to checkpoint and exit (trainyard/sdk/preempt.py). Best effort: if
+    Redis is away the grace period ends in a stop anyway."""
+    import json
+
+    import redis
+    from django.conf import settings
+
+    request = PreemptRequest(reason=reason, grace_s=grace_s)
+    try:
+        redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5).set(
+            preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=int(max(600, 4 * grace_s)))
+    except redis.RedisError as exc:
+        log.warning("could not request preemption of attempt %s: %s", attempt_id, exc)
+
+
+# ---------------------------------------------------------------- the attempts' own Redis users
+
+def _redis():
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+
+
+def _acl_save(client) -> None:
+    """Persist the ACL (a Redis restart keeps the attempts' users). A server without an ACL file, or
+    one that may not rewrite it (docs/deploy.md installs it read-only for Redis), keeps them only in
+    memory; services.busaccess re-creates missing ones every few seconds (after a restart or an
+    operator's ACL LOAD), with the same derived passwords."""
+    import redis
+
+    try:
+        client.execute_command("ACL", "SAVE")
+    except redis.ResponseError as exc:
+        global _acl_save_warned
+        if not _acl_save_warned:
+            _acl_save_warned = True
+            log.warning("ACL SAVE failed (%s): the attempts' Redis users live in memory and are re-created "
+                        "by the nodes check after a Redis restart", exc)
+
+
+_acl_save_warned = False
+
+
+def bus_user_grant(attempt_id: int, job_id: int, password: str, *, fenced: bool = False) -> None:
+    """Create (or reset) an attempt's Redis user: XADD to its stream, GET its preemption key.
+    `fenced`: only the GET, so ranks behind a partition read their fence and exit, and write nothing."""
+    import hashlib
+
+    import redis
+
+    from trainyard import keys, redis_acl
+
+    rule = redis_acl.attempt_rule(attempt_id, stream=keys.attempt_stream(job_id, attempt_id),
+                                  preempt_key=preempt_key(attempt_id),
+                                  password_sha=hashlib.sha256(password.encode()).hexdigest())
+    if fenced:
+        rule += ["resetkeys", f"%R~{preempt_key(attempt_id)}", "-xadd"]
+    try:
+        client = _redis()
+        client.execute_command("ACL", "SETUSER", redis_acl.attempt_user(attempt_id), *rule)
+        _acl_save(client)
+    except redis.RedisError as exc:  # the periodic check grants it again
+        log.warning("could not create the Redis user of attempt %s: %s", attempt_id, exc)
+
+
+def bus_user_revoke(attempt_ids: list[int]) -> None:
+    """Delete attempts' Redis users (Redis disconnects their clients)."""
+    import redis
+
+    from trainyard import redis_acl
+
+    if not attempt_ids:
+        return
+    try:
+        client = _redis()
+        client.execute_command("ACL", "DELUSER", *(redis_acl.attempt_user(a) for a in attempt_ids))
+        _acl_save(client)
+    except redis.RedisError as exc:
+        log.warning("could not delete the Redis users of attempts %s: %s", attempt_ids, exc)
+
+
+def bus_users() -> set[int] | None:
+    """The attempts whose Redis users exist; None when Redis is away."""
+    import redis
+
+    from trainyard import redis_acl
+
+    prefix = redis_acl.ATTEMPT_USER_PREFIX
+    try:
+        names = _redis().execute_command("ACL", "USERS")
+    except redis.RedisError as exc:
+        log.warning("could not list the attempts' Redis users: %s", exc)
+        return None
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    return {int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}

@@ -1,0 +1,204 @@
+"""Planning a JobSpec on this cluster: `parallel: auto` at submit, and the submit page's live
+preview (POST /api/v1/plan/ with {"spec": ...}), which plan alike so the preview is what a submit
+gets.
+
+The request is the spec's built-in GPT on its resources (trainyard/plan/job.py), with the device
+facts of this cluster: a CUDA job gets the name and memory the nodes' agents report for their
+GPUs; a CPU job a slot's share of a node's memory (TRAINYARD_CPU_DEVICE_MEMORY_GB) and the peak the
+newest calibration measured. The constants are the newest calibration of that device type, else
+the defaults (jobs/planning.py constants_for). The search is restricted to what the runtime runs.
+
+At submit, the best plan is written into the stored spec (its `parallel` section and, for pp = 1,
+`train.grad_accum`; for pp > 1 `parallel.microbatches`) so that restarts, rollbacks and the runtime
+see a concrete plan, and the job's `plan.auto` keeps what the page shows: the chosen plan with its
+predicted step time, memory and TFLOP/s, and the runners-up with why each lost. An MLP is not
+searched (the cost model is a transformer's): it runs data parallel over every process, as before.
+"""
+from __future__ import annotations
+
+import statistics
+
+from django.conf import settings
+
+from trainyard.spec import SpecError, parse_job_spec
+
+from jobs.planning import selectors as planning_selectors
+from jobs.models import Node
+from jobs.planning.policy import knowledge
+from jobs.planning.constants import constants_for, peak_for
+from trainyard.plan.inputs import PlanInputError
+from trainyard.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
+
+RUNNERS_UP = 3
+# The knowledge base's correction of the model: the median of measured / predicted over the nearest
+# records that had a prediction, bounded (a handful of odd runs must not turn the model upside down).
+KNOWLEDGE_RECORDS = 5
+SCALE_BOUNDS = (0.2, 5.0)
+
+
+def device_facts(kind: str) -> dict:
+    """What the planner needs to know of one device of `kind` on this cluster that the spec does
+    not say: {name, memory_gb[, peak_tflops]}."""
+    facts = {"name": "cuda", "memory_gb": float(KIND_DEFAULTS["cuda"]["memory_gb"])} if kind == "cuda" else {
+        "name": "cpu", "memory_gb": float(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB)}
+    if kind == "cuda":
+        for devices in Node.objects.exclude(status=Node.Status.LOST).values_list("devices", flat=True):
+            gpu = next((d for d in devices or () if d.get("kind") == "cuda" and d.get("memory_bytes")), None)
+            if gpu:
+                facts = {"name": str(gpu.get("name") or "cuda"), "memory_gb": gpu["memory_bytes"] / 1e9}
+                break
+    peak = peak_for(facts["name"])  # the calibrated efficiencies are relative to the calibrated peak
+    if peak:
+        facts["peak_tflops"] = peak
+    return facts
+
+
+def label(p: dict) -> str:
+    """A plan in a few words: "dp 2 · tp 1 · pp 1 · micro-batch 8 · fsdp"."""
+    bits = [f"dp {p['dp']}", f"tp {p['tp']}", f"pp {p['pp']}", f"micro-batch {p['micro_batch']}"]
+    bits += ["fsdp"] if p.get("fsdp") else []
+    bits += ["ZeRO-1"] if p.get("shard_optimizer") else []
+    bits += [f"recompute {p['recompute']}"] if p.get("recompute", "none") != "none" else []
+    bits += [p["schedule"]] if p["pp"] > 1 else []
+    return " · ".join(bits)
+
+
+def _runners_up(plans: list[dict], rejected: list[dict], memory_gb: float) -> list[dict]:
+    best = plans[0]
+    out = [{"label": label(p), "step_time_s": p["step_time_s"],
+            "why": f"slower by {(p['step_time_s'] / best['step_time_s'] - 1) * 100:.1f}% "
+                   f"({p['step_time_s']:.4g} s vs {best['step_time_s']:.4g} s a step)"}
+           for p in plans[1:1 + RUNNERS_UP]]
+    if rejected:
+        miss = min(rejected, key=lambda r: r["memory_gb_per_device"])
+        out.append({"label": label(miss), "step_time_s": None, "why": _shortfall(miss, memory_gb)})
+    return out
+
+
+def _shortfall(miss: dict, memory_gb: float) -> str:
+    need = miss["memory_gb_per_device"]
+    return (f"does not fit: needs {need:.3g} GB per device, {need - memory_gb:.3g} GB more than the "
+            f"{memory_gb:.3g} GB a device has")
+
+
+def plan_spec(stored: dict) -> dict:
+    """The planner's document for a validated spec's JSON (built-in GPT): its plans and rejected
+    count, the runners-up, the constants' source, and when nothing fits the smallest shortfall.
+    With an explicit `parallel` section, `spec_plan` is the planner's view of that very plan."""
+    kind = stored["resources"]["device"]
+    facts = device_facts(kind)
+    constants = constants_for(facts["name"])
+    doc = plan_for_job(stored, constants, device=facts)
+    learned = prefer_measured(doc["plans"], stored, facts["name"])
+    plans, rejected = doc["plans"], doc["rejected"]
+    memory_gb = facts["memory_gb"]
+    out = {"plans": plans, "rejected": rejected[:20], "rejected_count": len(rejected),
+           "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None,
+           "knowledge": learned}
+    if plans:
+        out["runners_up"] = _runners_up(plans, rejected, memory_gb)
+    elif rejected:
+        miss = min(rejected, key=lambda r: r["memory_gb_per_device"])
+        out["shortfall"] = f"fits nowhere on this cluster: the closest plan ({label(miss)}) {_shortfall(miss, memory_gb)}"
+    else:
+        out["shortfall"] = "no plan of the runtime's strategies splits this model over these processes"
+    par = stored.get("parallel")
+    if isinstance(par, dict):
+        out["spec_plan"] = _spec_plan(stored, par, plans)
+    return out
+
+
+def _spec_plan(stored: dict, par: dict, plans: list[dict]) -> dict | None:
+    """The plan among `plans` that is the spec's own parallel section, if the planner found it."""
+    gb, accum = stored["train"]["global_batch"], stored["train"].get("grad_accum", 1)
+    res = stored["resources"]
+    dp = par.get("dp") or res["nodes"] * res["procs_per_node"] // (par.get("tp", 1) * par.get("pp", 1))
+    m = par.get("microbatches", 1) if par.get("pp", 1) > 1 else accum
+    want = {"dp": dp, "tp": par.get("tp", 1), "pp": par.get("pp", 1), "fsdp": bool(par.get("fsdp")),
+            "shard_optimizer": bool(par.get("shard_optimizer")), "recompute": par.get("recompute", "none"),
+            "micro_batch": gb // dp // max(1, m)}
+    if want["pp"] > 1:
+        want["schedule"] = par.get("schedule", "1f1b")
+    return next((p for p in plans if all(p.get(k) == v for k, v in want.items())), None)
+
+
+def resolve_auto(stored: dict) -> tuple[dict, dict]:
+    """(the stored spec with the best plan written into it, the `auto` section of the job's plan).
+    SpecError naming the smallest shortfall when no plan fits."""
+    try:
+        doc = plan_spec({**stored, "parallel": "auto"})
+    except PlanInputError as exc:  # a shape the planner cannot split (the spec's rules allowed it)
+        raise SpecError({f"model.{k.split('.', 1)[-1]}" if k.startswith("model") else "parallel": v
+                         for k, v in exc.errors.items()}) from exc
+    if not doc["plans"]:
+        raise SpecError({"parallel": [doc["shortfall"]]})
+    best = doc["plans"][0]
+    par, accum = spec_parallel(best, stored["train"]["global_batch"])
+    concrete = {**stored, "parallel": par, "train": {**stored["train"], "grad_accum": accum}}
+    # The planner's plan must be a valid spec like any other (its rules are the runtime's).
+    resolved = parse_job_spec(concrete, data_root=settings.TRAINYARD_DATA_ROOT).to_json()
+    flops = best["tflops_per_device"] * 1e12 * best["step_time_s"] * stored["resources"]["nodes"] \
+        * stored["resources"]["procs_per_node"]
+    auto = {"chosen": best, "runners_up": doc["runners_up"], "candidates": len(doc["plans"]),
+            "searched": len(doc["plans"]) + doc["rejected_count"], "constants_source": doc["constants_source"],
+            "device": doc["device"], "flops_per_step": flops, "knowledge": doc["knowledge"]}
+    return resolved, auto
+
+
+PREDICTED = ("step_time_s", "memory_gb_per_device", "tflops_per_device", "bubble_fraction")
+
+
+def predicted(p: dict, constants_source: str) -> dict:
+    """The figures of plan row `p` a job keeps as plan["planner"]."""
+    return {**{k: p[k] for k in PREDICTED}, "constants_source": constants_source}
+
+
+def predict_spec(stored: dict) -> dict | None:
+    """The planner's figures for the plan a concrete GPT spec runs (the job's plan["planner"];
+    the knowledge base compares them with what the attempt measured), None when the planner does
+    not find that plan among the runtime's (a shape it cannot split, or one that does not fit)."""
+    try:
+        doc = plan_spec(stored)
+    except PlanInputError:
+        return None
+    mine = doc.get("spec_plan")
+    if not mine:
+        return None
+    return predicted(mine, doc["constants_source"])
+
+
+def _same_plan(record, p: dict) -> bool:
+    keys = [k for k in knowledge.PLAN_FIELDS if k != "schedule" or p["pp"] > 1]
+    return all(getattr(record, k) == p.get(k) for k in keys)
+
+
+def prefer_measured(plans: list[dict], stored: dict, device_name: str) -> dict:
+    """The knowledge base over the model (issue 13 section 4), in place: a plan this cluster ran
+    for this very shape, batch and world takes the median step time it measured; every other plan
+    is the model's prediction scaled by how the model erred on the nearest measured runs. Plans
+    are re-sorted; each keeps `model_step_time_s` and says its `step_time_source`."""
+    m, res = stored["model"], stored["resources"]
+    shape = {**{k: m[k] for k in knowledge.SHAPE_FIELDS if k in m}, "global_batch": stored["train"]["global_batch"]}
+    cluster = {"nodes": res["nodes"], "procs_per_node": res["procs_per_node"], "device": {"name": device_name}}
+    near = planning_selectors.knowledge_nearest(shape, cluster, limit=50)
+    ratios = [r.step_time_s / r.predicted_step_time_s for r in near[:KNOWLEDGE_RECORDS]
+              if r.predicted_step_time_s and r.step_time_s]
+    scale = min(max(statistics.median(ratios), SCALE_BOUNDS[0]), SCALE_BOUNDS[1]) if ratios else 1.0
+    exact = [r for r in near if r.distance == 0 and r.heads == m.get("heads") and r.vocab == m.get("vocab")]
+    measured_plans = 0
+    for p in plans:
+        runs = [r.step_time_s for r in exact if _same_plan(r, p)]
+        model_s = p["step_time_s"]
+        p["model_step_time_s"] = model_s
+        if runs:
+            p["step_time_s"], p["step_time_source"], p["measured_runs"] = statistics.median(runs), "measured", len(runs)
+            p["explain"] += (f" Measured on this cluster: {p['step_time_s']:.4g} s a step over {len(runs)} "
+                             f"run{'s' if len(runs) > 1 else ''} (the model said {model_s:.4g} s).")
+            measured_plans += 1
+        else:
+            p["step_time_s"] = model_s * scale
+            p["step_time_source"] = "model" if scale == 1.0 else f"model x {scale:.2f} (nearest measured runs)"
+        p["tflops_per_device"] = round(p["tflops_per_device"] * model_s / p["step_time_s"], 4)
+    plans.sort(key=lambda p: p["step_time_s"])
+    return {"records": len(near), "scale": round(scale, 4), "scale_from": len(ratios),
+            "measured_plans": measured_plans}

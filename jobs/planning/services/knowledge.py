@@ -1,0 +1,85 @@
+"""The knowledge base's writes: one `KnowledgeRecord` per ended attempt with enough warm steps
+of telemetry (jobs/policy/knowledge.py decides what it says).
+
+Written where the attempt ends (services.attempts, whatever its outcome: a preempted or failed
+attempt measured its steps as well as a succeeded one) and refreshed when the relay commits
+samples of an attempt that has already ended (ingest: the last steps can reach the database
+after the nodes' exit reports). Idempotent: one row per attempt, recomputed from all its
+samples each time. A record is a by-product: failing to write one is logged and never fails
+the attempt's end or the telemetry batch.
+"""
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.db.models import Max, Sum
+
+from jobs.models import Attempt, KnowledgeRecord, MetricSample
+from jobs.planning.policy import knowledge
+
+log = logging.getLogger(__name__)
+
+# Steps of one attempt the median is taken over, the newest: a 100k-step attempt need not read
+# every sample to know its steady step time. Peak memory over them too (on CUDA each sample
+# already carries the peak so far; on CPU the resident size settles after the first steps).
+WINDOW_STEPS = 1000
+
+
+def device_name(attempt: Attempt, device: str) -> str:
+    """The device type the attempt ran on: "cpu", or the name its nodes reported for the CUDA
+    devices it was given (the most common one; "cuda" when none reported a name)."""
+    if device != "cuda":
+        return "cpu"
+    names: dict[str, int] = {}
+    for alloc in attempt.allocations.select_related("node"):
+        devs = [d for d in alloc.node.devices or [] if isinstance(d, dict) and d.get("kind") == "cuda" and d.get("name")]
+        used = [d for d in devs if d.get("index") in set(alloc.slot_ids or ())] or devs
+        for d in used:
+            names[str(d["name"])] = names.get(str(d["name"]), 0) + 1
+    return max(names, key=names.get) if names else "cuda"
+
+
+def attempt_steps(attempt: Attempt) -> list[dict]:
+    """Per step of the attempt's last WINDOW_STEPS: the slowest rank's step_s, the ranks'
+    tokens_per_s summed and their largest mem_bytes, aggregated in the database (one row per step
+    whatever the world size), in the shape jobs/policy/knowledge.measure takes samples."""
+    qs = MetricSample.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)  # the (job, step) index
+    if attempt.last_step > WINDOW_STEPS:
+        qs = qs.filter(step__gt=attempt.last_step - WINDOW_STEPS)
+    rows = qs.order_by("step").values("step").annotate(slowest=Max("step_s"), tokens=Sum("tokens_per_s"),
+                                                       peak=Max("mem_bytes"))
+    return [{"step": r["step"], "step_s": r["slowest"], "tokens_per_s": r["tokens"], "mem_bytes": r["peak"]}
+            for r in rows]
+
+
+def knowledge_record(attempt: Attempt) -> KnowledgeRecord | None:
+    """Write (or rewrite) the attempt's record once it has ended; None when it has too few warm
+    steps (or is still running). Never raises: a failure is logged."""
+    try:
+        with transaction.atomic():
+            return _record(attempt)
+    except Exception:  # a by-product must never fail the attempt's end or the relay's batch
+        log.exception("knowledge record for attempt %s not written", attempt.pk)
+        return None
+
+
+def _record(attempt: Attempt) -> KnowledgeRecord | None:
+    attempt = Attempt.objects.select_related("job").get(pk=attempt.pk)
+    if attempt.status != Attempt.Status.ENDED:
+        return None
+    job = attempt.job
+    spec = job.spec or {}
+    fields = knowledge.extract(spec, job.plan or {}, attempt_steps(attempt),
+                               device_name=device_name(attempt, (spec.get("resources") or {}).get("device", "cpu")))
+    if fields is None:
+        return None
+    record, _ = KnowledgeRecord.objects.update_or_create(attempt=attempt, defaults={"job": job, **fields})
+    return record
+
+
+def knowledge_refresh(attempt_ids) -> int:
+    """Rewrite the records of these attempts that have already ended (the relay committed more of
+    their samples after the end); returns how many were written."""
+    ended = Attempt.objects.filter(pk__in=list(attempt_ids), status=Attempt.Status.ENDED)
+    return sum(knowledge_record(a) is not None for a in ended)

@@ -1,0 +1,194 @@
+"""What users ask of their jobs: submit (the JobSpec parsed and planned, its code checked, run time predicted), cancel, and apply the profile's recommendation.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+from functools import partial
+from django.conf import settings
+from django.db import transaction
+from jobs.planning import autoplan, selectors as planning_selectors
+from jobs.core import dispatch
+from jobs.scheduling import selectors
+from jobs.core.errors import TooManyRequests, TransitionError
+from jobs.models import Attempt, Job
+from jobs.planning.policy import planner, predictor
+from jobs.attempts.policy import profiling
+from jobs.scheduling import policy as scheduling
+from jobs.scheduling.policy import eligibility
+from jobs.attempts.services.attempts import attempt_stop
+from jobs.bundles.services import bundle_files
+from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.attempts.services.events import job_event, job_set_status
+from trainyard.spec import JobSpec, SpecError, parse_job_spec
+
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractUser
+
+
+def _check_queued_cap(user) -> None:
+    # One user must not fill the queue (and the scheduler's every tick) for everyone: checked before
+    # the spec is even parsed. Two submits racing may both pass; the cap is a bound, not an exact count.
+    cap = settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER
+    if cap and Job.objects.filter(owner=user, status=Job.Status.QUEUED).count() >= cap:
+        raise TooManyRequests({"spec": [f"you already have {cap} queued jobs, the most one user may have "
+                                        f"waiting (TRAINYARD_MAX_QUEUED_JOBS_PER_USER); cancel one or wait "
+                                        f"until one starts"]})
+
+
+def job_submit(*, user: AbstractUser, spec: dict) -> Job:
+    """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
+    created) on bad input, or when the cluster's nodes could never hold a plain cpu job's shape;
+    TooManyRequests (429) when the user already has TRAINYARD_MAX_QUEUED_JOBS_PER_USER jobs
+    waiting. A job no registered node can serve (cuda on a CPU-only cluster, labels no node
+    carries) is queued with `job.warnings` saying so (`placement_warnings`)."""
+    _check_queued_cap(user)
+    parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
+    code_errors = code_problems(parsed)
+    if code_errors:
+        raise SpecError(code_errors)
+    nodes = selectors.cluster_snapshot()
+    if not nodes:
+        raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
+    r = parsed.resources
+    warnings = placement_warnings(nodes, parsed)
+    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
+        biggest = max(n.slots for n in nodes)
+        raise SpecError({"resources": [
+            f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
+    stored = parsed.to_json()
+    auto = None
+    if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
+        stored, auto = autoplan.resolve_auto(stored)  # the best plan, written into the spec
+    elif parsed.parallel != "auto":
+        stored["parallel"]["dp"] = parsed.dp
+    plan = planner.describe(stored)
+    plan["source"] = ("spec" if parsed.parallel != "auto" else
+                      "auto: data parallel over all processes (an MLP is not searched)" if auto is None else
+                      f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
+    if auto is not None:
+        plan["auto"] = auto
+    if auto is not None:  # what the planner expects of the plan the job runs (searched once)
+        plan["planner"] = autoplan.predicted(auto["chosen"], auto["constants_source"])
+    elif parsed.model is not None and parsed.model.kind == "gpt":
+        plan["planner"] = autoplan.predict_spec(stored)
+    team = user.groups.order_by("name").first()
+    shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
+    prediction = predictor.predict(shape, planning_selectors.past_runs(),
+                                   knowledge=planning_selectors.knowledge_for_prediction(shape))
+    plan["predicted_s"] = None if prediction.seconds is None else round(prediction.seconds, 1)
+    plan["prediction_source"] = prediction.source
+    with transaction.atomic():
+        job = Job.objects.create(
+            name=parsed.name, owner=user, team=team, spec=stored, plan=plan, predicted_s=prediction.seconds,
+            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size, status_reason="; ".join(warnings)[:500])
+        job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"],
+                  **({"warnings": warnings} if warnings else {}))
+        job.warnings = warnings  # for the submit's response only (the API's `warnings`, the form's message)
+        transaction.on_commit(dispatch.request_tick)
+        transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
+    return job
+
+
+def placement_warnings(nodes: list[scheduling.NodeState], spec: JobSpec) -> list[str]:
+    """Why no registered node could run the job (its device, GPU memory, labels or shape), as a
+    warning, not a refusal: the node it needs may join later, and the job waits for it."""
+    r = spec.resources
+    want = scheduling.QueuedJob(0, 1, r.nodes, r.procs_per_node,
+                                **eligibility.job_requirement(spec.to_json()["resources"]))
+    why = eligibility.unservable_reason(nodes, want, schedulable_only=False)
+    return [f"{why}: the job waits until such a node joins"] if why else []
+
+
+def code_problems(spec: JobSpec) -> dict[str, list[str]]:
+    """An entrypoint job's code as SpecError.errors: code.bundle must name a stored bundle and
+    entrypoint.script a file in it. A module is not checked: it may come from the nodes'
+    PYTHONPATH as well as from the bundle."""
+    if spec.code is None:
+        return {}
+    files = bundle_files(spec.code.bundle)
+    if files is None:
+        return {"code.bundle": [f"no code bundle {spec.code.bundle} is stored: upload it first "
+                                f"(POST /api/v1/code/, or trainyard submit --code DIR)"]}
+    script = spec.entrypoint.script if spec.entrypoint is not None else None
+    if script is None or script in files:
+        return {}
+    scripts = sorted(f for f in files if f.endswith(".py"))
+    hint = (f"; its Python files include {', '.join(scripts[:5])}{', ...' if len(scripts) > 5 else ''}"
+            if scripts else "; it holds no .py file")
+    return {"entrypoint.script": [f"{script} is not a file in bundle {spec.code.bundle[:19]}...{hint}"]}
+
+
+def job_cancel(job: Job, *, user: AbstractUser) -> Job:
+    """Cancel a job: at once while queued, else stop its attempt (the job ends CANCELLED when its
+    processes exit). Raises TransitionError when the job already ended."""
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        if job.status in Job.TERMINAL:
+            raise TransitionError(f"job is already {job.status}")
+        if job.status == Job.Status.QUEUED:
+            job_set_status(job, Job.Status.QUEUED, Job.Status.CANCELLED, f"cancelled by {user.get_username()}")
+            job_event(job, "cancelled", f"cancelled by {user.get_username()} while queued", actor=user)
+            return job
+        Job.objects.filter(pk=job.pk).update(cancel_requested=True)
+        job_set_status(job, Job.ACTIVE, Job.Status.STOPPING, f"cancel requested by {user.get_username()}")
+        job_event(job, "cancel_requested", f"cancel requested by {user.get_username()}", actor=user)
+        attempt = job.attempts.exclude(status=Attempt.Status.ENDED).order_by("-number").first()
+        if attempt is not None:
+            attempt_stop(attempt, reason="cancel")
+    return job
+
+
+def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | None = None) -> Job:
+    """Restart a running job from its latest checkpoint with the spec change its running
+    attempt's profile recommends (services.profiling): the new spec is validated like a submit
+    (SpecError: nothing changes), stored with its plan, recorded as a "recommendation_applied"
+    event with the values before and after, and the attempt stops like a rollback (outcome
+    rolled_back), so the next attempt resumes from the checkpoint with the new spec. `change`,
+    when given, must be the recommendation the caller saw. Raises TransitionError (409) when the
+    job is not running, recommends no change, has another one now, or has no checkpoint yet."""
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        attempt = job.attempts.filter(status=Attempt.Status.RUNNING, stop_reason="").order_by("-number").first()
+        if job.status != Job.Status.RUNNING or attempt is None:
+            raise TransitionError(f"the job is {job.status.lower()}: a recommendation applies to a running job")
+        rec = (attempt.profile or {}).get("recommendation") or {}
+        if not rec.get("change"):
+            raise TransitionError("the job's profile recommends no spec change now", field="recommendation")
+        if change is not None and change != rec["change"]:
+            raise TransitionError(f"the recommendation changed to {rec['change']}: review it and apply again",
+                                  field="change")
+        new_spec = profiling.spec_with_change(job.spec, rec["change"])
+        checkpoints_reconcile(job)
+        point = resume_checkpoint(job)
+        if point is None:
+            raise TransitionError("the job has no checkpoint yet to restart from: apply after its first "
+                                  f"checkpoint (every {job.spec['checkpoint']['every_steps']} steps)",
+                                  field="checkpoint")
+        before = {k: _dotted(job.spec, k) for k in rec["change"]}
+        after = {k: _dotted(new_spec, k) for k in rec["change"]}
+        plan = {**job.plan, **planner.describe(new_spec)}
+        if (new_spec.get("model") or {}).get("kind") == "gpt":  # the prediction of the plan it now runs
+            plan["planner"] = autoplan.predict_spec(new_spec)
+        Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
+        who = user.get_username()
+        text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
+        job_event(job, "recommendation_applied", f"{who} applied the recommendation ({text}); restarting from the "
+                  f"checkpoint at step {point.step}", attempt=attempt, actor=user, before=before, after=after,
+                  recommendation=rec.get("kind"), predicted_gain=rec.get("predicted_gain"),
+                  predicted_step_s=rec.get("predicted_step_s"), step_s=(attempt.profile.get("window") or {}).get("step_s"),
+                  profile_class=attempt.profile.get("class"), checkpoint=point.pk, step=point.step)
+        job_set_status(job, Job.Status.RUNNING, Job.Status.STOPPING,
+                       f"applying the recommendation ({text}): restarting from step {point.step}"[:500])
+        Attempt.objects.filter(pk=attempt.pk).update(stop_reason="rollback")
+        attempt.refresh_from_db()
+        attempt_stop(attempt, reason="rollback")
+    job.refresh_from_db()
+    return job
+
+
+def _dotted(spec: dict, path: str):
+    for part in path.split("."):
+        spec = spec[part]
+    return spec

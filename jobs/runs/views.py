@@ -1,0 +1,183 @@
+"""Server-rendered pages of jobs: the cluster overview, the job list, submit, the job page, cancel.
+"""
+from __future__ import annotations
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.db.models import Avg, OuterRef, Subquery
+from django.http import Http404
+from django.utils import timezone
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+from jobs.fleet.views import nodes_for_page
+from jobs.access import selectors as access_selectors
+from jobs.attempts import selectors as attempts_selectors
+from jobs.scheduling import selectors as scheduling_selectors
+from jobs.telemetry import selectors as telemetry_selectors
+from jobs.runs import services
+from jobs.core.errors import TooManyRequests, TransitionError
+from jobs.attempts.rows import checkpoint_row, event_row
+from jobs.core.throttles import submit_refusal
+from jobs.runs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
+from jobs.models import Job, MetricSample
+from trainyard.spec import SpecError, parse_text
+
+
+@login_required
+def overview(request):
+    visible = access_selectors.jobs_visible_to(request.user)
+    positions = scheduling_selectors.queue_positions()
+    queue = list(visible.filter(status=Job.Status.QUEUED).order_by("-priority", "id")[:200])
+    for j in queue:
+        j.queue_position = positions.get(j.pk)
+    active = visible.filter(status__in=Job.ACTIVE).order_by("-id")[:200]
+    return render(request, "jobs/overview.html", {"nodes": nodes_for_page(), "queue": queue, "active": active})
+
+
+def _with_throughput(jobs):
+    """Annotate each job with `per_rank_sps`: the mean samples/s over the ranks of its newest step
+    (newest attempt). Correlated subqueries on the (job, step) index, so the whole list is one query
+    however many samples the jobs have; job throughput is that mean times the job's world size."""
+    newest = MetricSample.objects.filter(job=OuterRef("pk")).order_by("-step", "-attempt_id")
+    jobs = jobs.annotate(latest_step=Subquery(newest.values("step")[:1]),
+                         latest_attempt=Subquery(newest.values("attempt_id")[:1]))
+    mean = (MetricSample.objects.filter(job=OuterRef("pk"), step=OuterRef("latest_step"),
+                                        attempt_id=OuterRef("latest_attempt"))
+            .order_by().values("job").annotate(v=Avg("samples_per_s")).values("v"))
+    return jobs.annotate(per_rank_sps=Subquery(mean))
+
+
+@login_required
+def job_list(request):
+    jobs = list(_with_throughput(access_selectors.jobs_visible_to(request.user)).order_by("-id")[:200])
+    positions = scheduling_selectors.queue_positions()
+    now = timezone.now()
+    for j in jobs:
+        j.queue_position = positions.get(j.pk)
+        j.eta = _eta_text(j.predicted_start_at, now)
+        j.throughput = j.per_rank_sps * j.slots if j.per_rank_sps is not None else None
+        j.progress_pct = min(100.0, 100.0 * j.step / j.total_steps) if j.total_steps else 0.0
+    return render(request, "jobs/job_list.html", {"jobs": jobs})
+
+
+def _eta_text(when, now) -> str:
+    """A queued job's predicted start as "in ~4 min" (static/js/util.js fmtIn says the same)."""
+    if when is None:
+        return "unknown"
+    s = (when - now).total_seconds()
+    if s < 30:
+        return "any moment"
+    if s < 90:
+        return "in ~1 min"
+    if s < 5400:
+        return f"in ~{round(s / 60)} min"
+    if s < 48 * 3600:
+        return f"in ~{s / 3600:.1f} h"
+    return f"in ~{round(s / 86400)} days"
+
+
+@login_required
+def job_new(request):
+    form = JobSubmitForm(request.POST or None)
+    errors: dict[str, list[str]] = {}
+    status = 400
+    if request.method == "POST":
+        refusal = submit_refusal(request)
+        if refusal is not None:
+            errors, status = {"spec": [refusal]}, 429
+        elif form.is_valid():
+            try:
+                job = services.job_submit(user=request.user, spec=form.cleaned_data["spec"])
+            except SpecError as exc:
+                errors = exc.errors
+            except TooManyRequests as exc:
+                errors, status = exc.errors, 429
+            else:
+                messages.success(request, f"Job {job.pk} submitted.")
+                for warning in job.warnings:
+                    messages.warning(request, f"Job {job.pk}: {warning}.")
+                return redirect("job-detail", pk=job.pk)
+        else:
+            errors = {"spec": list(form.errors.get("spec", []))}
+    text = request.POST.get("spec", "") if request.method == "POST" else DEMO_SPEC
+    try:
+        parsed = parse_text(text)
+    except SpecError:
+        parsed = None
+    inline, other = split_errors(errors)
+    return render(request, "jobs/job_new.html", {
+        "form": form, "groups": field_groups(parsed, inline), "other_errors": other, "has_errors": bool(errors),
+        "inline_errors": bool(inline),
+        "demo_spec": DEMO_SPEC,
+    }, status=status if request.method == "POST" else 200)
+
+
+def _visible_job(request, pk: int) -> Job:
+    try:
+        return access_selectors.jobs_visible_to(request.user).get(pk=pk)
+    except Job.DoesNotExist:
+        raise Http404("no such job") from None
+
+
+def _latest_step_summary(job: Job) -> dict:
+    newest = MetricSample.objects.filter(job=job).order_by("-step", "-attempt_id").values("step", "attempt_id").first()
+    if newest is None:
+        return {}
+    agg = MetricSample.objects.filter(job=job, step=newest["step"], attempt_id=newest["attempt_id"]).aggregate(
+        loss=Avg("loss"), sps=Avg("samples_per_s"), tps=Avg("tokens_per_s"), step_s=Avg("step_s"))
+    world = job.slots or 1
+    return {"step": newest["step"], "loss": agg["loss"], "step_s": agg["step_s"],
+            "samples_per_s": agg["sps"] * world if agg["sps"] is not None else None,
+            "tokens_per_s": agg["tps"] * world if agg["tps"] is not None else None}
+
+
+def _checkpoint_row(c) -> dict:
+    """The API's checkpoint JSON (the page seeds its table with it), plus what the first paint shows."""
+    row = checkpoint_row(c)
+    row["attempt_number"] = c.attempt.number if c.attempt else None
+    row["state"] = "deleted" if row["deleted"] else "superseded" if c.superseded else "active"
+    return row
+
+
+@login_required
+def job_detail(request, pk: int):
+    job = _visible_job(request, pk)
+    can_cancel = request.user.is_staff or job.owner_id == request.user.pk
+    attempts = list(job.attempts.prefetch_related("allocations__node").order_by("-number"))
+    for a in attempts:
+        a.rank_rows = attempts_selectors.attempt_rank_rows(a)
+    events = [event_row(e) for e in job.events.order_by("-id")[:200]]
+    checkpoints = [_checkpoint_row(c)
+                   for c in job.checkpoints.select_related("attempt").order_by("-step", "-id")[:100]]
+    res = job.spec.get("resources", {})
+    summary = _latest_step_summary(job)
+    step = max(job.step, summary.get("step") or 0)
+    job.queue_position = scheduling_selectors.queue_positions().get(job.pk) if job.status == Job.Status.QUEUED else None
+    job.eta = _eta_text(job.predicted_start_at, timezone.now())
+    has_telemetry = bool(summary)  # the job has a sample at all
+    config = {"id": job.pk, "status": job.status, "step": step, "total_steps": job.total_steps,
+              "world": int(res.get("nodes", 1)) * int(res.get("procs_per_node", 1)), "can_cancel": can_cancel,
+              "is_staff": request.user.is_staff, "has_telemetry": has_telemetry}
+    mesh = job.plan.get("mesh") or {}
+    plan_mesh = " × ".join(f"{d}={mesh[d]}" for d in job.plan.get("order", ()) if d in mesh)
+    return render(request, "jobs/job_detail.html", {
+        "job": job, "attempts": attempts, "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
+        "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
+        "logs": telemetry_selectors.job_log_lines(job.pk, limit=200), "config": config,
+        "telemetry_unavailable": job.status in Job.TERMINAL and not has_telemetry,
+        "can_cancel": can_cancel and job.status not in Job.TERMINAL and job.status != Job.Status.STOPPING,
+    })
+
+
+@login_required
+@require_POST
+def job_cancel(request, pk: int):
+    job = _visible_job(request, pk)
+    if not (request.user.is_staff or job.owner_id == request.user.pk):
+        messages.error(request, "Only the job's owner or staff may cancel it.")
+    else:
+        try:
+            services.job_cancel(job, user=request.user)
+            messages.success(request, f"Cancel requested for job {job.pk}.")
+        except TransitionError as exc:
+            messages.error(request, exc.message)
+    return redirect("job-detail", pk=job.pk)

@@ -1,0 +1,265 @@
+"""One scheduling tick: `schedule(view)` walks the queue in `queue_order` and decides who starts
+where, who waits and why, and whom to preempt.
+
+Backfill (EASY). The first job in order that cannot start becomes the *head* and gets a
+reservation (`placement.reserve`): its shadow time (when enough running jobs will have ended,
+by their predicted ends, for it to fit) and the nodes it will use then. A later job may start
+now only if it ends (now + predicted_s) by the shadow time, or uses only slots of the reserved
+nodes that the head will not need (per-node spare). So a backfilled job never delays the head's
+predicted start. A running job past its predicted end, or one being stopped, is expected to end
+as `cluster.expected_end` says. When the head cannot fit even after every known running job
+ends (slots held by something the view does not describe), the queue is strict behind it.
+Under ``fifo`` nobody passes the head.
+
+Before the queue walk, the jobs that preemptions are in flight for (reclaim.py) have the first
+claim on what is free and on what their victims will free: such a job starts as soon as it
+fits, and meanwhile holds the free slots its planned placement needs.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable
+
+from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
+from jobs.scheduling.policy.order import queue_order
+from jobs.scheduling.policy.eligibility import unservable_reason
+from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
+from jobs.scheduling.policy.quotas import classify
+from jobs.scheduling.policy.reclaim import fits_by, pick_victims, victim_order
+
+
+@dataclass
+class _Reservation:
+    job: QueuedJob
+    shadow: float | None  # None: cannot be predicted (strict behind it)
+    spare: dict  # reserved node index -> slots later jobs running past the shadow may still take
+
+
+def _fmt_s(s: float) -> str:
+    if s < 90:
+        return "a minute" if s >= 30 else "under a minute"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+class _Tick:
+    """The state of one tick's pass over the queue: free slots, quota and cap accounting so far,
+    and the decision being built."""
+
+    def __init__(self, view: ClusterView):
+        check_policy(view.policy)
+        self.view = view
+        self.now = view.now
+        self.free = FreeSlots(view.nodes)
+        q = view.quotas
+        self.team_q = q.team_slots
+        self.caps = q.user_slots
+        self.over = q.over_budget
+        self.borrowing_running, self.within = classify(view.running, self.team_q)
+        self.team_total: dict[str | None, int] = {}
+        self.user_run: dict[str, int] = {}
+        for r in view.running:
+            self.user_run[r.user] = self.user_run.get(r.user, 0) + r.slots
+            if r.preemptible:
+                self.team_total[r.team] = self.team_total.get(r.team, 0) + r.slots
+        self.shares = {r.id: self.free.shares_of(r.nodes) for r in view.running}  # by node index
+        # the nodes each job may use, and their capacity per slots-per-share ("could it ever fit")
+        self.eligibility = Eligibility(self.free, view.nodes)
+        self.placements: list[Placement] = []
+        self.preemptions: list[Preemption] = []
+        self.waiting: dict[int, str] = {}
+        self.taken: set[int] = set()        # running jobs preempted this tick
+        self.reclaim_failed: set = set()    # (team, nodes, ppn) that found no victims this tick
+        self._candidates: list[RunningJob] | None = None
+        self._sorted_ends: list | None = None
+        self.placed_ends: list = []  # (end, job id, shares) of this tick's placements
+
+    def _exclusion(self, job: QueuedJob) -> tuple[set[int] | None, bool, bool]:
+        """placement.exclusion over the nodes the job may use (its device and labels)."""
+        hard, fit = self.eligibility.of(job)
+        return exclusion(self.free, fit, job, hard)
+
+    # -- gates
+    def _gate(self, job: QueuedJob) -> str | None:
+        if job.team is not None and job.team in self.over:
+            return f"team {job.team} has used its device-hours for the current window"
+        if job.user and f"user:{job.user}" in self.over:
+            return f"user {job.user} has used their device-hours for the current window"
+        cap = self.caps.get(job.user)
+        if cap is not None:
+            used = self.user_run.get(job.user, 0)
+            if used + job.slots > cap:
+                return (f"user {job.user} is at their cap: {used} of {cap} slot(s) in use, "
+                        f"this job needs {job.slots}")
+        return None
+
+    def _is_borrowing(self, job: QueuedJob) -> bool:
+        q = self.team_q.get(job.team) if job.team is not None else None
+        return q is not None and self.within.get(job.team, 0) + job.slots > q
+
+    def _claim(self, job: QueuedJob, borrowing: bool) -> None:
+        self.user_run[job.user] = self.user_run.get(job.user, 0) + job.slots
+        self.team_total[job.team] = self.team_total.get(job.team, 0) + job.slots
+        if not borrowing and job.team in self.team_q:
+            self.within[job.team] = self.within.get(job.team, 0) + job.slots
+
+    def _commit(self, job: QueuedJob, picked: list[int], borrowing: bool) -> None:
+        f = self.free
+        shares = tuple(Share(f.names[i], f.address[i], rank, f.take(i, job.procs_per_node))
+                       for rank, i in enumerate(picked))
+        self.placements.append(Placement(job.id, shares, borrowing))
+        # it ends by its prediction too: a reservation made later in this tick counts on that
+        self.placed_ends.append((self.now + max(job.predicted_s, 0.0), job.id,
+                                 tuple((i, s.slot_ids) for i, s in zip(picked, shares))))
+        self._claim(job, borrowing)
+
+    def _ends(self) -> list:
+        """(expected end, shares) of the running jobs and this tick's placements, by end; not
+        the victims of in-flight or new preemptions (their slots go to the jobs they are for)."""
+        if self._sorted_ends is None:
+            self._sorted_ends = sorted(
+                ((expected_end(r, self.now), r.id, self.shares[r.id]) for r in self.view.running
+                 if r.id not in self.taken and r.preempted_for is None),
+                key=lambda x: x[:2])
+        ends = [e for e in self._sorted_ends if e[1] not in self.taken]
+        if self.placed_ends:
+            ends = list(heapq.merge(ends, sorted(self.placed_ends, key=lambda x: x[:2]), key=lambda x: x[:2]))
+        return [(end, shares) for end, _, shares in ends]
+
+    # -- reclaim
+    def _reclaim(self, job: QueuedJob, exclude) -> tuple[list[RunningJob], dict[int, int]] | None:
+        key = (job.team, job.nodes, job.procs_per_node)
+        if not exclude and key in self.reclaim_failed:
+            return None
+        if fits_by(self.free, job, exclude, self._ends(), self.now + self.view.reclaim_wait_s):
+            return None
+        if self._candidates is None:
+            self._candidates = victim_order(self.view.running, self.borrowing_running)
+        cands = [r for r in self._candidates if r.id not in self.taken and r.team != job.team]
+        got = pick_victims(self.free, job, exclude, cands, self.shares)
+        if got is None and not exclude:
+            self.reclaim_failed.add(key)
+        return got
+
+    def _hold_plan(self, job: QueuedJob, exclude, delta: dict[int, int]) -> bool:
+        plan = self.free.choose(job.nodes, job.procs_per_node, exclude, overlay=delta)
+        if plan is None:
+            return False
+        for i in plan:
+            self.free.hold(i, min(job.procs_per_node, self.free.avail[i]))
+        return True
+
+    def _reserve(self, job: QueuedJob, exclude) -> _Reservation:
+        got = reserve(self.free, job.nodes, job.procs_per_node, exclude, self._ends())
+        return _Reservation(job, None, {}) if got is None else _Reservation(job, *got)
+
+    # -- the pass
+    def run(self) -> Decision:
+        order = queue_order(self.view)
+        done = self._inflight_first(order)
+        head: _Reservation | None = None
+        for job in order:
+            if job.id in done:
+                continue
+            head = self._step(job, head)
+        return Decision(tuple(self.placements), tuple(self.preemptions), self.waiting,
+                        tuple(j.id for j in order), frozenset(self.borrowing_running))
+
+    def _inflight_first(self, order: list[QueuedJob]) -> set[int]:
+        """Jobs that preemptions are in flight for: first claim on what is free, and on what their
+        victims will free. Returns the ids dealt with (started, or holding their plan)."""
+        f = self.free
+        done: set[int] = set()
+        inflight: dict[int, list[RunningJob]] = {}
+        for r in self.view.running:
+            if r.preempted_for is not None:
+                inflight.setdefault(r.preempted_for, []).append(r)
+        for job in (j for j in order if j.id in inflight):
+            if self._gate(job) is not None:
+                continue
+            exclude, ever, _ = self._exclusion(job)
+            if not ever:
+                continue
+            borrowing = self._is_borrowing(job)
+            picked = f.choose(job.nodes, job.procs_per_node, exclude)
+            if picked is not None:
+                self._commit(job, picked, borrowing)
+                done.add(job.id)
+            elif self._hold_plan(job, exclude, f.overlay_of(s for r in inflight[job.id] for s in self.shares[r.id])):
+                self._claim(job, borrowing)
+                self.waiting[job.id] = ("waiting for job(s) " + ", ".join(str(r.id) for r in inflight[job.id])
+                                        + " to checkpoint and stop (preempted for this job)")
+                done.add(job.id)
+        return done
+
+    def _step(self, job: QueuedJob, head: _Reservation | None) -> _Reservation | None:
+        f, pol = self.free, self.view.policy
+        reason = self._gate(job)
+        if reason:
+            self.waiting[job.id] = reason
+            return head
+        exclude, ever, avoids = self._exclusion(job)
+        if not ever:
+            self.waiting[job.id] = (unservable_reason(self.view.nodes, job) or
+                                    f"needs {job.nodes} schedulable node(s) with {job.procs_per_node} "
+                                    f"slot(s) each") + "; waiting for nodes"
+            return head
+        if head is not None and (pol == "fifo" or head.shadow is None):
+            self.waiting[job.id] = f"behind job {head.job.id} in the queue"
+            return head
+        borrowing = self._is_borrowing(job)
+        limit = None
+        if head is not None and self.now + job.predicted_s > head.shadow:
+            limit = head.spare
+        picked = f.choose(job.nodes, job.procs_per_node, exclude, limit)
+        if picked is not None:
+            self._commit(job, picked, borrowing)
+            if limit:
+                for i in picked:
+                    if i in limit:
+                        limit[i] -= job.procs_per_node
+            return head
+        if pol == "trainyard" and not borrowing and job.team in self.team_q:
+            got = self._reclaim(job, exclude)
+            if got is not None and self._hold_plan(job, exclude, got[1]):
+                self._preempt(job, got[0])
+                self._claim(job, borrowing)
+                return head
+        avoiding = f" (avoiding {', '.join(sorted(job.avoid))})" if avoids else ""
+        if head is None:
+            head = self._reserve(job, exclude)
+            eta = (f"; expected to start in about {_fmt_s(head.shadow - self.now)}"
+                   if head.shadow is not None and pol != "fifo" else "")
+            self.waiting[job.id] = "waiting for free slots" + avoiding + eta
+        elif limit and f.choose(job.nodes, job.procs_per_node, exclude) is not None:
+            self.waiting[job.id] = (f"waiting: starting now would delay job {head.job.id}, which is "
+                                    f"next{avoiding}")
+        else:
+            self.waiting[job.id] = f"waiting for free slots (job {head.job.id} is next){avoiding}"
+        return head
+
+    def _preempt(self, job: QueuedJob, victims: list[RunningJob]) -> None:
+        quota = self.team_q[job.team]
+        for r in victims:
+            self.taken.add(r.id)
+            q = self.team_q.get(r.team, 0)
+            over = self.team_total.get(r.team, 0) - q
+            self.preemptions.append(Preemption(r.id, (
+                f"reclaimed: team {job.team} needs its quota back for job {job.id} "
+                f"(team {r.team} is {over} slot(s) over its quota of {q}; team {job.team}'s quota is {quota})"),
+                job.id))
+            self.team_total[r.team] = self.team_total.get(r.team, 0) - r.slots
+        self.waiting[job.id] = ("reclaiming quota: preempting borrowing job(s) "
+                                + ", ".join(str(r.id) for r in victims))
+
+
+def schedule(view: ClusterView | Iterable[NodeState], queue: Iterable[QueuedJob] | None = None) -> Decision:
+    """One scheduling tick. `schedule(nodes, queue)` (the old call) means a view at time 0 with
+    no running jobs, no quotas and the trainyard policy."""
+    if queue is not None:
+        view = ClusterView(0.0, tuple(view), (), tuple(queue))
+    return _Tick(view).run()

@@ -1,0 +1,49 @@
+"""Every write and state transition of the control plane. Views, the API, consumers, tasks and the
+relay call these functions, never the ORM's writes directly.
+
+Transitions are compare-and-set (`filter(status=old).update(...)`), each writes a JobEvent, and
+side effects (Celery sends, websocket messages) run only after commit. One module per topic,
+each importing only the ones below it:
+
+    jobs         submit, cancel, rollback, apply a recommendation  (what users ask for)
+    scheduling   schedule_tick, eta_refresh, launching a placement
+    ingest       telemetry_ingest, runtime events
+    quotas       quotas_update, quota_audit
+    nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
+    attempts     stop, preempt, finish and its outcome, hang/straggler/profile checks
+    knowledge    the knowledge base: one record per ended attempt with enough warm steps
+    profiling    the running attempt's profile (what bounds its step, the recommendation)
+    checkpoints  register, reconcile, retention, resume point, pin
+    busaccess    each attempt's own bus credentials: its Redis user and the secrets its Launch carries
+    events       job events, the status compare-and-set, their publication
+    bundles      code bundles: store, the submit check (bundle_files), garbage collection
+    calibration  calibrations: request one of a node, store a report's fit, the newest constants
+
+This module is the package's public API: `services.job_submit(user=..., spec=...)`.
+"""
+from __future__ import annotations
+
+from jobs.attempts.services.attempts import attempt_preempt, attempts_check
+from jobs.attempts.services.busaccess import attempt_access_reconcile
+from jobs.bundles.services import bundle_delete, bundle_files, bundle_store, bundles_gc
+from jobs.planning.services.calibration import calibration_report, calibration_request, calibration_store
+from jobs.attempts.services.checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
+from jobs.fleet.services.identity import node_add, report_open, security_event
+from jobs.telemetry.ingest import telemetry_ingest, telemetry_owners
+from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit
+from jobs.attempts.services.rollback import job_rollback
+from jobs.fleet.services.reports import attempt_node_exit, attempt_ranks
+from jobs.fleet.services.nodes import node_clear, node_heartbeat, node_set_schedulable, nodes_check
+from jobs.scheduling.services.quotas import quota_audit, quotas_update
+from jobs.scheduling.services.tick import eta_refresh, schedule_tick
+from jobs.attempts.services.launch import launches_resend_due
+
+__all__ = [
+    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
+    "bundle_store", "bundles_gc", "calibration_report", "calibration_request", "calibration_store",
+    "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
+    "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
+    "job_rollback", "attempt_access_reconcile",
+    "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
+    "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "telemetry_ingest",
+]
