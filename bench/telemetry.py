@@ -206,19 +206,20 @@ import json, sys
 import django
 django.setup()
 from django.contrib.auth import get_user_model
-from jobs import dispatch, services
+from jobs import services
+from jobs.core import dispatch
+from trainyard.launch import Heartbeat
 from jobs.models import Attempt
 dispatch.send_launch = lambda *a, **k: None   # no agent runs here: the bench plays the ranks
 jobs, ranks = int(sys.argv[1]), int(sys.argv[2])
 admin = get_user_model().objects.get(username="admin")
 services.node_add("bench-node", slots=256, address="127.0.0.1", reissue=True)  # staff registration (issue 16)
-services.node_heartbeat({"name": "bench-node", "address": "127.0.0.1", "slots": 256, "labels": {},
-                         "cpu_percent": 0.0, "mem_percent": 0.0})
+services.node_heartbeat(Heartbeat(name="bench-node", address="127.0.0.1", slots=256, labels={},
+                                  cpu_percent=0.0, mem_percent=0.0))
 out = []
 for j in range(jobs):
-    job = services.job_submit(user=admin, spec={"name": f"bench-{j}",
-                                                "resources": {"nodes": 1, "procs_per_node": ranks},
-                                                "train": {"steps": 10_000_000}})
+    job = services.job_submit(user=admin, spec=services.submitted_spec({
+        "name": f"bench-{j}", "resources": {"nodes": 1, "procs_per_node": ranks}, "train": {"steps": 10_000_000}}))
     services.schedule_tick()
     att = Attempt.objects.get(job=job)
     services.attempt_ranks(att.pk, node_name="bench-node",

@@ -30,7 +30,7 @@ from jobs.planning.services.calibration import calibration_report, calibration_r
 from jobs.attempts.services.checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
 from jobs.fleet.services.identity import node_add, report_open, security_event
 from jobs.telemetry.ingest import telemetry_ingest, telemetry_owners
-from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit
+from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit, submitted_spec
 from jobs.attempts.services.rollback import job_rollback
 from jobs.fleet.services.reports import attempt_node_exit, attempt_ranks
 from jobs.fleet.services.nodes import node_clear, node_heartbeat, node_set_schedulable, nodes_check
@@ -45,5 +45,6 @@ __all__ = [
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",
     "job_rollback", "attempt_access_reconcile",
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
-    "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "telemetry_ingest",
+    "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "submitted_spec",
+    "telemetry_ingest",
 ]

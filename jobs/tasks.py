@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 
 from celery import Task
+from pydantic import ValidationError
 
 from trainyard.keys import CONTROL_BEAT_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
-                              ExitReport, RanksReport)
+                              CalibrationReport, ExitReport, Heartbeat, RanksReport)
 
 from jobs.core import dispatch
 from jobs import services
@@ -88,7 +89,12 @@ def node_heartbeat(envelope: dict) -> None:
     opened = services.report_open(envelope, task=HEARTBEAT_TASK)
     if opened is None:
         return
-    node, orphans = services.node_heartbeat(opened[1], signer=opened[0].name)
+    try:
+        beat = Heartbeat.model_validate(opened[1])
+    except ValidationError as exc:
+        services.security_event("malformed", opened[0].name, f"heartbeat: {exc.error_count()} errors")
+        return
+    node, orphans = services.node_heartbeat(beat, signer=opened[0].name)
     for attempt_id in orphans:
         # The agent runs an attempt the control plane has already ended: stop it there.
         dispatch.send_stop(node.name, 0, attempt_id, "orphan")
@@ -119,5 +125,10 @@ def calibration_report(envelope: dict) -> int | None:
     if opened[1].get("node") != opened[0].name:
         services.security_event("name_mismatch", opened[0].name, "calibration report names another node")
         return None
-    row = services.calibration_report(opened[1])
+    try:
+        report = CalibrationReport.model_validate(opened[1])
+    except ValidationError as exc:
+        logging.getLogger("jobs.planning.services.calibration").warning("invalid calibration report: %s", exc)
+        return None
+    row = services.calibration_report(report)
     return row.pk if row is not None else None

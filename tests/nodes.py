@@ -12,7 +12,9 @@ def node_up(payload: dict):
     if not Node.objects.filter(name=payload["name"]).exclude(credential_digest="").exists():
         services.node_add(payload["name"], slots=payload["slots"], address=payload["address"],
                           labels=payload.get("labels"))
-    return services.node_heartbeat(payload)
+    from trainyard.launch import Heartbeat
+
+    return services.node_heartbeat(Heartbeat.model_validate(payload))
 
 
 def credential(name: str, *, slots: int = 2, address: str = "127.0.0.1") -> str:

@@ -403,6 +403,12 @@ class JobSpec(_Strict):
         """Full spec with every default filled in, in the user-facing key names."""
         return self.model_dump(mode="json", by_alias=True)
 
+    def with_parallel(self, parallel: dict, grad_accum: int) -> "JobSpec":
+        """A new JobSpec that runs `parallel` (a `parallel` section) with `grad_accum`, checked as a
+        submitted one is (SpecError when a rule refuses it): the planner's choice, or a candidate."""
+        data = self.to_json()
+        return parse_job_spec({**data, "parallel": parallel, "train": {**data["train"], "grad_accum": grad_accum}})
+
 
 def unsupported_options(spec: JobSpec) -> dict[str, list[str]]:
     """The "submit" rules `spec` breaks, as SpecError.errors: field path -> messages."""

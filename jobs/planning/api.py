@@ -34,7 +34,7 @@ def spec_document(data) -> dict:
     if parsed.model is None or parsed.model.kind != "gpt":
         raise SpecError({"model": ["the planner plans the built-in gpt model; an entrypoint or mlp job runs "
                                    "data parallel over its processes"]})
-    return plan_spec(parsed.to_json())
+    return plan_spec(parsed)
 
 
 class PlanView(APIView):

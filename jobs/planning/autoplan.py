@@ -20,7 +20,7 @@ import statistics
 
 from django.conf import settings
 
-from trainyard.spec import SpecError, parse_job_spec
+from trainyard.spec import JobSpec, SpecError
 
 from jobs.planning import selectors as planning_selectors
 from jobs.models import Node
@@ -81,14 +81,14 @@ def _shortfall(miss: dict, memory_gb: float) -> str:
             f"{memory_gb:.3g} GB a device has")
 
 
-def plan_spec(stored: dict) -> dict:
-    """The planner's document for a validated spec's JSON (built-in GPT): its plans and rejected
-    count, the runners-up, the constants' source, and when nothing fits the smallest shortfall.
-    With an explicit `parallel` section, `spec_plan` is the planner's view of that very plan."""
-    kind = stored["resources"]["device"]
-    facts = device_facts(kind)
+def plan_spec(spec: JobSpec) -> dict:
+    """The planner's document for a validated spec (built-in GPT): its plans and rejected count,
+    the runners-up, the constants' source, and when nothing fits the smallest shortfall. With an
+    explicit `parallel` section, `spec_plan` is the planner's view of that very plan."""
+    stored = spec.to_json()
+    facts = device_facts(spec.resources.device)
     constants = constants_for(facts["name"])
-    doc = plan_for_job(stored, constants, device=facts)
+    doc = plan_for_job(spec, constants, device=facts)
     learned = prefer_measured(doc["plans"], stored, facts["name"])
     plans, rejected = doc["plans"], doc["rejected"]
     memory_gb = facts["memory_gb"]
@@ -102,9 +102,8 @@ def plan_spec(stored: dict) -> dict:
         out["shortfall"] = f"fits nowhere on this cluster: the closest plan ({label(miss)}) {_shortfall(miss, memory_gb)}"
     else:
         out["shortfall"] = "no plan of the runtime's strategies splits this model over these processes"
-    par = stored.get("parallel")
-    if isinstance(par, dict):
-        out["spec_plan"] = _spec_plan(stored, par, plans)
+    if spec.parallel != "auto":
+        out["spec_plan"] = _spec_plan(stored, {**stored["parallel"], "dp": spec.dp}, plans)
     return out
 
 
@@ -122,23 +121,21 @@ def _spec_plan(stored: dict, par: dict, plans: list[dict]) -> dict | None:
     return next((p for p in plans if all(p.get(k) == v for k, v in want.items())), None)
 
 
-def resolve_auto(stored: dict) -> tuple[dict, dict]:
-    """(the stored spec with the best plan written into it, the `auto` section of the job's plan).
-    SpecError naming the smallest shortfall when no plan fits."""
+def resolve_auto(spec: JobSpec) -> tuple[JobSpec, dict]:
+    """(a new JobSpec running the best plan, the `auto` section of the job's plan) for a spec with
+    `parallel: auto`. SpecError naming the smallest shortfall when no plan fits."""
     try:
-        doc = plan_spec({**stored, "parallel": "auto"})
+        doc = plan_spec(spec)
     except PlanInputError as exc:  # a shape the planner cannot split (the spec's rules allowed it)
         raise SpecError({f"model.{k.split('.', 1)[-1]}" if k.startswith("model") else "parallel": v
                          for k, v in exc.errors.items()}) from exc
     if not doc["plans"]:
         raise SpecError({"parallel": [doc["shortfall"]]})
     best = doc["plans"][0]
-    par, accum = spec_parallel(best, stored["train"]["global_batch"])
-    concrete = {**stored, "parallel": par, "train": {**stored["train"], "grad_accum": accum}}
+    par, accum = spec_parallel(best, spec.train.global_batch)
     # The planner's plan must be a valid spec like any other (its rules are the runtime's).
-    resolved = parse_job_spec(concrete, data_root=settings.TRAINYARD_DATA_ROOT).to_json()
-    flops = best["tflops_per_device"] * 1e12 * best["step_time_s"] * stored["resources"]["nodes"] \
-        * stored["resources"]["procs_per_node"]
+    resolved = spec.with_parallel(par, accum)
+    flops = best["tflops_per_device"] * 1e12 * best["step_time_s"] * spec.resources.world_size
     auto = {"chosen": best, "runners_up": doc["runners_up"], "candidates": len(doc["plans"]),
             "searched": len(doc["plans"]) + doc["rejected_count"], "constants_source": doc["constants_source"],
             "device": doc["device"], "flops_per_step": flops, "knowledge": doc["knowledge"]}
@@ -153,12 +150,12 @@ def predicted(p: dict, constants_source: str) -> dict:
     return {**{k: p[k] for k in PREDICTED}, "constants_source": constants_source}
 
 
-def predict_spec(stored: dict) -> dict | None:
+def predict_spec(spec: JobSpec) -> dict | None:
     """The planner's figures for the plan a concrete GPT spec runs (the job's plan["planner"];
     the knowledge base compares them with what the attempt measured), None when the planner does
     not find that plan among the runtime's (a shape it cannot split, or one that does not fit)."""
     try:
-        doc = plan_spec(stored)
+        doc = plan_spec(spec)
     except PlanInputError:
         return None
     mine = doc.get("spec_plan")

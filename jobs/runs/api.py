@@ -51,7 +51,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
     def create(self, request):
         if not isinstance(request.data, dict):
             raise ValidationError({"spec": ["send the JobSpec as a JSON object"]})
-        job = services.job_submit(user=request.user, spec=dict(request.data))
+        job = services.job_submit(user=request.user, spec=services.submitted_spec(dict(request.data)))
         return Response(JobSubmittedSerializer(job, context={"request": request}).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={202: JobSerializer})

@@ -36,14 +36,23 @@ def _check_queued_cap(user) -> None:
                                         f"until one starts"]})
 
 
-def job_submit(*, user: AbstractUser, spec: dict) -> Job:
-    """Validate a JobSpec (the user's JSON/YAML mapping) and queue it. Raises SpecError (nothing is
-    created) on bad input, or when the cluster's nodes could never hold a plain cpu job's shape;
+def submitted_spec(data: object) -> JobSpec:
+    """The JobSpec a user submitted (their JSON/YAML mapping), parsed once at the edge (the API,
+    the submit form, a task): SpecError naming each bad field, the data path checked against this
+    control plane's data root. The services take the typed value from here on."""
+    return parse_job_spec(data, data_root=settings.TRAINYARD_DATA_ROOT)
+
+
+def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
+    """Queue a validated JobSpec (`submitted_spec`). Raises SpecError (nothing is created) when
+    `parallel: auto` finds no plan that fits, or when the cluster's nodes could never hold a plain cpu job's shape;
     TooManyRequests (429) when the user already has TRAINYARD_MAX_QUEUED_JOBS_PER_USER jobs
     waiting. A job no registered node can serve (cuda on a CPU-only cluster, labels no node
     carries) is queued with `job.warnings` saying so (`placement_warnings`)."""
+    if not isinstance(spec, JobSpec):
+        raise TypeError("job_submit takes a parsed JobSpec (services.submitted_spec)")
     _check_queued_cap(user)
-    parsed = parse_job_spec(spec, data_root=settings.TRAINYARD_DATA_ROOT)
+    parsed = spec
     code_errors = code_problems(parsed)
     if code_errors:
         raise SpecError(code_errors)
@@ -57,22 +66,23 @@ def job_submit(*, user: AbstractUser, spec: dict) -> Job:
         raise SpecError({"resources": [
             f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
-    stored = parsed.to_json()
     auto = None
+    runs = parsed
     if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
-        stored, auto = autoplan.resolve_auto(stored)  # the best plan, written into the spec
-    elif parsed.parallel != "auto":
-        stored["parallel"]["dp"] = parsed.dp
+        runs, auto = autoplan.resolve_auto(parsed)  # a new spec, running the best plan
+    stored = runs.to_json()
+    if runs.parallel != "auto":
+        stored["parallel"]["dp"] = runs.dp
     plan = planner.describe(stored)
     plan["source"] = ("spec" if parsed.parallel != "auto" else
                       "auto: data parallel over all processes (an MLP is not searched)" if auto is None else
                       f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
     if auto is not None:
         plan["auto"] = auto
-    if auto is not None:  # what the planner expects of the plan the job runs (searched once)
+        # what the planner expects of the plan the job runs (searched once)
         plan["planner"] = autoplan.predicted(auto["chosen"], auto["constants_source"])
     elif parsed.model is not None and parsed.model.kind == "gpt":
-        plan["planner"] = autoplan.predict_spec(stored)
+        plan["planner"] = autoplan.predict_spec(runs)
     team = user.groups.order_by("name").first()
     shape = predictor.shape_from_spec(stored, user.get_username(), team.name if team else None)
     prediction = predictor.predict(shape, planning_selectors.past_runs(),
@@ -159,7 +169,8 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
         if change is not None and change != rec["change"]:
             raise TransitionError(f"the recommendation changed to {rec['change']}: review it and apply again",
                                   field="change")
-        new_spec = profiling.spec_with_change(job.spec, rec["change"])
+        changed = profiling.spec_with_change(job.spec, rec["change"])
+        new_spec = changed.to_json()
         checkpoints_reconcile(job)
         point = resume_checkpoint(job)
         if point is None:
@@ -169,8 +180,8 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
         before = {k: _dotted(job.spec, k) for k in rec["change"]}
         after = {k: _dotted(new_spec, k) for k in rec["change"]}
         plan = {**job.plan, **planner.describe(new_spec)}
-        if (new_spec.get("model") or {}).get("kind") == "gpt":  # the prediction of the plan it now runs
-            plan["planner"] = autoplan.predict_spec(new_spec)
+        if changed.model is not None and changed.model.kind == "gpt":  # the prediction of the plan it now runs
+            plan["planner"] = autoplan.predict_spec(changed)
         Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
         who = user.get_username()
         text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)

@@ -86,7 +86,7 @@ def job_new(request):
             errors, status = {"spec": [refusal]}, 429
         elif form.is_valid():
             try:
-                job = services.job_submit(user=request.user, spec=form.cleaned_data["spec"])
+                job = services.job_submit(user=request.user, spec=services.submitted_spec(form.cleaned_data["spec"]))
             except SpecError as exc:
                 errors = exc.errors
             except TooManyRequests as exc:

@@ -90,7 +90,7 @@ def test_job_page_checkpoints_table_for_staff_and_others(client, django_user_mod
     from jobs.models import Checkpoint
     alice = django_user_model.objects.create_user("alice", password="pw-alice-123")
     staff = django_user_model.objects.create_user("root", password="pw-root-123", is_staff=True)
-    job = services.job_submit(user=alice, spec={"name": "ck"})
+    job = services.job_submit(user=alice, spec=services.submitted_spec({"name": "ck"}))
     for step, extra in ((10, {"deleted_at": dj_tz.now()}), (20, {"pinned": True}), (30, {"superseded": True})):
         Checkpoint.objects.create(job=job, step=step, path=f"/tmp/ck-{job.pk}-{step}", size_bytes=2048, **extra)
 

@@ -45,7 +45,7 @@ def alice_client(client, django_user_model, monkeypatch, settings, db):
 def _finished(user, *, samples: bool):
     from jobs.models import Job
 
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     if samples:

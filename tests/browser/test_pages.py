@@ -46,7 +46,7 @@ def client_alice(client, alice):
 
 
 def _running_job(user, name="j", steps=100) -> tuple[Job, Attempt]:
-    job = services.job_submit(user=user, spec={"name": name, "train": {"steps": steps}})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": name, "train": {"steps": steps}}))
     services.schedule_tick()
     job.refresh_from_db()
     return job, job.attempts.get()
@@ -63,7 +63,7 @@ def _samples(attempt: Attempt, steps, sps=(100.0, 120.0)):
 def test_job_list_shows_progress_queue_position_and_throughput_in_one_query(client_alice, alice, nodes):
     job, attempt = _running_job(alice, "busy")
     _samples(attempt, range(1, 4), sps=(100.0, 120.0))
-    idle = services.job_submit(user=alice, spec={"name": "waiting", "resources": {"nodes": 2, "procs_per_node": 2}})
+    idle = services.job_submit(user=alice, spec=services.submitted_spec({"name": "waiting", "resources": {"nodes": 2, "procs_per_node": 2}}))
     with CaptureQueriesContext(connection) as q:
         r = client_alice.get("/jobs/")
     assert r.status_code == 200
@@ -124,7 +124,7 @@ def test_job_page_renders_status_attempts_failure_and_empty_checkpoints(client_a
 
 def test_cluster_pages_render_nodes_with_slots_and_the_queue(client_alice, alice, nodes):
     _running_job(alice, "running")
-    services.job_submit(user=alice, spec={"name": "queued", "resources": {"nodes": 2, "procs_per_node": 2}})
+    services.job_submit(user=alice, spec=services.submitted_spec({"name": "queued", "resources": {"nodes": 2, "procs_per_node": 2}}))
     html = client_alice.get("/").content.decode()
     assert html.count('class="node"') == 2 and html.count('class="slot used"') == 2
     assert re.search(r'<tbody id="queue"><tr><td class="num">1</td>', html)

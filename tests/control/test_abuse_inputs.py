@@ -90,7 +90,7 @@ def test_the_api_answers_huge_numbers_and_deep_json_with_400(user, nodes, client
 def test_metrics_parameters_past_64_bits_are_400(user, nodes, client_for, param):
     from jobs import services
 
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     r = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/", {param: 10**20})
     assert r.status_code == 400 and param in r.json()["errors"], r.content[:300]
 
@@ -100,7 +100,7 @@ def test_logs_parameters_past_64_bits_are_400(user, nodes, client_for, param, se
     from jobs import services
 
     settings.TRAINYARD_ARTIFACT_ROOT = settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     r = client_for(user).get(f"/api/v1/jobs/{job.pk}/logs/", {param: 10**20})
     assert r.status_code == 400 and param in r.json()["errors"], r.content[:300]
 
@@ -108,7 +108,7 @@ def test_logs_parameters_past_64_bits_are_400(user, nodes, client_for, param, se
 def test_a_long_bad_parameter_is_not_echoed_whole(user, nodes, client_for):
     from jobs import services
 
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     r = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/", {"attempt": "x" * 100_000})
     assert r.status_code == 400 and len(r.content) < 1000
 
@@ -118,7 +118,7 @@ def test_a_long_bad_parameter_is_not_echoed_whole(user, nodes, client_for):
 def test_ids_past_64_bits_in_the_path_are_not_500(user, staff, nodes, client_for, client, url):
     from jobs import services
 
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     client.force_login(staff)
     path = url.format(big=10**20, job=job.pk)
     r = (client_for(staff).post(path, {"pinned": True}, format="json") if path.endswith("/pin/")
@@ -129,7 +129,7 @@ def test_ids_past_64_bits_in_the_path_are_not_500(user, staff, nodes, client_for
 def test_rollback_to_a_checkpoint_id_past_64_bits_is_400(user, staff, nodes, client_for):
     from jobs import services
 
-    job = services.job_submit(user=user, spec={"name": "j"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "j"}))
     r = client_for(staff).post(f"/api/v1/jobs/{job.pk}/rollback/", {"checkpoint": 10**20}, format="json")
     assert r.status_code in (400, 404), r.content[:300]
     assert "checkpoint" in r.json()["errors"]

@@ -58,7 +58,7 @@ def test_submissions_have_a_stricter_rate_on_the_api_and_the_form(user, nodes, s
 def test_a_user_may_queue_only_so_many_jobs(user, other, nodes, settings, client_for):
     settings.TRAINYARD_MAX_QUEUED_JOBS_PER_USER = 2
     big = {"name": "big", "resources": {"nodes": 2, "procs_per_node": 2}}  # the whole cluster: jobs wait
-    first = services.job_submit(user=user, spec=big)
+    first = services.job_submit(user=user, spec=services.submitted_spec(big))
     services.schedule_tick()  # the first starts; the next two wait
     c = client_for(user)
     assert [c.post("/api/v1/jobs/", big, format="json").status_code for _ in range(2)] == [201, 201]

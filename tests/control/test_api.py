@@ -87,8 +87,8 @@ def test_non_object_body_is_400(user, nodes, client_for):
 
 
 def test_users_see_only_their_jobs_staff_sees_all(user, other, staff, nodes, client_for):
-    mine = services.job_submit(user=user, spec={"name": "mine"})
-    theirs = services.job_submit(user=other, spec={"name": "theirs"})
+    mine = services.job_submit(user=user, spec=services.submitted_spec({"name": "mine"}))
+    theirs = services.job_submit(user=other, spec=services.submitted_spec({"name": "theirs"}))
     c = client_for(user)
     ids = [j["id"] for j in c.get("/api/v1/jobs/").json()["results"]]
     assert ids == [mine.pk]
@@ -101,7 +101,7 @@ def test_users_see_only_their_jobs_staff_sees_all(user, other, staff, nodes, cli
 
 
 def test_cancel_endpoint(user, nodes, client_for):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     c = client_for(user)
     assert c.post(f"/api/v1/jobs/{job.pk}/cancel/").status_code == 202
     assert Job.objects.get(pk=job.pk).status == "CANCELLED"
@@ -110,7 +110,7 @@ def test_cancel_endpoint(user, nodes, client_for):
 
 
 def test_metrics_shape_and_filters(user, nodes, client_for):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     services.telemetry_ingest([

@@ -5,7 +5,7 @@ POST /api/v1/plan/ {"spec": ...} answers what a submit would do."""
 import pytest
 
 from jobs import services
-from trainyard.spec import SpecError, parse_job_spec
+from trainyard.spec import SpecError, parse_job_spec, validate_job_spec
 
 from .test_services import start, submit
 
@@ -63,7 +63,7 @@ def test_plan_preview_of_a_spec_matches_what_submit_chooses(user, nodes, client_
     resp = client_for(user).post("/api/v1/plan/", {"spec": spec}, format="json")
     assert resp.status_code == 200, resp.json()
     doc = resp.json()
-    job = services.job_submit(user=user, spec=spec)
+    job = services.job_submit(user=user, spec=services.submitted_spec(spec))
     assert doc["plans"][0] == job.plan["auto"]["chosen"]
     assert doc["runners_up"] == job.plan["auto"]["runners_up"] and doc["shortfall"] is None
     # an explicit plan: the planner's view of it rides along
@@ -95,7 +95,7 @@ def _run(user, spec: dict, step_s: float, world: int):
     """A job run to its end with `step_s` a step on every rank (telemetry through the real ingest)."""
     from .test_knowledge import finish
 
-    job = services.job_submit(user=user, spec=spec)
+    job = services.job_submit(user=user, spec=services.submitted_spec(spec))
     attempt = start(job)
     services.telemetry_ingest([
         {"attempt": attempt.pk, "rank": r, "step": s, "ts": 1.0 + s, "loss": 1.0, "step_s": step_s, "mem_bytes": 1000}
@@ -110,15 +110,15 @@ def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
 
     spec = {"name": "a", "model": GPT, "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 1},
             "train": {"global_batch": 32, "steps": 12}}
-    first = services.job_submit(user=user, spec=spec)
+    first = services.job_submit(user=user, spec=services.submitted_spec(spec))
     chosen, runner = first.plan["auto"]["chosen"], None
     assert chosen["step_time_source"] == "model" and first.plan["auto"]["knowledge"]["records"] == 0
-    doc = services.job_submit(user=user, spec=spec)  # the same again: nothing measured yet, same choice
+    doc = services.job_submit(user=user, spec=services.submitted_spec(spec))  # the same again: nothing measured yet, same choice
     assert doc.plan["auto"]["chosen"] == chosen
     for queued in (first, doc):  # (they would hold the slots the measured run needs)
         services.job_cancel(queued, user=user)
     from jobs.planning.autoplan import plan_spec
-    plans = plan_spec({**first.spec, "parallel": "auto"})["plans"]
+    plans = plan_spec(validate_job_spec({**first.spec, "parallel": "auto"}))["plans"]
     runner = next(p for p in plans if (p["dp"], p["tp"], p["micro_batch"], p["fsdp"], p["shard_optimizer"])
                   != (chosen["dp"], chosen["tp"], chosen["micro_batch"], chosen["fsdp"], chosen["shard_optimizer"]))
     par, accum = spec_parallel(runner, 32)
@@ -126,7 +126,7 @@ def test_a_plan_measured_here_beats_the_models_favourite(user, nodes):
     _run(user, {**spec, "parallel": par, "train": {"global_batch": 32, "steps": 12, "grad_accum": accum}},
          chosen["step_time_s"] / 10, 2)
     assert KnowledgeRecord.objects.count() == 1
-    again = services.job_submit(user=user, spec=spec)
+    again = services.job_submit(user=user, spec=services.submitted_spec(spec))
     best = again.plan["auto"]["chosen"]
     assert best["step_time_source"] == "measured" and best["measured_runs"] == 1
     assert best["step_time_s"] == pytest.approx(chosen["step_time_s"] / 10)
@@ -154,6 +154,6 @@ def test_every_auto_choice_is_a_spec_the_runtime_accepts(user, nodes, resources,
             "train": {"global_batch": 16}}
     job = submit(user, **{k: v for k, v in spec.items() if k != "name"})
     assert job.plan["auto"]["chosen"]["step_time_s"] > 0
-    for p in plan_spec({**job.spec, "parallel": "auto"})["plans"]:
+    for p in plan_spec(validate_job_spec({**job.spec, "parallel": "auto"}))["plans"]:
         par, accum = spec_parallel(p, 16)
         parse_job_spec({**spec, "parallel": par, "train": {"global_batch": 16, "grad_accum": accum}})

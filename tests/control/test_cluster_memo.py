@@ -38,7 +38,7 @@ def test_a_state_computed_before_a_change_is_not_served_after_it(staff, nodes, c
 
 
 def test_users_never_share_each_others_jobs(user, other, staff, nodes, counted):
-    job = services.job_submit(user=user, spec={"name": "mine"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "mine"}))
     now = time.monotonic()
     seen = {u.username: [j["id"] for j in payloads.cluster_state(u, now)["queue"] + payloads.cluster_state(u, now)["running"]]
             for u in (user, other, staff)}

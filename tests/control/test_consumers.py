@@ -55,7 +55,7 @@ async def connect(app, path, headers):
 
 @pytest.fixture
 def job(user, nodes):
-    job = services.job_submit(user=user, spec={"name": "live"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "live"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     services.telemetry_ingest([sample(attempt.pk, r, s) for s in range(1, 6) for r in (0, 1)], events=[])

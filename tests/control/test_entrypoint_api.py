@@ -74,18 +74,18 @@ def test_a_bundle_whose_file_is_gone_is_unknown(user, nodes, client_for, bundle)
 
 def test_submitting_marks_the_bundle_used(user, nodes, bundle):
     CodeBundle.objects.update(last_used_at=None)
-    services.job_submit(user=user, spec=entry_spec(bundle))
+    services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     assert CodeBundle.objects.get(digest=bundle).last_used_at is not None
 
 
 def test_a_module_entrypoint_is_not_looked_up_in_the_bundle(user, nodes, bundle):
-    job = services.job_submit(user=user, spec={"name": "m", "code": {"bundle": bundle},
-                                               "entrypoint": {"module": "mypkg.train"}})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "m", "code": {"bundle": bundle},
+                                               "entrypoint": {"module": "mypkg.train"}}))
     assert job.spec["entrypoint"]["module"] == "mypkg.train"
 
 
 def test_a_script_in_a_subdirectory_is_found_normalized(user, nodes, bundle):
-    job = services.job_submit(user=user, spec=entry_spec(bundle, entrypoint={"script": "./src/model.py"}))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle, entrypoint={"script": "./src/model.py"})))
     assert job.spec["entrypoint"]["script"] == "src/model.py"
 
 
@@ -154,7 +154,7 @@ def yaml_text(spec: dict) -> str:
 
 
 def test_a_built_in_job_page_still_shows_its_model(user, nodes, client):
-    job = services.job_submit(user=user, spec={"name": "b"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "b"}))
     client.force_login(user)
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert ">Model<" in page and 'id="job-entrypoint"' not in page
@@ -169,7 +169,7 @@ def relay_alive(monkeypatch):
 
 
 def test_a_script_that_never_reports_a_step_is_not_killed_as_hung(user, nodes, bundle, relay_alive, client_for):
-    job = services.job_submit(user=user, spec=entry_spec(bundle))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     attempt = start(job)
     Attempt.objects.filter(pk=attempt.pk).update(started_at=timezone.now() - timedelta(hours=3))
     assert services.attempts_check()["hung"] == []
@@ -179,21 +179,21 @@ def test_a_script_that_never_reports_a_step_is_not_killed_as_hung(user, nodes, b
 
 
 def test_a_built_in_job_without_steps_is_still_killed_after_the_startup_grace(user, nodes, relay_alive):
-    job = services.job_submit(user=user, spec={"name": "b"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "b"}))
     attempt = start(job)
     Attempt.objects.filter(pk=attempt.pk).update(started_at=timezone.now() - timedelta(hours=3))
     assert services.attempts_check()["hung"] == [attempt.pk]
 
 
 def test_user_code_that_reported_steps_is_judged_like_the_built_in_trainer(user, nodes, bundle, relay_alive):
-    job = services.job_submit(user=user, spec=entry_spec(bundle))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     attempt = start(job)
     Attempt.objects.filter(pk=attempt.pk).update(last_step=3, last_progress_at=timezone.now() - timedelta(hours=1))
     assert services.attempts_check()["hung"] == [attempt.pk]
 
 
 def test_an_explicit_timeout_bounds_a_script_without_the_sdk(user, nodes, bundle, relay_alive):
-    job = services.job_submit(user=user, spec=entry_spec(bundle, hang_timeout_s=600))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle, hang_timeout_s=600)))
     attempt = start(job)
     Attempt.objects.filter(pk=attempt.pk).update(started_at=timezone.now() - timedelta(hours=1))
     assert services.attempts_check()["hung"] == [attempt.pk]
@@ -202,21 +202,21 @@ def test_an_explicit_timeout_bounds_a_script_without_the_sdk(user, nodes, bundle
 def test_past_runs_of_the_same_code_predict_the_next(user, nodes, bundle):
     from jobs.planning import selectors as planning_selectors
 
-    job = services.job_submit(user=user, spec=entry_spec(bundle))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     attempt = start(job)
     now = timezone.now()
     Attempt.objects.filter(pk=attempt.pk).update(outcome="succeeded", started_at=now - timedelta(seconds=400),
                                                  ended_at=now, last_step=0)
     runs = planning_selectors.past_runs()
     assert len(runs) == 1 and runs[0].steps_run == 0 and runs[0].shape.bundle == bundle  # no SDK: no steps
-    again = services.job_submit(user=user, spec=entry_spec(bundle))
+    again = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     assert again.predicted_s == pytest.approx(400.0, abs=1) and again.plan["prediction_source"] == "history:user"
 
 
 def test_success_of_user_code_says_what_it_reported(user, nodes, bundle):
     from .test_services import ok_result
 
-    job = services.job_submit(user=user, spec=entry_spec(bundle))
+    job = services.job_submit(user=user, spec=services.submitted_spec(entry_spec(bundle)))
     attempt = start(job)
     for n in ("node-a", "node-b"):
         services.attempt_node_exit(attempt.pk, node_name=n, result=ok_result(n, attempt.pk))

@@ -37,7 +37,7 @@ def root(tmp_path, settings):
 
 
 def running(user):
-    job = services.job_submit(user=user, spec={"name": "planted"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "planted"}))
     services.schedule_tick()
     return job, job.attempts.get()
 

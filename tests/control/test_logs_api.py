@@ -19,7 +19,7 @@ def root(tmp_path, settings):
 
 
 def running(user, name="j"):
-    job = services.job_submit(user=user, spec={"name": name})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": name}))
     services.schedule_tick()
     return job, job.attempts.get()
 
@@ -113,7 +113,7 @@ def test_other_users_jobs_are_404(user, other, nodes, root, client_for):
 
 
 def test_job_without_attempts_has_an_empty_page(user, nodes, root, client_for):
-    job = services.job_submit(user=user, spec={"name": "waiting", "resources": {"nodes": 2, "procs_per_node": 2}})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "waiting", "resources": {"nodes": 2, "procs_per_node": 2}}))
     body = client_for(user).get(f"/api/v1/jobs/{job.pk}/logs/").json()
     assert body["attempt"] is None and body["total"] == 0 and body["lines"] == [] and body["attempts"] == []
     assert client_for(user).get(f"/api/v1/jobs/{job.pk}/logs/", {"download": 1}).status_code == 404

@@ -17,7 +17,7 @@ from jobs import services, tasks
 from jobs.models import Allocation, Attempt, Node, NodeJoinRequest, SecurityEvent
 from tests.nodes import credential, node_up, signed
 from trainyard import nodeauth
-from trainyard.launch import HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK
+from trainyard.launch import HEARTBEAT_TASK, NODE_EXIT_TASK, RANKS_TASK, Heartbeat
 
 from .test_services import ok_result, start, submit
 
@@ -47,7 +47,7 @@ def test_a_heartbeat_from_an_unknown_node_is_refused_and_becomes_a_join_request(
     assert (req.address, req.slots, req.heartbeats) == ("10.6.6.6", 4096, 2)
     assert metric("trainyard_node_join_requests") == 1
     # The service refuses it too (a caller that skipped report_open cannot add a node).
-    assert services.node_heartbeat(beat("rogue2"))[0] is None and not Node.objects.filter(name="rogue2").exists()
+    assert services.node_heartbeat(Heartbeat.model_validate(beat("rogue2")))[0] is None and not Node.objects.filter(name="rogue2").exists()
 
 
 def test_approving_a_join_request_registers_the_node_with_a_credential_once(sent, admin_client):
@@ -67,7 +67,7 @@ def test_approving_a_join_request_registers_the_node_with_a_credential_once(sent
 
 
 def test_a_heartbeat_cannot_move_the_address_or_grow_the_slots(nodes, sent):
-    services.node_heartbeat(beat("node-a", "10.6.6.6", 4096))  # signed or not, the service keeps staff's values
+    services.node_heartbeat(Heartbeat.model_validate(beat("node-a", "10.6.6.6", 4096)))  # signed or not, the service keeps staff's values
     tasks.node_heartbeat(signed(HEARTBEAT_TASK, beat("node-a", "10.6.6.6", 4096)))
     node = Node.objects.get(name="node-a")
     assert (node.address, node.slots) == ("127.0.0.1", 2)
@@ -198,3 +198,14 @@ def test_commands_down_a_nodes_queue_are_sealed_with_its_credential(nodes, monke
     launch = dispatch.sealed("node-b", NODE_LAUNCH_TASK, {"attempt_id": 1})
     assert nodeauth.signature_ok(credential("node-b"), launch) and abs(launch["ts"] - time.time()) < 5
     assert dispatch.sealed("never-registered", NODE_LAUNCH_TASK, {})["sig"] == ""
+
+
+def test_the_task_is_the_edge_a_heartbeat_is_validated_there_and_the_service_takes_only_the_typed_value(nodes, sent):
+    """Issue 22 s4: the task parses the bus message once; a signed heartbeat whose body is no
+    Heartbeat is refused and counted there, and the service refuses an unparsed dict."""
+    before = Node.objects.get(name="node-a").last_heartbeat
+    tasks.node_heartbeat(signed(HEARTBEAT_TASK, beat("node-a", slots="many")))
+    assert Node.objects.get(name="node-a").last_heartbeat == before
+    assert dict(SecurityEvent.objects.values_list("kind", "count")) == {"malformed": 1}
+    with pytest.raises(TypeError, match="Heartbeat"):
+        services.node_heartbeat(beat("node-a"))

@@ -36,7 +36,7 @@ def cpu_nodes(db):
 
 
 def submit(user, **kw):
-    return services.job_submit(user=user, spec={"name": "t", **kw})
+    return services.job_submit(user=user, spec=services.submitted_spec({"name": "t", **kw}))
 
 
 def test_heartbeat_stores_what_the_node_advertises(db):

@@ -94,14 +94,14 @@ def test_access_needs_staff_or_the_scrape_token(user, staff, monkeypatch):
 
 
 def test_exports_jobs_queue_nodes_and_running_job_progress(staff, user, nodes):
-    running = services.job_submit(user=user, spec={"name": "run", "train": {"steps": 300}})
+    running = services.job_submit(user=user, spec=services.submitted_spec({"name": "run", "train": {"steps": 300}}))
     services.schedule_tick()
     attempt = running.attempts.get()
     services.attempt_ranks(attempt.pk, node_name="node-a", ranks=[{"rank": 0, "local_rank": 0, "pid": 10}])
     services.attempt_ranks(attempt.pk, node_name="node-b", ranks=[{"rank": 1, "local_rank": 0, "pid": 11}])
     services.telemetry_ingest([sample(attempt.pk, 0, 1, 5.0, 100.0), sample(attempt.pk, 1, 1, 5.2, 110.0),
                                sample(attempt.pk, 0, 2, 4.0, 120.0), sample(attempt.pk, 1, 2, 4.4, 130.0)], events=[])
-    services.job_submit(user=user, spec={"name": 'queued "one" \\ two', "resources": {"nodes": 2, "procs_per_node": 2}})
+    services.job_submit(user=user, spec=services.submitted_spec({"name": 'queued "one" \\ two', "resources": {"nodes": 2, "procs_per_node": 2}}))
     services.schedule_tick()  # 4 slots wanted, 2 of 4 in use: it stays QUEUED
     c = Client()
     c.force_login(staff)

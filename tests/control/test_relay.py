@@ -31,7 +31,7 @@ def drain(relay, rounds=50):
 
 
 def test_relay_ingests_and_acks(user, nodes, redis_server):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
@@ -50,7 +50,7 @@ def test_relay_ingests_and_acks(user, nodes, redis_server):
 
 
 def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, nodes, redis_server):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
@@ -70,10 +70,10 @@ def test_relay_killed_between_read_and_ack_loses_and_duplicates_nothing(user, no
 
 
 def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_server, settings):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
-    gone = services.job_submit(user=user, spec={"name": "deleted later"})
+    gone = services.job_submit(user=user, spec=services.submitted_spec({"name": "deleted later"}))
     r = redis.Redis.from_url(redis_server.url)
     stream = attempt_stream(job.pk, attempt.pk)
     for i in range(30):  # the agent's entries (workers/agent.py on_log): one per rank and stream per poll
@@ -103,7 +103,7 @@ def test_relay_keeps_every_ranks_lines_per_attempt_on_disk(user, nodes, redis_se
 def test_relay_survives_an_unwritable_kept_log_root(user, nodes, redis_server, tmp_path, settings):
     settings.TRAINYARD_KEPT_LOG_ROOT = tmp_path / "not-a-dir"
     settings.TRAINYARD_KEPT_LOG_ROOT.write_text("a file where the kept log root should be")
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)
@@ -126,7 +126,7 @@ def test_oversized_entries_are_dead_lettered_without_the_relay_holding_many_at_o
 
     from trainyard.keys import DEADLETTER_STREAM
 
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     r = redis.Redis.from_url(redis_server.url)

@@ -26,15 +26,16 @@ django.setup()
 from django.contrib.auth import get_user_model
 from jobs import services
 from jobs.core import dispatch
+from trainyard.launch import Heartbeat
 dispatch.send_launch = lambda *a, **k: None
 dispatch.request_tick = lambda *a, **k: None
 dispatch.publish = lambda *a, **k: None
 dispatch.bus_user_grant = lambda *a, **k: None
 user = get_user_model().objects.create_user("alice", password="pw-alice-123")
 services.node_add("node-a", slots=2, address="127.0.0.1")  # registered by staff first (issue 16)
-services.node_heartbeat({"name": "node-a", "address": "127.0.0.1", "slots": 2, "labels": {},
-                         "cpu_percent": 0.0, "mem_percent": 0.0})
-job = services.job_submit(user=user, spec={"name": "pg", "resources": {"nodes": 1, "procs_per_node": 1}})
+services.node_heartbeat(Heartbeat(name="node-a", address="127.0.0.1", slots=2, labels={},
+                                  cpu_percent=0.0, mem_percent=0.0))
+job = services.job_submit(user=user, spec=services.submitted_spec({"name": "pg", "resources": {"nodes": 1, "procs_per_node": 1}}))
 services.schedule_tick()
 print(json.dumps({"job": job.pk, "attempt": job.attempts.get().pk}))
 """

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db
 
 
 def submit(user, **kw):
-    return services.job_submit(user=user, spec={"name": "t", **kw})
+    return services.job_submit(user=user, spec=services.submitted_spec({"name": "t", **kw}))
 
 
 def ok_result(node, attempt_id):
@@ -209,3 +209,14 @@ def test_concurrent_ticks_never_over_allocate(user, nodes):
             per_slot[key] = alloc.pk
     assert len(per_slot) == 4
     assert Job.objects.filter(status="STARTING").count() == 2
+
+
+def test_a_submit_takes_the_jobspec_parsed_at_the_edge(user, nodes):
+    """Issue 22 s4: the API, the form and the tasks parse the user's mapping once
+    (submitted_spec: SpecError naming the field); the service takes only the typed value."""
+    with pytest.raises(SpecError) as e:
+        services.submitted_spec({"name": "t", "train": {"steps": -1}})
+    assert "train.steps" in e.value.errors
+    with pytest.raises(TypeError, match="JobSpec"):
+        services.job_submit(user=user, spec={"name": "t"})
+    assert not Job.objects.exists()

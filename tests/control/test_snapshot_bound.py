@@ -21,7 +21,7 @@ STEPS, RANKS = 30_000, 2
 
 @pytest.fixture
 def long_job(user, nodes):
-    job = services.job_submit(user=user, spec={"name": "long", "train": {"steps": STEPS}})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "long", "train": {"steps": STEPS}}))
     services.schedule_tick()
     attempt = job.attempts.get()
     # every 3rd step reported (an uneven stride must thin out evenly too), then the last one
@@ -70,7 +70,7 @@ def test_a_catch_up_window_is_bounded_too(long_job):
 
 
 def test_a_short_job_is_sent_whole(user, nodes):
-    job = services.job_submit(user=user, spec={"name": "short"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "short"}))
     services.schedule_tick()
     attempt = job.attempts.get()
     MetricSample.objects.bulk_create(MetricSample(job=job, attempt=attempt, rank=r, step=s, ts=1.0)

@@ -21,7 +21,7 @@ def sample(attempt, rank, step, **extra):
 
 @pytest.fixture
 def running(user, nodes):
-    job = services.job_submit(user=user, spec={"name": "x"})
+    job = services.job_submit(user=user, spec=services.submitted_spec({"name": "x"}))
     services.schedule_tick()
     return job, job.attempts.get()
 
@@ -70,7 +70,7 @@ def test_ingest_stores_them_and_never_fails_the_batch(running, caplog, client_fo
 
 def test_has_telemetry_is_decided_from_the_samples(running, user, client_for):
     job, attempt = running
-    silent = services.job_submit(user=user, spec={"name": "silent"})
+    silent = services.job_submit(user=user, spec=services.submitted_spec({"name": "silent"}))
     c = client_for(user)
     assert c.get(f"/api/v1/jobs/{job.pk}/").json()["has_telemetry"] is False
     services.telemetry_ingest([sample(attempt.pk, 0, 1)], events=[])

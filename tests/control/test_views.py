@@ -47,7 +47,7 @@ def test_form_posts_need_csrf(user, nodes):
 def test_other_users_job_page_is_404(user, other, nodes):
     from jobs import services
 
-    job = services.job_submit(user=other, spec={"name": "secret"})
+    job = services.job_submit(user=other, spec=services.submitted_spec({"name": "secret"}))
     c = Client()
     c.force_login(user)
     assert c.get(f"/jobs/{job.pk}/").status_code == 404

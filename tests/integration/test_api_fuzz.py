@@ -34,9 +34,10 @@ class WebOnly(Cluster):
         self.env.update(FUZZ_ENV)
         for d in ("var", "data", "agents", "ckpt"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
-        node = ("from jobs import services\nfor n in ('a', 'b'): services.node_add('node-' + n, slots=2, "
-                "address='127.0.0.1'); services.node_heartbeat({'name': 'node-' + n, "
-                "'address': '127.0.0.1', 'slots': 2, 'labels': {}, 'cpu_percent': 1.0, 'mem_percent': 2.0})")
+        node = ("from jobs import services\nfrom trainyard.launch import Heartbeat\n"
+                "for n in ('a', 'b'): services.node_add('node-' + n, slots=2, "
+                "address='127.0.0.1'); services.node_heartbeat(Heartbeat(name='node-' + n, "
+                "address='127.0.0.1', slots=2, labels={}, cpu_percent=1.0, mem_percent=2.0))")
         for args in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"], ["shell", "-c", node]):
             subprocess.run([sys.executable, "manage.py", *args], cwd=self._repo, env=self.env, check=True,
                            capture_output=True)

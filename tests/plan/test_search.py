@@ -103,7 +103,7 @@ def test_plan_for_job_plans_what_our_runtime_runs():
     spec = parse_job_spec({"name": "t", "model": {"kind": "gpt", "layers": 4, "hidden": 128, "heads": 4,
                                                   "seq_len": 128, "vocab": 256},
                            "resources": {"nodes": 2, "procs_per_node": 2, "device": "cpu"},
-                           "train": {"global_batch": 32}}).to_json()
+                           "train": {"global_batch": 32}})
     out = plan_for_job(spec, None)
     assert out["plans"]
     for p in out["plans"]:
@@ -142,12 +142,14 @@ def test_plan_for_job_from_a_real_spec_an_mlp_and_a_script():
     from trainyard.spec import parse_job_spec
 
     spec = parse_job_spec({"name": "x", "parallel": "auto", "resources": {"nodes": 2, "procs_per_node": 2},
-                           "train": {"global_batch": 16}}).to_json()
+                           "train": {"global_batch": 16}})
     assert plan_for_job(spec, None)["plans"]
     mlp = parse_job_spec({"name": "m", "model": {"kind": "mlp", "hidden": 96, "heads": 5},
-                          "resources": {"nodes": 1, "procs_per_node": 2}}).to_json()
+                          "resources": {"nodes": 1, "procs_per_node": 2}})
     assert {(p["tp"], p["pp"]) for p in plan_for_job(mlp, None)["plans"]} == {(1, 1)}
-    script = {"resources": {"nodes": 1, "procs_per_node": 2}, "train": {"global_batch": 8}, "model": None}
+    script = parse_job_spec({"name": "s", "entrypoint": {"script": "/opt/train.py"},
+                             "resources": {"nodes": 1, "procs_per_node": 2}, "train": {"global_batch": 8}})
+    assert script.model is None
     with _pytest.raises(PlanInputError) as exc:
         plan_for_job(script, None)
     assert "model" in exc.value.errors
@@ -162,7 +164,7 @@ def test_plan_for_job_never_splits_a_tp_group_across_nodes():
     spec = parse_job_spec({"name": "t", "model": {"kind": "gpt", "layers": 1, "hidden": 1024, "heads": 4,
                                                   "seq_len": 512, "vocab": 256},
                            "resources": {"nodes": 2, "procs_per_node": 2, "device": "cpu"},
-                           "train": {"global_batch": 4}}).to_json()
+                           "train": {"global_batch": 4}})
     roomy = plan_for_job(spec, None, device={"memory_gb": 4.0})["plans"]
     assert {p["tp"] for p in roomy} == {1, 2}
     tight = plan_for_job(spec, None, device={"memory_gb": 0.1})["plans"]

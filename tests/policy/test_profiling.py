@@ -211,7 +211,7 @@ def test_spec_with_change_validates_like_a_submit():
     with pytest.raises(SpecError):
         prof.spec_with_change(spec, {})
     out = prof.spec_with_change(_spec(), {"comm.compression": "bf16"})
-    assert out["comm"]["compression"] == "bf16"
+    assert out.comm.compression == "bf16"
 
 
 def test_a_change_that_measured_slower_is_reverted_and_not_offered_again():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from trainyard.spec import SpecError, parse_job_spec
+from trainyard.spec import JobSpec, SpecError
 
 from .constants import DeviceConstants
 from .cost import Candidate
@@ -19,43 +19,43 @@ KIND_DEFAULTS = {
 }
 
 
-def runtime_supports(spec: dict, c: Candidate) -> bool:
+def runtime_supports(spec: JobSpec, c: Candidate) -> bool:
     """Whether the runtime runs candidate `c` for `spec`: the concrete spec it would become passes
     trainyard.spec's own rules (no tp x pp, FSDP alone, ZeRO-1 over dp >= 2 and not under model
     averaging, compression / averaging / balancing only with plain dp, 1F1B with m >= pp, ...), so
     the planner never keeps a copy of them that could drift."""
-    par, accum = spec_parallel(dataclasses.asdict(c), int(spec["train"]["global_batch"]))
+    par, accum = spec_parallel(dataclasses.asdict(c), spec.train.global_batch)
     try:
-        parse_job_spec({**spec, "parallel": par, "train": {**spec["train"], "grad_accum": accum}})
+        spec.with_parallel(par, accum)
     except SpecError:
         return False
     return True
 
 
-def job_request(spec: dict, *, device: dict | None = None) -> dict:
+def job_request(spec: JobSpec, *, device: dict | None = None) -> dict:
     """The planner request for a validated JobSpec's built-in model on its resources."""
-    m, res, train = spec.get("model"), spec["resources"], spec["train"]
-    if not m:
+    m, res = spec.model, spec.resources
+    if m is None:
         raise PlanInputError({"model": ["the planner plans the built-in models; a script's own model "
                                         "(entrypoint) is planned by the script"]})
-    kind = res.get("device", "cpu")
+    kind = res.device
     facts = {**KIND_DEFAULTS.get(kind, KIND_DEFAULTS["cuda"]), **(device or {})}
     return {
-        "model": {**{k: int(m[k]) for k in ("layers", "hidden", "seq_len", "vocab")},
-                  "heads": int(m["heads"]) if m.get("kind", "gpt") == "gpt" else 1},
-        "cluster": {"nodes": int(res["nodes"]), "devices_per_node": int(res["procs_per_node"]),
+        "model": {"layers": m.layers, "hidden": m.hidden, "seq_len": m.seq_len, "vocab": m.vocab,
+                  "heads": m.heads if m.kind == "gpt" else 1},
+        "cluster": {"nodes": res.nodes, "devices_per_node": res.procs_per_node,
                     "device": {"name": facts.get("name", kind), "memory_gb": float(facts["memory_gb"]),
                                "peak_tflops": float(facts["peak_tflops"])},
                     "intra_node_gbs": float(facts["intra_node_gbs"]),
                     "inter_node_gbs": float(facts["inter_node_gbs"])},
-        "global_batch": int(train["global_batch"]),
+        "global_batch": spec.train.global_batch,
         "precision": "fp32" if kind == "cpu" else "bf16",
     }
 
 
-def plan_for_job(spec: dict, constants: DeviceConstants | None, *, device: dict | None = None,
+def plan_for_job(spec: JobSpec, constants: DeviceConstants | None, *, device: dict | None = None,
                  limit_rejected: int = 200) -> dict:
-    """The planner's output for a validated JobSpec (spec.to_json()), restricted to plans our
+    """The planner's output for a validated JobSpec, restricted to plans our
     runtime runs (an mlp is costed as a GPT of its size with one head, dp / fsdp only). `device` overrides {name, memory_gb, peak_tflops, intra_node_gbs,
     inter_node_gbs}; PlanInputError when the spec's shape is no GPT the planner can split."""
     req = parse_plan_request(job_request(spec, device=device))

@@ -63,7 +63,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from trainyard.mesh import param_count, train_flops
-from trainyard.spec import SpecError, parse_job_spec
+from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
 COMPUTE, COMM, INPUT, UNKNOWN = "compute", "communication", "input", "unknown"
 ENTER = {COMM: 0.30, INPUT: 0.20}
@@ -203,12 +203,12 @@ def _get(spec: Mapping, path: str):
     return node
 
 
-def spec_with_change(spec: dict, change: Mapping[str, object]) -> dict:
-    """The stored spec with `change` applied, validated like a submit (SpecError if invalid),
-    with every default filled in; no data-root check (the data does not change)."""
+def spec_with_change(spec: dict, change: Mapping[str, object]) -> JobSpec:
+    """A new JobSpec: the stored spec with `change` applied, validated like a submit (SpecError if
+    invalid); no data-root check (the data does not change)."""
     if not change:
         raise SpecError({"recommendation": ["there is no spec change to apply"]})
-    return parse_job_spec(_with_change(spec, change)).to_json()
+    return parse_job_spec(_with_change(spec, change))
 
 
 def _valid(spec: dict, change: Mapping[str, object]) -> bool:

@@ -144,6 +144,11 @@ def join_request(name: str, body: dict) -> None:
     except ValidationError as exc:
         security_event("malformed", name, f"unregistered node's heartbeat: {exc.error_count()} errors")
         return
+    join_requested(name, beat)
+
+
+def join_requested(name: str, beat: Heartbeat) -> None:
+    """Keep a validated heartbeat of unregistered node `name` as a join request for staff."""
     fields = {"address": beat.address[:255], "slots": max(0, beat.slots), "labels": beat.labels}
     if NodeJoinRequest.objects.filter(name=name).update(heartbeats=F("heartbeats") + 1, **fields):
         return

@@ -18,7 +18,7 @@ from jobs.fleet.policy import gpu_health
 from jobs.fleet.policy.devices import summarize_devices
 from jobs.attempts.services.attempts import attempt_fence, attempt_preempt, attempt_stop
 from jobs.attempts.services.events import job_event
-from jobs.fleet.services.identity import join_request, security_event
+from jobs.fleet.services.identity import join_requested, security_event
 
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def node_heartbeat(payload: dict, *, signer: str | None = None) -> tuple[Node | None, list[int]]:
-    """Apply a registered node's heartbeat (its signature already checked by
+def node_heartbeat(beat: Heartbeat, *, signer: str | None = None) -> tuple[Node | None, list[int]]:
+    """Apply a registered node's heartbeat (validated at the edge, its signature already checked by
     identity.report_open; `signer` is the node that signed it). Returns the node and the attempts
     the agent runs that the control plane no longer expects there (the caller tells the agent to
     stop them); (None, []) when refused: an unregistered node (a join request for staff) or a
@@ -37,7 +37,8 @@ def node_heartbeat(payload: dict, *, signer: str | None = None) -> tuple[Node | 
 
     A heartbeat never moves a node's registered address (a forged one became the next job's
     rendezvous host) and never offers more slots than staff approved (it may offer fewer)."""
-    beat = Heartbeat.model_validate(payload)
+    if not isinstance(beat, Heartbeat):
+        raise TypeError("node_heartbeat takes a validated trainyard.launch.Heartbeat")
     name = beat.name
     if signer is not None and signer != name:
         security_event("name_mismatch", signer, f"heartbeat signed by {signer} names node {name[:64]}")
@@ -47,7 +48,7 @@ def node_heartbeat(payload: dict, *, signer: str | None = None) -> tuple[Node | 
     with transaction.atomic():
         node = Node.objects.select_for_update().filter(name=name).first()
         if node is None:
-            join_request(name, payload)
+            join_requested(name, beat)
             return None, []
         cap = node.slots_approved if node.slots_approved is not None else node.slots
         fields = {

@@ -12,7 +12,6 @@ from functools import partial
 
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from pydantic import ValidationError
 
 from trainyard.calibration import MeasurementsError, parse_measurements
 from trainyard.launch import CalibrationReport
@@ -85,14 +84,9 @@ def calibration_request(node_name: object, *, quick: object = False, user) -> No
     return node
 
 
-def calibration_report(payload: dict) -> Calibration | None:
-    """A node's CalibrationReport: store the calibration; a failed harness or an invalid document
-    is logged (nothing stored) and returns None."""
-    try:
-        report = CalibrationReport.model_validate(payload)
-    except ValidationError as e:
-        log.warning("invalid calibration report: %s", e)
-        return None
+def calibration_report(report: CalibrationReport) -> Calibration | None:
+    """A node's CalibrationReport (validated at the edge): store the calibration; a failed harness
+    or invalid measurements are logged (nothing stored) and return None."""
     if report.measurements is None:
         log.warning("calibration of node %s failed: %s", report.node, report.error or "no measurements")
         return None
