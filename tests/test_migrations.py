@@ -17,12 +17,16 @@ from django.db.migrations.loader import MigrationLoader
 
 ROOT = Path(__file__).resolve().parents[1]
 MIGRATIONS = ROOT / "jobs" / "migrations"
+LOCKFILE = ROOT / "migrations_lockfile.txt"
 
 
-def test_the_jobs_app_has_exactly_one_migration_head():
+def test_the_jobs_app_has_exactly_one_migration_head_the_one_the_lockfile_names():
     loader = MigrationLoader(None, ignore_no_migrations=True)
     heads = sorted(name for app, name in loader.graph.leaf_nodes() if app == "jobs")
-    assert len(heads) == 1, f"jobs has {len(heads)} migration heads {heads}: add a merge migration"
+    assert len(heads) == 1, f"jobs has {len(heads)} migration heads {heads}: rebase your migration onto the other"
+    locked = dict(line.split(": ", 1) for line in LOCKFILE.read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+    assert locked == {"jobs": heads[0]}, f"migrations_lockfile.txt says {locked}, the head is jobs: {heads[0]}"
 
 
 @pytest.mark.django_db

@@ -1,5 +1,5 @@
 """Telemetry intake: the relay's batches of metric samples and runtime events, stored in one
-transaction (the relay reads them from each job's Redis stream, trainyard.keys.job_stream).
+transaction (the relay reads them from each attempt's Redis stream, trainyard.keys.attempt_stream).
 
 A sample's user metrics (`sample["metrics"] = {name: float}`, what the SDK's `run.log(step, **metrics)`
 sends for names outside the standard fields) go to `MetricSample.extra`: names

@@ -28,11 +28,6 @@ def configure(timeout_s: float | None) -> None:
     _APPLIED = False
 
 
-def group_timeout() -> timedelta | None:
-    """The collective timeout this rank's groups get from the first step (None: torch's)."""
-    return _COLLECTIVE_TIMEOUT
-
-
 def track_group(group) -> None:
     """Give `group` the collective timeout from the first step on (now, if that has passed).
     For groups made elsewhere (the default group, a device mesh's); a rank outside: nothing."""

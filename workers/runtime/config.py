@@ -6,8 +6,10 @@ stored, every default filled in, validated with the same model (`trainyard.spec.
 types, bounds and the rules every JobSpec satisfies; keys it does not know are ignored, as a newer
 control plane may send them); the trainer reads its sections and never re-declares a JobSpec
 field, default or rule. The combinations refused at submit (trainyard.spec RULES, "submit") are not checked
-again here. `parallel: "auto"` reaches the runtime unresolved (jobs/services.py stores it as
-given) and reads as the default plan: data parallel over every process (dp None).
+again here. A built-in GPT's `parallel: "auto"` never reaches the runtime: the control plane
+resolves it at submit (jobs/planning/autoplan.py) and stores the chosen plan; an MLP's or a
+script's `auto` is stored as given and reads as the default plan, data parallel over every
+process (dp None).
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 
 The mesh arithmetic (the ("pp", "dp", "tp") grid, tp innermost; the stage split; what each
 dimension means) is trainyard/mesh.py's, the same the runtime uses, so the page can say what
-each rank will be before the runtime reports what it really holds (the `rank_plan` event). A
-plan search (cost model over candidate meshes) is not built: `parallel: auto` means plain data
+each rank will be before the runtime reports what it really holds (the `rank_plan` event). The
+plan search is not here: `parallel: auto` on a built-in GPT is resolved at submit by
+jobs/planning/autoplan.py (trainyard/plan/ searches the candidate meshes with its cost model) and
+this module describes the concrete plan it wrote into the spec; an MLP's `auto` is plain data
 parallelism over every process.
 
 An entrypoint job (the user's own code) is planned as plain data parallelism over its processes:

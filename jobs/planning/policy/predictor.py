@@ -8,7 +8,7 @@ key give a per-step time (duration / steps run); the prediction is the median of
 user, the same team, anyone. The median, not the mean: one run slowed by a straggler or a
 restart should not move the next prediction much. Without same-key history, the knowledge
 base's nearest measured configurations (`knowledge`: `MeasuredStep`s, nearest first, as
-jobs/selectors_knowledge.py reads them) give the step time: the median warm step time of the
+jobs/planning/selectors.py reads them) give the step time: the median warm step time of the
 last `k` records of the nearest shape (same model kind and device type; distance over the
 log-ratios of layers, hidden, seq_len, global batch and world size, at most
 KNOWLEDGE_MAX_DISTANCE), each scaled by the model's ratio estimate_step_s(job) /

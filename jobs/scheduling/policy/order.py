@@ -56,8 +56,7 @@ def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob]) -> list[QueuedJ
         wait = now - j.submitted_at
         key = j.predicted_s / (1.0 + wait / AGING_S) if wait > 0 else j.predicted_s
         groups.setdefault(j.priority, {}).setdefault(j.team, []).append((key, j.submitted_at, j.id, j))
-    team_q = view.quotas.team_slots
-    within = dict(classify(view.running, team_q)[1])
+    ledger = classify(view.running, view.quotas.team_slots)[1]
     out: list[QueuedJob] = []
     borrowers: list[QueuedJob] = []
     for prio in sorted(groups, reverse=True):
@@ -70,12 +69,7 @@ def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob]) -> list[QueuedJ
             _, name, t = heap[0]
             jobs = groups[prio][t]
             j = jobs.pop()[3]
-            if t in team_q and within.get(t, 0) + j.slots > team_q[t]:
-                borrowers.append(j)
-            else:
-                out.append(j)
-                if t in team_q:
-                    within[t] = within.get(t, 0) + j.slots
+            (borrowers if ledger.take(t, j.slots) else out).append(j)
             score[t] += j.slots * min(j.predicted_s, horizon)
             if jobs:
                 heapq.heapreplace(heap, (score[t] / ent[t], name, t))

@@ -17,19 +17,41 @@ from typing import Iterable, Mapping
 from jobs.scheduling.policy.cluster import ClusterView, RunningJob
 
 
-def classify(running: Iterable[RunningJob], team_slots: Mapping[str, int]) -> tuple[set[int], dict]:
-    """(ids of the borrowing running jobs, within-quota running slots per team)."""
-    borrowing: set[int] = set()
-    within: dict[str | None, int] = {}
-    for r in sorted(running, key=lambda r: (r.started_at, r.id)):
-        if not r.preemptible or r.team not in team_slots:
-            continue
-        used = within.get(r.team, 0)
-        if used + r.slots <= team_slots[r.team]:
-            within[r.team] = used + r.slots
-        else:
-            borrowing.add(r.id)
-    return borrowing, within
+class QuotaLedger:
+    """The one rule of borrowing, for every caller (the running jobs' classification, the queue
+    order, the tick's placements): jobs counted in order stay within their team's quota while the
+    team's within-quota slots plus their own fit it; the rest borrow. A team without a quota (or
+    no team) never borrows."""
+
+    def __init__(self, team_slots: Mapping[str, int]):
+        self.team_slots = team_slots
+        self.within: dict[str | None, int] = {}
+
+    def borrows(self, team: str | None, slots: int) -> bool:
+        """Whether a job of `team` with `slots` would borrow, counted after those so far."""
+        quota = self.team_slots.get(team) if team is not None else None
+        return quota is not None and self.within.get(team, 0) + slots > quota
+
+    def add_within(self, team: str | None, slots: int) -> None:
+        """Count a job that does not borrow into its team's within-quota slots."""
+        if team is not None and team in self.team_slots:
+            self.within[team] = self.within.get(team, 0) + slots
+
+    def take(self, team: str | None, slots: int) -> bool:
+        """Count the next job in; True when it borrows."""
+        if self.borrows(team, slots):
+            return True
+        self.add_within(team, slots)
+        return False
+
+
+def classify(running: Iterable[RunningJob], team_slots: Mapping[str, int]) -> tuple[set[int], QuotaLedger]:
+    """(ids of the borrowing running jobs, the ledger of within-quota running slots per team):
+    per team in start order; jobs being stopped (not preemptible) are left out."""
+    ledger = QuotaLedger(team_slots)
+    borrowing = {r.id for r in sorted(running, key=lambda r: (r.started_at, r.id))
+                 if r.preemptible and ledger.take(r.team, r.slots)}
+    return borrowing, ledger
 
 
 def running_borrowing(running: Iterable[RunningJob], team_slots: Mapping[str, int]) -> frozenset[int]:

@@ -59,7 +59,7 @@ class _Tick:
         self.team_q = q.team_slots
         self.caps = q.user_slots
         self.over = q.over_budget
-        self.borrowing_running, self.within = classify(view.running, self.team_q)
+        self.borrowing_running, self.ledger = classify(view.running, self.team_q)
         self.team_total: dict[str | None, int] = {}
         self.user_run: dict[str, int] = {}
         for r in view.running:
@@ -98,14 +98,13 @@ class _Tick:
         return None
 
     def _is_borrowing(self, job: QueuedJob) -> bool:
-        q = self.team_q.get(job.team) if job.team is not None else None
-        return q is not None and self.within.get(job.team, 0) + job.slots > q
+        return self.ledger.borrows(job.team, job.slots)
 
     def _claim(self, job: QueuedJob, borrowing: bool) -> None:
         self.user_run[job.user] = self.user_run.get(job.user, 0) + job.slots
         self.team_total[job.team] = self.team_total.get(job.team, 0) + job.slots
-        if not borrowing and job.team in self.team_q:
-            self.within[job.team] = self.within.get(job.team, 0) + job.slots
+        if not borrowing:
+            self.ledger.add_within(job.team, job.slots)
 
     def _commit(self, job: QueuedJob, picked: list[int], borrowing: bool) -> None:
         f = self.free
