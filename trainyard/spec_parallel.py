@@ -48,10 +48,18 @@ class Periods(_Strict):
                          description="steps between averages over all ranks; a multiple of node, larger")
 
 
+# The gradient compressions there are, each with its hook's arithmetic per step in units of the
+# job's measured optimizer step: the profiler's cost model (jobs/attempts/policy/profiling.py says
+# how each was measured). CommSpec.compression accepts exactly these keys, and the runtime sets up
+# each of them (workers/runtime/comm.py _SETUP, tested against this table).
+COMPRESSION_COST: dict[str, float] = {"none": 0.0, "fp16": 0.3, "bf16": 0.3, "powersgd": 1.5, "topk": 2.0}
+Compression = Literal[tuple(COMPRESSION_COST)]  # type: ignore[valid-type]
+
+
 class CommSpec(_Strict):
     """How gradients or models are synchronised between data-parallel replicas."""
 
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+    compression: Compression = Field(
         "none", description="gradient all-reduce compression (a DDP comm hook; workers/runtime/comm.py)")
     ratio: Union[Literal["auto"], float] = Field(
         0.01, description="topk: fraction of each gradient bucket sent, (0, 1]; auto: chosen from "

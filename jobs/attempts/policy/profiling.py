@@ -64,6 +64,7 @@ from dataclasses import asdict, dataclass
 
 from trainyard.mesh import param_count, train_flops
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
+from trainyard.spec_parallel import COMPRESSION_COST
 
 COMPUTE, COMM, INPUT, UNKNOWN = "compute", "communication", "input", "unknown"
 ENTER = {COMM: 0.30, INPUT: 0.20}
@@ -72,8 +73,6 @@ MIN_STEPS = 5
 WARMUP_STEPS = 2
 OUTLIER = 4.0
 MIN_GAIN = 0.05  # below this a change is not worth a restart
-# A compression hook's arithmetic per step, in units of the job's measured optimizer step (see above).
-COMPRESSION_COST = {"none": 0.0, "fp16": 0.3, "bf16": 0.3, "powersgd": 1.5, "topk": 2.0}
 # GEMM efficiency (achieved / best FLOP/s) against the geometric-mean matrix dimension.
 # cpu: torch fp32 matmul on one thread of this machine (n x n x n: 8 -> 0.004, 16 -> 0.03,
 # 32 -> 0.21, 64 -> 0.65, 128 and up -> ~1.0 of 187 GFLOP/s); cuda: a prior of the usual shape.
