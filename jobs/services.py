@@ -2,24 +2,15 @@
 relay call these functions, never the ORM's writes directly.
 
 Transitions are compare-and-set (`filter(status=old).update(...)`), each writes a JobEvent, and
-side effects (Celery sends, websocket messages) run only after commit. One module per topic,
-each importing only the ones below it:
+side effects (Celery sends, websocket messages) run only after commit. Each domain keeps its
+own services (jobs/<domain>/services*): runs (submit, cancel, apply a recommendation),
+scheduling (the tick, ETAs, quotas), telemetry (ingest), fleet (heartbeats, reports, identity,
+nodes_check), attempts (launch, rollback, stop/preempt/finish, profiling, checkpoints, bus access,
+events), planning (knowledge, calibration) and bundles. Which may import which is written once,
+in pyproject.toml's import-linter contracts ("jobs: the domains, each importing only the ones
+below it", and one per domain's services); docs/architecture.md section 2 explains it.
 
-    jobs         submit, cancel, rollback, apply a recommendation  (what users ask for)
-    scheduling   schedule_tick, eta_refresh, launching a placement
-    ingest       telemetry_ingest, runtime events
-    quotas       quotas_update, quota_audit
-    nodes        heartbeats, rank/exit reports, nodes_check, drain/cordon/clear
-    attempts     stop, preempt, finish and its outcome, hang/straggler/profile checks
-    knowledge    the knowledge base: one record per ended attempt with enough warm steps
-    profiling    the running attempt's profile (what bounds its step, the recommendation)
-    checkpoints  register, reconcile, retention, resume point, pin
-    busaccess    each attempt's own bus credentials: its Redis user and the secrets its Launch carries
-    events       job events, the status compare-and-set, their publication
-    bundles      code bundles: store, the submit check (bundle_files), garbage collection
-    calibration  calibrations: request one of a node, store a report's fit, the newest constants
-
-This module is the package's public API: `services.job_submit(user=..., spec=...)`.
+This module is the package's public API: `services.job_submit(user=..., spec=services.submitted_spec(data))`.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
-from jobs.access import tokens
+from jobs.access import services as access_services
 from jobs.core.client_ip import client_ip
 from jobs.core.dbtext import text_problem
 from jobs.core.errors import InvalidInput
@@ -67,4 +67,4 @@ class AuthTokenView(APIView):
             raise Throttled(detail=LOCKED_OUT)
         if user is None or not user.is_active:
             raise InvalidInput({"credentials": ["wrong username or password"]})
-        return Response({"token": tokens.issue(user), "username": user.get_username(), "is_staff": user.is_staff})
+        return Response({"token": access_services.token_issue(user), "username": user.get_username(), "is_staff": user.is_staff})

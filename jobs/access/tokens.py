@@ -1,5 +1,5 @@
 """API tokens, stored hashed (issue 15, section 3): `Authorization: Token <key>` for the API and
-for websockets without an Origin (jobs/ws_auth.py).
+for websockets without an Origin (jobs/access/ws_auth.py). Issuing one is jobs/access/services.py's.
 
 A key is 32 random bytes (urlsafe base64); the database keeps only its SHA-256 (models.ApiToken).
 A presented key is hashed and looked up by digest, and the digest compared in constant time.
@@ -9,13 +9,12 @@ text, so a copy of the database (or a backup) was every user's credentials.
 
 Revoking (deleting a token, deactivating or deleting a user) closes the websockets it opened:
 every authenticated socket joins the groups `user_group(user)` and, when a token opened it,
-`token_group(token)` (jobs/consumers.py); jobs/signals.py sends `auth.revoked` to them.
+`token_group(token)` (jobs/runs/consumers.py); jobs/signals.py sends `auth.revoked` to them.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
 
 from rest_framework.authentication import TokenAuthentication
 from rest_framework.exceptions import AuthenticationFailed
@@ -26,15 +25,6 @@ REVOKED_CLOSE_CODE = 4401
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def issue(user) -> str:
-    """Create a new token for `user` and return its key: the only time the key exists in clear."""
-    from jobs.models import ApiToken
-
-    key = secrets.token_urlsafe(32)
-    ApiToken.objects.create(user=user, digest=digest(key), prefix=key[:8])
-    return key
 
 
 def lookup(key: str):

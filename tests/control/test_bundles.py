@@ -19,8 +19,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from jobs.bundles import services as bundle_services
+from jobs.access import services as access_services
 from jobs import services, tasks
-from jobs.access import tokens
 from jobs.bundles.api import MULTIPART_OVERHEAD, UploadSizeGuard
 from jobs.models import CodeBundle, Job
 from tests.test_bundle import GOOD, member, tar_bytes
@@ -39,7 +39,7 @@ def artifacts(settings, tmp_path):
 @pytest.fixture
 def client(user):
     c = APIClient()
-    c.credentials(HTTP_AUTHORIZATION=f"Token {tokens.issue(user)}")
+    c.credentials(HTTP_AUTHORIZATION=f"Token {access_services.token_issue(user)}")
     return c
 
 

@@ -10,8 +10,8 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from jobs.runs import consumers
+from jobs.access import services as access_services
 from jobs import services
-from jobs.access import tokens
 
 pytestmark = pytest.mark.django_db(transaction=True)  # database_sync_to_async closes connections
 
@@ -83,7 +83,7 @@ def test_job_socket_auth(app, job, user, other, staff, who, expect):
 
 
 def test_foreign_origin_is_refused_and_token_clients_need_no_origin(app, job, user):
-    key = tokens.issue(user)
+    key = access_services.token_issue(user)
     evil, no_origin = session_headers(user, b"http://evil.example"), session_headers(user, origin=None)
 
     async def go():

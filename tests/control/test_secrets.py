@@ -13,6 +13,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from jobs.core import dispatch
+from jobs.access import services as access_services
 from jobs.access import tokens
 from jobs.models import ApiToken
 
@@ -62,7 +63,7 @@ def test_api_token_prints_a_new_key_stored_only_as_its_sha256(user, capsys):
 
 
 def test_a_token_of_an_inactive_user_does_not_authenticate(user):
-    key = tokens.issue(user)
+    key = access_services.token_issue(user)
     user.is_active = False
     user.save()
     assert api_status(key) == 401
@@ -126,7 +127,7 @@ def token_headers(key):
 
 
 def test_revoking_a_token_closes_the_sockets_it_opened_and_no_other(app, user, other):
-    first, second, bobs = tokens.issue(user), tokens.issue(user), tokens.issue(other)
+    first, second, bobs = access_services.token_issue(user), access_services.token_issue(user), access_services.token_issue(other)
     browser = session_headers(user)
 
     async def go():
@@ -153,7 +154,7 @@ def test_revoking_a_token_closes_the_sockets_it_opened_and_no_other(app, user, o
 
 
 def test_deactivating_a_user_closes_all_their_sockets(app, user, other):
-    alice, bob = tokens.issue(user), tokens.issue(other)
+    alice, bob = access_services.token_issue(user), access_services.token_issue(other)
     browser = session_headers(user)
 
     async def go():
@@ -178,7 +179,7 @@ def test_deactivating_a_user_closes_all_their_sockets(app, user, other):
 
 def test_a_socket_revoked_between_handshake_and_join_is_closed(user):
     """The consumer re-checks after joining its groups: a revocation in between cannot be missed."""
-    key = tokens.issue(user)
+    key = access_services.token_issue(user)
     token_id = tokens.lookup(key).pk
     assert tokens.still_valid(user.pk, token_id) and tokens.still_valid(user.pk, None)
     ApiToken.objects.filter(pk=token_id).delete()

@@ -1,7 +1,7 @@
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.access import tokens
+from jobs.access import services as access_services
 
 
 class Command(BaseCommand):
@@ -24,4 +24,4 @@ class Command(BaseCommand):
             return
         if not user.is_active:
             raise CommandError(f"user {username!r} is inactive: a token would not authenticate")
-        self.stdout.write(tokens.issue(user))
+        self.stdout.write(access_services.token_issue(user))
