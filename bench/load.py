@@ -9,7 +9,7 @@ directory (kept with `--keep`). Nothing is sent anywhere but 127.0.0.1.
 
 1. baseline: `--rate` API requests/s (open loop, bench/loadstats.py) for `--duration` s with no
    websocket and no job running (detail/metrics/events read a 150-step job that has finished).
-2. full load: two jobs (the SMALL GPT of tests/runtime/conftest.py, 1 node x 1 proc each) train and
+2. full load: two jobs (the SMALL GPT of tests/workers/runtime/conftest.py, 1 node x 1 proc each) train and
    stream telemetry, their processes reniced (`--ranks-nice`); `--sockets` websockets open (1 of
    `--cluster-every` on `/ws/cluster/`, the others on `/ws/jobs/<id>/` of the two jobs), held by
    two client processes (`--ws-client` mode) that ack every message as the browser does

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The abuse limits (issue 15) at values no functional test reaches, for this process and every web,
 # relay or worker process a test starts with a copy of this environment; the tests about the limits
-# set their own (tests/control/test_abuse_limits.py). An explicit environment still wins.
+# set their own (tests/jobs/core/test_abuse_limits.py). An explicit environment still wins.
 GENEROUS_LIMITS = {
     "TRAINYARD_THROTTLE_ANON": "1000000/min", "TRAINYARD_THROTTLE_USER": "1000000/min",
     "TRAINYARD_THROTTLE_SUBMIT": "1000000/min", "TRAINYARD_LOGIN_FAILURE_LIMIT": "1000",

@@ -12,7 +12,7 @@ Stage split: the blocks are split into contiguous ranges as evenly as possible, 
 `layers % pp` stages taking one more (`stage_layers`).
 
 Model size: `param_count` counts the parameters of the built-in models exactly as
-workers/runtime/model.py builds them (tests/runtime/test_model.py checks it against
+workers/runtime/model.py builds them (tests/workers/runtime/test_model.py checks it against
 `sum(p.numel())`); `train_flops` is the usual 6 x parameters x tokens of a forward + backward.
 """
 from __future__ import annotations

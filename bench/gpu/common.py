@@ -68,8 +68,8 @@ def run_training(where: Path, redis_url: str, name: str, *, nproc: int, job_id: 
                  extra_env: dict | None = None, timeout_s: float = 120, **sections) -> dict:
     """One `workers.runtime` job to completion on device(): its per-(rank, step) samples, the
     ranks' "finished" lines and the process's exit code and output tail."""
-    from tests.runtime.conftest import make_launch_config, read_stream, write_launch_config
-    from tests.runtime.conftest import SMALL_MODEL
+    from tests.workers.runtime.conftest import make_launch_config, read_stream, write_launch_config
+    from tests.workers.runtime.conftest import SMALL_MODEL
     sections.setdefault("model", SMALL_MODEL)
     sections["resources"] = {"nodes": 1, "procs_per_node": nproc, "device": device(),
                              **sections.get("resources", {})}

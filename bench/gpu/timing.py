@@ -82,7 +82,7 @@ def _late_collectives(rate: float):
 def _trainer(tmp: Path, parallel: dict, device, steps: int = 100, rank: int = 0, world: int = 1):
     import torch
 
-    from tests.runtime.conftest import SMALL_MODEL, make_launch_config
+    from tests.workers.runtime.conftest import SMALL_MODEL, make_launch_config
     from trainyard.sdk.reporter import Reporter
     from workers.runtime.config import parse_run_config
     from workers.runtime.data import build_batches

@@ -54,7 +54,7 @@ class WebOnly(Cluster):
 
 
 # The fuzzer sends thousands of requests a minute as one user: the abuse limits are not under test
-# here (tests/control/test_limits.py is), so they are raised out of its way.
+# here (tests/jobs/test_limits.py is), so they are raised out of its way.
 FUZZ_ENV = {"TRAINYARD_THROTTLE_USER": "100000/min", "TRAINYARD_THROTTLE_ANON": "100000/min",
             "TRAINYARD_THROTTLE_SUBMIT": "100000/min", "TRAINYARD_MAX_QUEUED_JOBS_PER_USER": "100000"}
 

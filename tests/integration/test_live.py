@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import redis
 
-from tests.control.test_prometheus import parse, value
+from tests.jobs.telemetry.test_prometheus import parse, value
 from trainyard.keys import attempt_stream
 from trainyard.sdk.reporter import Reporter
 

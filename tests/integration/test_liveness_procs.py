@@ -14,7 +14,7 @@ import pytest
 from django.test import Client
 
 from tests.conftest import REPO
-from tests.control.test_prometheus import parse
+from tests.jobs.telemetry.test_prometheus import parse
 
 pytestmark = [pytest.mark.procs, pytest.mark.django_db]
 TTL_S = 2.0

@@ -83,7 +83,7 @@ class DeviceConstants:
 
 
 # Fit by trainyard/plan/fit.py on the training rows of published.py (fit.TRAIN); held-out
-# errors in tests/plan/test_published.py. Re-fit: `bench/planner_published.py --fit`.
+# errors in tests/trainyard/plan/test_published.py. Re-fit: `bench/planner_published.py --fit`.
 DEFAULT_GPU = DeviceConstants(
     name="gpu",
     matmul_eff=((1024.0, 0.384), (4096.0, 0.6489920622500002), (16384.0, 0.6579999999999999)),

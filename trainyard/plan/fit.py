@@ -1,5 +1,5 @@
 """Fitting DEFAULT_GPU's efficiency constants on published runs, and the honest evaluation of the
-planner on the rows left out of the fit (published.py; tests/plan/test_published.py).
+planner on the rows left out of the fit (published.py; tests/trainyard/plan/test_published.py).
 
 Per row: the planner costs the published layout (its (tp, pp, dp) and what the source states,
 the rest left to the search) and its predicted tokens/s is compared with the measured ones; the

@@ -152,7 +152,7 @@ ROWS: list[dict] = [
 # parallel size one are not restated here with certainty. Gopher trained on TPUs. Megatron-LM
 # 2021's figures comparing (tp, pp) sweeps are plots whose values we could not read reliably.
 
-# The rows fit.py fits DEFAULT_GPU on; every other row is held out (tests/plan/test_published.py).
+# The rows fit.py fits DEFAULT_GPU on; every other row is held out (tests/trainyard/plan/test_published.py).
 TRAIN = ("megatron21-1.7B", "megatron21-18.4B", "megatron21-145.6B", "megatron21-1008.0B", "mtnlg-530B-2240")
 
 

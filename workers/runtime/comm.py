@@ -32,7 +32,7 @@ Compression (`comm.compression`, `GradCompression` + `compression_hook`):
   exchanged as int32 indices + values packed into one all_gather. `comm.ratio: auto` sets the ratio from
   the measured link bandwidth and backward time (autoratio.py, driven by sync.py).
 Measured on the 2-layer, hidden-64 test GPT (548 KB of fp32 gradients a step, 2 gloo ranks,
-tests/runtime/test_accum_compression.py), bytes sent per compressed step relative to none:
+tests/workers/runtime/test_accum_compression.py), bytes sent per compressed step relative to none:
 fp16 and bf16 0.50, powersgd rank 2 0.054, topk ratio 0.01 0.020 (4-byte index + 4-byte value
 per kept entry); mean loss over steps 16-20: none/fp16/bf16 3.91, powersgd 3.93, topk 4.35
 (5.53 at step 1).

@@ -9,7 +9,7 @@ the state (exp_avg, exp_avg_sq, step) of its partition only, so a rank holds abo
 optimizer state. Gradients are averaged as before (DDP's buckets, or the strategy's dp
 all-reduce), every rank updates its own partition, then each partition is broadcast from its
 owner over the dp group. The math is AdamW's, parameter by parameter: the losses are the
-unsharded run's (tests/runtime/test_recompute_zero.py). The broadcasts run inside opt.step(), so
+unsharded run's (tests/workers/runtime/test_recompute_zero.py). The broadcasts run inside opt.step(), so
 their time is in optim_s and their bytes are not in bytes_sent (which counts gradient traffic).
 
 Checkpoints: `state_optimizer` is the optimizer holding this rank's state (the local AdamW for

@@ -32,7 +32,7 @@ trainer's step, so a resumed attempt averages at the same steps as an uninterrup
 stores one copy of every replicated tensor (each from one rank, its pick), and every rank loads
 that copy: after a global averaging step the saved model is the averaged one, exactly; the AdamW
 moments (per replica after start_step) come back as one rank's per tensor, so a resume is not a
-bitwise replay (tests/runtime/test_sync.py: same schedule and bytes, same first losses). A save
+bitwise replay (tests/workers/runtime/test_sync.py: same schedule and bytes, same first losses). A save
 at a step without global averaging stores a per-tensor mix of the diverged replicas: best
 place checkpoints on global averaging steps (start_step + 1 + k x period for local_sgd).
 """
