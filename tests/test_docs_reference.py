@@ -99,3 +99,24 @@ def test_readme_cli_commands_parse():
         for a in args:
             if a.startswith("examples/"):
                 assert (ROOT / a).exists(), f"README.md's `trainyard {name}` names {a}, which does not exist"
+
+
+def test_every_control_plane_module_is_named_in_architecture():
+    """Section 5 lists each domain's files: a new module must be placed there too."""
+    text = ARCH.read_text()
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "jobs").rglob("*.py")
+               if p.name != "__init__.py" and not {"migrations", "management"} & set(p.parts)]
+    missing = sorted(m for m in modules if f"`{m}`" not in text)
+    assert not missing, f"docs/architecture.md, section 5, does not say what these do: {missing}"
+
+
+def test_domain_tables_are_the_models():
+    """Each domain's `Tables (jobs/models/<domain>.py): ...` line names exactly the models defined there."""
+    import ast
+
+    lines = re.findall(r"^Tables \(`(jobs/models/\w+\.py)`\): (.*?)\. Bus:", ARCH.read_text(), re.M)
+    assert len(lines) == len(list((ROOT / "jobs" / "models").glob("[!_]*.py"))), "a domain's Tables line is missing"
+    for path, names in lines:
+        tree = ast.parse((ROOT / path).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")}
+        assert set(re.findall(r"`(\w+)`", names)) == defined, f"docs/architecture.md's tables of {path}"
