@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv deps test-deps run test test-fast test-postgres lint bench gpu-checks clean
+.PHONY: venv deps test-deps run test test-fast test-postgres lint docs bench gpu-checks clean
 
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH" >&2; exit 1; }
@@ -51,6 +51,11 @@ test-postgres: venv test-deps
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+# The generated references (docs/reference/jobspec.md from the JobSpec, rest-api.md from the
+# OpenAPI document); tests/test_docs_reference.py fails when they are stale.
+docs: venv
+	DJANGO_SETTINGS_MODULE=controlplane.settings $(BIN)/python scripts/gen_reference.py
 
 # Only tests that start no processes.
 test-fast: venv

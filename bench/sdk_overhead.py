@@ -2,7 +2,7 @@
 
 Both sides are the loop at the bottom of this file (`worker`): an MLP (--width hidden units, 3
 layers) on fixed random batches, DDP over 2 gloo ranks on the CPU under `torchrun --standalone`,
-SGD with momentum, one thread per rank. The SDK side adds exactly the lines of the README's
+SGD with momentum, one thread per rank. The SDK side adds exactly the lines of the user guide's
 example: `trainyard.init()` (launch config in TRAINYARD_RUN_CONFIG, telemetry into a
 redis-server started here), `run.restore`, the data/compute/optim phases, `run.log` with a user
 metric, `run.should_checkpoint` / `run.should_stop` (the preemption vote), `run.finish`. Saves

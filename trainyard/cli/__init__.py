@@ -1,4 +1,4 @@
-"""The `trainyard` command line client (README, "The trainyard CLI").
+"""The `trainyard` command line client (docs/user-guide.md, "The `trainyard` CLI").
 
 Talks to a control plane over its REST API and the job websocket only: no Django, no torch.
 Modules: config (the login file), client (HTTP and websocket plumbing, one-line errors), pack
