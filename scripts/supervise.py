@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", metavar="DIR",
                     help="each process's whole output to DIR/NAME.log (0600); the terminal shows only its "
                          "warnings, errors, tracebacks, job and node events, and the starts and exits")
-    ap.add_argument("--log-max-bytes", type=int, default=10 * 1024 * 1024, metavar="N",
-                    help="a log file this big becomes NAME.log.1, replacing the one before (default 10 MiB)")
+    # 32 MiB: about 12 hours of an idle cluster's control worker (its busiest file), a day with NAME.log.1
+    ap.add_argument("--log-max-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                    help="a log file this big becomes NAME.log.1, replacing the one before (default 32 MiB)")
     ap.add_argument("--verbose", action="store_true",
                     help="with --log-dir, still show every line of every process on the terminal")
     args = ap.parse_args(argv)
