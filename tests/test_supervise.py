@@ -281,3 +281,13 @@ def test_the_control_planes_log_lines_carry_their_level_with_trainyard_log_forma
         assert out.returncode == 0 and out.stderr.splitlines()[-1] == line, out.stderr
     out = run("json")
     assert out.returncode != 0 and "TRAINYARD_LOG_FORMAT must be one of plain, levels, not 'json'" in out.stderr
+
+
+def test_make_runs_verbose_switch_takes_1_or_0_and_refuses_anything_else_before_starting(tmp_path):
+    env = dict(os.environ, TRAINYARD_VAR_DIR=str(tmp_path / "var"), TRAINYARD_RUN_VERBOSE="yes")
+    out = subprocess.run(["bash", str(REPO / "scripts" / "run.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "TRAINYARD_RUN_VERBOSE must be 1 (every line on the terminal) or 0, not 'yes'" \
+        in out.stderr, out.stderr
+    assert not (tmp_path / "var").exists()
+    text = (REPO / "scripts" / "run.sh").read_text()  # and what it hands the supervisor
+    assert '--log-dir "$LOG_DIR" "${verbose[@]}"' in text and 'LOG_DIR="$TRAINYARD_VAR_DIR/log"' in text
