@@ -24,8 +24,10 @@ deps:
 test-deps:
 	@scripts/ensure_system_deps.sh chromium iproute2
 
+# Each process's whole output goes to var/log/<process>.log; the terminal shows starts, exits, job and
+# node events, warnings and errors. `make run VERBOSE=1` (or TRAINYARD_RUN_VERBOSE=1) shows every line.
 run: venv deps
-	scripts/run.sh
+	$(if $(VERBOSE),TRAINYARD_RUN_VERBOSE=$(VERBOSE)) scripts/run.sh
 
 # Everything, real processes included (Redis on a free port, Celery workers, torchrun, daphne).
 test: venv test-deps

@@ -254,10 +254,19 @@ globals().update(security.cookie_settings(os.environ))
 # SQLite database files are 0600 (jobs/signals.py tightens them on the first connection).
 # ---------------------------------------------------------------- end of secrets and sessions
 
+# TRAINYARD_LOG_FORMAT: `plain` (the default: the message alone) or `levels` (`WARNING jobs.tasks: ...`,
+# the level and the logger first). `make run` sets `levels`: its supervisor (scripts/supervise.py) then
+# shows a process's warnings, errors and `trainyard.lifecycle` lines (jobs submitted, started,
+# finished; nodes lost and back) on the terminal and keeps the rest in var/log/.
+_LOG_FORMATS = {"plain": "%(message)s", "levels": "%(levelname)s %(name)s: %(message)s"}
+_log_format = os.environ.get("TRAINYARD_LOG_FORMAT", "").strip() or "plain"
+if _log_format not in _LOG_FORMATS:
+    raise ImproperlyConfigured(f"TRAINYARD_LOG_FORMAT must be one of {', '.join(_LOG_FORMATS)}, not {_log_format!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"console": {"format": _LOG_FORMATS[_log_format]}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "console"}},
     "root": {"handlers": ["console"], "level": os.environ.get("TRAINYARD_LOG_LEVEL", "INFO")},
     # axes logs its banner and each failed login at INFO (one line per process on stderr, where
     # `manage.py plan` keeps its one error line); lockouts are warnings.

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # `make run`: everything for one machine under scripts/supervise.py (see Procfile), which restarts a
 # process that exits (with backoff) and keeps the others running. Ctrl-C stops it all.
+# Each process's whole output goes to var/log/<name>.log (0600; at 32 MiB it becomes <name>.log.1); the
+# terminal shows process starts, exits and restarts, job and node events, warnings and errors.
+# TRAINYARD_RUN_VERBOSE=1 (or `make run VERBOSE=1`) shows every line there too, as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Everything this starts writes its files for this user only: the database, the secret key, the admin
@@ -16,10 +19,16 @@ export TRAINYARD_CHECKPOINT_ROOT="${TRAINYARD_CHECKPOINT_ROOT:-$TRAINYARD_VAR_DI
 export TRAINYARD_RUN_DIR="${TRAINYARD_RUN_DIR:-$TRAINYARD_VAR_DIR/agents}"
 export NODE_SLOTS="${NODE_SLOTS:-2}"
 export PYTHONUNBUFFERED=1
-mkdir -p "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_DATA_ROOT" "$TRAINYARD_CHECKPOINT_ROOT" "$TRAINYARD_RUN_DIR"
+LOG_DIR="$TRAINYARD_VAR_DIR/log"
+case "${TRAINYARD_RUN_VERBOSE:-0}" in
+  0) verbose=() ;;
+  1) verbose=(--verbose) ;;
+  *) echo "TRAINYARD_RUN_VERBOSE must be 1 (every line on the terminal) or 0, not '${TRAINYARD_RUN_VERBOSE}'" >&2; exit 1 ;;
+esac
+mkdir -p "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_DATA_ROOT" "$TRAINYARD_CHECKPOINT_ROOT" "$TRAINYARD_RUN_DIR" "$LOG_DIR"
 # ... and what an older version left readable by others is tightened (0700 directories). The data
 # root is what jobs read (read-only, as their own uids in the sandbox): readable, not writable.
-chmod go-rwx "$TRAINYARD_VAR_DIR" "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_RUN_DIR"
+chmod go-rwx "$TRAINYARD_VAR_DIR" "$TRAINYARD_VAR_DIR/redis" "$TRAINYARD_RUN_DIR" "$LOG_DIR"
 chmod 0755 "$TRAINYARD_DATA_ROOT"
 # The node agents run every job in a sandbox of its own (bubblewrap, the attempt's own uid:
 # workers/sandbox.py), which needs root; they refuse to start without it.
@@ -62,8 +71,11 @@ cat <<MSG
   Login:                  ${login}
   API token:              .venv/bin/python manage.py api_token admin   (a new one each time, shown once)
   Redis:                  ${redis_shown}   (Ctrl-C stops everything)
+  Logs:                   ${LOG_DIR}/<process>.log   (shown here: starts, exits, jobs, warnings, errors;
+                          TRAINYARD_RUN_VERBOSE=1 make run shows every line)
 
 MSG
-# Redis is stopped last: the agents report the attempts they stop through it.
-exec .venv/bin/python scripts/supervise.py --procfile Procfile \
-  --status-file "$TRAINYARD_VAR_DIR/supervisor.json" --stop-last redis
+# Redis is stopped last: the agents report the attempts they stop through it. The processes' control-plane
+# log lines start with their level and logger (TRAINYARD_LOG_FORMAT=levels): what the supervisor filters on.
+TRAINYARD_LOG_FORMAT="${TRAINYARD_LOG_FORMAT:-levels}" exec .venv/bin/python scripts/supervise.py --procfile Procfile \
+  --status-file "$TRAINYARD_VAR_DIR/supervisor.json" --stop-last redis --log-dir "$LOG_DIR" "${verbose[@]}"

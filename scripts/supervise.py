@@ -14,7 +14,15 @@ GRACE s, then the same for the --stop-last ones. A second SIGTERM/SIGINT kills a
 
 With --status-file, the state of every process (pid, running, restarts, last exit) is written there
 as JSON each second and on every change (0600, replaced atomically); the web process reads it for
-/metrics and the nodes page (jobs/liveness.py). Only the standard library: no shell, a Procfile line
+/metrics and the nodes page (jobs/liveness.py).
+
+With --log-dir, each process's whole output goes to DIR/NAME.log (0600, appended, never through a
+link; at --log-max-bytes it becomes NAME.log.1, replacing the one before, so a process holds at most
+twice that on disk however often it or the supervisor restarts), with its starts and exits, and the
+terminal shows only what a person acts on (TerminalFilter): the supervisor's own lines (starts,
+exits, restarts, stops), warnings and errors, tracebacks, the `trainyard.lifecycle` logger's job and
+node events and the web launcher's worker starts and exits. --verbose shows every line as well;
+without --log-dir every line is shown (it is kept nowhere else). Only the standard library: no shell, a Procfile line
 is split like a shell would (shlex) and ${VAR} / $VAR in each word are taken from the environment.
 """
 from __future__ import annotations
@@ -34,6 +42,7 @@ from pathlib import Path
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 _OUT_LOCK = threading.Lock()
+MAX_LINE = 64 * 1024  # a longer line (or output with no newline) is read, kept and shown in pieces
 
 
 def log(name: str, text: str) -> None:
@@ -45,6 +54,95 @@ def log(name: str, text: str) -> None:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
+
+
+# A line the terminal shows: a level of WARNING or worse (`WARNING name: ...` from the control plane
+# with TRAINYARD_LOG_FORMAT=levels, the agents' `<time> node-a ERROR ...`, Redis's `# WARNING ...`),
+# a Python warning or exception line (`...: SecurityWarning: ...`, `ValueError: ...`) and what
+# controlplane.serve says about its daphne workers (`serve[pid]: worker 0 exited ...`).
+_NOTABLE = re.compile(r"\b(?:WARNING|ERROR|CRITICAL|FATAL)\b|\b[A-Z]\w*(?:Warning|Error|Exception):|^serve\[\d+\]: ")
+_TRACEBACK = "Traceback (most recent call last):"
+# Job and node lifecycle (jobs/attempts/services/events.py, jobs/fleet/services/nodes.py), shown
+# without the logger's prefix: `INFO trainyard.lifecycle: job 4 'mnist' succeeded: ...`.
+_LIFECYCLE = re.compile(r"^(?:INFO )?trainyard\.lifecycle: ")
+
+
+class TerminalFilter:
+    """Which of one process's output lines the terminal shows (all of them go to its log file):
+    `__call__` returns the text to show, or None. A traceback is shown whole, from its first line
+    to the exception line (the first one not indented after it). Stateful: one per process."""
+
+    def __init__(self) -> None:
+        self.in_traceback = False
+
+    def __call__(self, line: str) -> str | None:
+        if self.in_traceback:
+            if not line[:1].isspace():
+                self.in_traceback = line.startswith(_TRACEBACK)  # the exception line ends it
+            return line
+        if line.startswith(_TRACEBACK):
+            self.in_traceback = True
+            return line
+        m = _LIFECYCLE.match(line)
+        if m:
+            return line[m.end():]
+        return line if _NOTABLE.search(line) else None
+
+
+class LogFile:
+    """One process's whole output: DIR/NAME.log, appended, created 0600 and never opened through
+    a link (one left readable by others is tightened). Each line is stamped with the date and time it
+    was read. At max_bytes the file is renamed NAME.log.1 (replacing the one before) and begun
+    again. A failing write (full disk) is reported once on the terminal; supervision goes on."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.lock = threading.Lock()
+        self.broken = self.closed = False
+        self.fd = self._open()
+
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            self.size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def write(self, text: str) -> None:
+        data = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n".encode(errors="replace")
+        with self.lock:
+            if self.closed:  # a reader still draining an orphan's pipe after the supervisor stopped
+                return
+            try:
+                if self.size and self.size + len(data) > self.max_bytes:
+                    os.close(self.fd)
+                    self.fd = -1
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                    self.fd = self._open()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.fd, view):]
+                self.size += len(data)
+                self.broken = False
+            except OSError as e:
+                if not self.broken:
+                    self.broken = True
+                    log("supervise", f"could not write {self.path}: {e} (its lines are lost until it works again)")
+                if self.fd < 0:
+                    try:
+                        self.fd = self._open()
+                    except OSError:
+                        pass
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 def expand(word: str, env: dict[str, str]) -> str:
@@ -118,6 +216,14 @@ class Child:
     next_start: float | None = 0.0  # monotonic time of the next start; None while running or stopped
     last_exit: dict | None = None
     readers: list[threading.Thread] = field(default_factory=list)
+    logfile: LogFile | None = None  # with --log-dir
+    show_all: bool = True  # every output line on the terminal, not only what TerminalFilter passes
+
+    def note(self, text: str) -> None:
+        """The supervisor's own line about this process: on the terminal and in its log file."""
+        log(self.name, text)
+        if self.logfile is not None:
+            self.logfile.write(f"supervise: {text}")
 
     def start(self) -> None:
         self.next_start = None
@@ -126,18 +232,24 @@ class Child:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as e:  # a missing executable: counted as an exit, retried like one
-            log(self.name, f"could not start {self.argv[0]!r}: {e}")
+            self.note(f"could not start {self.argv[0]!r}: {e}")
             self.proc = None
             self.exited(127)
             return
-        log(self.name, f"started (pid {self.proc.pid})")
+        self.note(f"started (pid {self.proc.pid})")
         t = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
         t.start()
         self.readers = [t]
 
     def _pump(self, proc: subprocess.Popen) -> None:
-        for raw in iter(proc.stdout.readline, b""):
-            log(self.name, raw.decode(errors="replace").rstrip("\n"))
+        shown = None if self.show_all else TerminalFilter()
+        for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            if self.logfile is not None:
+                self.logfile.write(line)
+            text = line if shown is None else shown(line)
+            if text is not None:
+                log(self.name, text)
         proc.stdout.close()
 
     def exited(self, returncode: int) -> None:
@@ -149,7 +261,7 @@ class Child:
         self.restarts += 1
         self.next_start = time.monotonic() + delay
         self.proc = None
-        log(self.name, f"{describe_exit(returncode)} after {ran:.1f} s; restart #{self.restarts} in {delay:g} s")
+        self.note(f"{describe_exit(returncode)} after {ran:.1f} s; restart #{self.restarts} in {delay:g} s")
 
     def signal_group(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -185,9 +297,30 @@ def write_status(path: Path | None, children: list[Child]) -> None:
         log("supervise", f"could not write {path}: {e}")
 
 
+def open_logs(log_dir: Path, names: list[str], max_bytes: int) -> dict[str, LogFile]:
+    """DIR (created 0700 if missing) and NAME.log for each process; an OSError names the file."""
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    files: dict[str, LogFile] = {}
+    try:
+        for name in names:
+            path = log_dir / f"{name}.log"
+            try:
+                files[name] = LogFile(path, max_bytes)
+            except OSError as e:
+                raise OSError(f"cannot open {path}: {e.strerror or e}") from None
+    except OSError:
+        for f in files.values():
+            f.close()
+        raise
+    return files
+
+
 class Supervisor:
-    def __init__(self, procs: dict[str, list[str]], args: argparse.Namespace):
-        self.children = [Child(name, argv, Backoff(args.backoff_initial, args.backoff_max, args.stable_after))
+    def __init__(self, procs: dict[str, list[str]], args: argparse.Namespace,
+                 logs: dict[str, LogFile] | None = None):
+        logs = logs or {}
+        self.children = [Child(name, argv, Backoff(args.backoff_initial, args.backoff_max, args.stable_after),
+                               logfile=logs.get(name), show_all=args.verbose or name not in logs)
                          for name, argv in procs.items()]
         self.status_path = Path(args.status_file).resolve() if args.status_file else None
         self.grace = args.grace
@@ -223,6 +356,11 @@ class Supervisor:
         self.stop([c for c in self.children if c.name in self.stop_last])
         if self.status_path is not None:
             self.status_path.unlink(missing_ok=True)
+        for c in self.children:
+            for t in c.readers:
+                t.join(timeout=0.5)  # what the last lines said is written before the files close
+            if c.logfile is not None and not any(t.is_alive() for t in c.readers):
+                c.logfile.close()
         return 0
 
     def stop(self, children: list[Child]) -> None:
@@ -236,15 +374,15 @@ class Supervisor:
                     break
                 for c in children:
                     if c.proc is not None and c.proc.poll() is None:
-                        log(c.name, f"still running {self.grace:g} s after SIGTERM: SIGKILL")
+                        c.note(f"still running {self.grace:g} s after SIGTERM: SIGKILL")
                         c.signal_group(signal.SIGKILL)
                 deadline, killed = time.monotonic() + 5.0, True
             time.sleep(0.05)
         for c in children:
             if c.proc is not None:
                 rc = c.proc.poll()
-                log(c.name, f"stopped ({describe_exit(rc)})" if rc is not None else
-                    f"pid {c.proc.pid} did not exit even after SIGKILL")
+                c.note(f"stopped ({describe_exit(rc)})" if rc is not None else
+                       f"pid {c.proc.pid} did not exit even after SIGKILL")
                 c.proc = None
             for t in c.readers:
                 t.join(timeout=0.2)  # orphans may hold the pipe; their output keeps flowing
@@ -261,9 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grace", type=float, default=15.0, help="seconds between SIGTERM and SIGKILL on stop")
     ap.add_argument("--stop-last", action="append", metavar="NAME",
                     help="stop this process after all the others (repeatable)")
+    ap.add_argument("--log-dir", metavar="DIR",
+                    help="each process's whole output to DIR/NAME.log (0600); the terminal shows only its "
+                         "warnings, errors, tracebacks, job and node events, and the starts and exits")
+    # 32 MiB: about 12 hours of an idle cluster's control worker (its busiest file), a day with NAME.log.1
+    ap.add_argument("--log-max-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                    help="a log file this big becomes NAME.log.1, replacing the one before (default 32 MiB)")
+    ap.add_argument("--verbose", action="store_true",
+                    help="with --log-dir, still show every line of every process on the terminal")
     args = ap.parse_args(argv)
     if not (0 < args.backoff_initial <= args.backoff_max) or args.stable_after <= 0 or args.grace < 0:
         ap.error("need 0 < --backoff-initial <= --backoff-max, --stable-after > 0 and --grace >= 0")
+    if args.log_max_bytes < 4096:
+        ap.error("--log-max-bytes must be at least 4096")
     try:
         procs = parse_procfile(Path(args.procfile).read_text(), dict(os.environ))
     except (OSError, ValueError) as e:
@@ -271,7 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.stop_last or []) - set(procs)
     if unknown:
         ap.error(f"--stop-last names no Procfile process: {', '.join(sorted(unknown))}")
-    return Supervisor(procs, args).run()
+    logs = None
+    if args.log_dir:
+        try:
+            logs = open_logs(Path(args.log_dir).resolve(), list(procs), args.log_max_bytes)
+        except OSError as e:
+            ap.error(f"--log-dir: {e}")
+    return Supervisor(procs, args, logs).run()
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 
 Every transition in the package goes through job_set_status (`filter(status__in=old).update(...)`,
 so two writers can never both move a job) and writes a JobEvent with job_event; the websocket
-messages they cause are sent only after the transaction commits.
+messages they cause are sent only after the transaction commits. The events of a job's life
+(LIFECYCLE: submitted, running, finished, failed, cancelled, preempted, restarted) are also logged,
+once committed, on the `trainyard.lifecycle` logger: the lines `make run` keeps on its terminal.
 """
 from __future__ import annotations
 
+import logging
+import re
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -19,6 +23,17 @@ from jobs.attempts.rows import event_row
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractUser
 
+lifecycle = logging.getLogger("trainyard.lifecycle")
+LIFECYCLE = frozenset({"submitted", "running", "succeeded", "failed", "cancelled", "preempted", "restart", "rollback"})
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def _one_line(text: str, limit: int) -> str:
+    """A message (user code's failure text, a job's name) as one line of a log: no newlines or
+    terminal escapes of its own, at most `limit` characters."""
+    text = _CONTROL.sub(" ", text).strip()
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
 
 def job_event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None = None,
               actor: AbstractUser | None = None, **data) -> JobEvent:
@@ -26,6 +41,9 @@ def job_event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None
     event = JobEvent.objects.create(job=job, attempt=attempt, kind=kind, message=message, data=data, actor=actor)
     payload = {"type": "job.event", "event": event_row(event)}
     transaction.on_commit(partial(dispatch.publish, f"job.{job.pk}", payload))
+    if kind in LIFECYCLE:
+        transaction.on_commit(partial(lifecycle.info, "job %s %r %s: %s", job.pk, _one_line(job.name, 80), kind,
+                                      _one_line(message, 300)))
     return event
 
 

@@ -17,7 +17,7 @@ from jobs.attempts.policy import diagnosis
 from jobs.fleet.policy import gpu_health
 from jobs.fleet.policy.devices import summarize_devices
 from jobs.attempts.services.attempts import attempt_fence, attempt_preempt, attempt_stop
-from jobs.attempts.services.events import job_event
+from jobs.attempts.services.events import job_event, lifecycle
 from jobs.fleet.services.identity import join_requested, security_event
 
 
@@ -74,7 +74,7 @@ def node_heartbeat(beat: Heartbeat, *, signer: str | None = None) -> tuple[Node 
                     Node.Status.CORDONED if node.drain_mode == "cordon" else
                     Node.Status.DRAINING if node.drain_mode else Node.Status.READY)
             Node.objects.filter(pk=node.pk, status=Node.Status.LOST).update(status=back)
-            log.info("node %s is back (%s)", name, back)
+            transaction.on_commit(partial(lifecycle.info, "node %s is back (%s)", name, back))
         node.refresh_from_db()
         if _new_gpu_faults(before, beat.devices) and node_maybe_quarantine(name):
             node.refresh_from_db()
@@ -168,6 +168,9 @@ def nodes_check() -> list[str]:
         for node in silent if healthy_since < cutoff else ():
             Node.objects.filter(pk=node.pk).update(status=Node.Status.LOST)
             lost.append(node.name)
+            transaction.on_commit(partial(log.warning, "node %s lost: no heartbeat since %s (TRAINYARD_NODE_LOST_S %g)",
+                                          node.name, node.last_heartbeat.isoformat(timespec="seconds"),
+                                          settings.TRAINYARD_NODE_LOST_S))
             for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
                 Allocation.objects.filter(pk=alloc.pk).update(
                     active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})

@@ -220,3 +220,39 @@ def test_a_submit_takes_the_jobspec_parsed_at_the_edge(user, nodes):
     with pytest.raises(TypeError, match="JobSpec"):
         services.job_submit(user=user, spec={"name": "t"})
     assert not Job.objects.exists()
+
+
+def test_a_jobs_life_and_a_lost_node_are_logged_once_committed(user, nodes, sent, caplog, healthy_control_plane,
+                                                               django_capture_on_commit_callbacks):
+    """`make run` keeps these lines on its terminal (scripts/supervise.py): one per submit, start and
+    end on `trainyard.lifecycle`, a lost node as a warning and its return on `trainyard.lifecycle`;
+    text from user code (a failure's message) cannot add lines of its own."""
+    from jobs.attempts.services.events import job_event
+
+    caplog.set_level("INFO")
+    with django_capture_on_commit_callbacks(execute=True):
+        job = submit(user)
+        attempt = start(job)
+        for node in ("node-a", "node-b"):
+            services.attempt_node_exit(attempt.pk, node_name=node, result=ok_result(node, attempt.pk))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trainyard.lifecycle"]
+    assert [m.split(":")[0] for _, m in lines] == [f"job {job.pk} 't' {k}" for k in ("submitted", "running",
+                                                                                     "succeeded")], lines
+    assert lines[0][1].endswith(f"submitted by {user.get_username()}") and {lv for lv, _ in lines} == {"INFO"}
+    caplog.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        job_event(job, "failed", "ValueError: x\n12:00:00 web | forged\x1b[2J" + "y" * 1000)
+        job_event(job, "checkpoint_pinned", "not a lifecycle event")
+    [failed] = [r.getMessage() for r in caplog.records if r.name == "trainyard.lifecycle"]
+    assert failed.startswith(f"job {job.pk} 't' failed: ValueError: x 12:00:00 web | forged [2J") and len(failed) < 400
+    caplog.clear()
+    Node.objects.filter(name="node-b").update(last_heartbeat=timezone.now() - timedelta(seconds=300))
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.nodes_check() == ["node-b"]
+    assert [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records
+            if r.getMessage().startswith("node node-b")] == [("WARNING", "node node-b lost")]
+    caplog.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        node_up({"name": "node-b", "address": "127.0.0.2", "slots": 2})
+    assert [(r.name, r.getMessage()) for r in caplog.records if "is back" in r.getMessage()] == [
+        ("trainyard.lifecycle", "node node-b is back (READY)")]
