@@ -5,6 +5,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import JsonResponse
 from django.shortcuts import render
 from jobs.fleet import liveness, selectors
+from jobs.fleet.serializers import cuda_devices, device_summary, gpu_detail, node_controls
 from jobs.models import Node, NodeJoinRequest
 
 
@@ -15,52 +16,10 @@ def nodes_for_page() -> list[Node]:
         n.slots_used = used.get(n.pk, 0)
         n.slots_free = max(0, n.slots - n.slots_used)
         n.slot_marks = [i < n.slots_used for i in range(n.slots)]
-        n.gpus = [dict(d, detail=gpu_detail(d)) for d in (n.devices or [])
-                  if isinstance(d, dict) and d.get("kind") == "cuda"]
-        n.device_summary = _device_summary(n.devices)
-        n.controls = _node_controls(n.drain_mode)
+        n.gpus = [dict(d, detail=gpu_detail(d)) for d in cuda_devices(n.devices)]
+        n.device_summary = device_summary(n.devices)
+        n.controls = node_controls(n.drain_mode)
     return nodes
-
-
-# (action, drain mode, label) offered to staff per drain_mode; static/js/cluster.js mirrors this.
-_NODE_CONTROLS = {
-    "": [("cordon", "", "Cordon"), ("drain", "finish", "Drain (finish)"), ("drain", "preempt", "Drain (preempt)")],
-    "cordon": [("drain", "finish", "Drain (finish)"), ("drain", "preempt", "Drain (preempt)"),
-               ("uncordon", "", "Uncordon")],
-    "finish": [("drain", "preempt", "Drain (preempt)"), ("uncordon", "", "Uncordon")],
-    "preempt": [("uncordon", "", "Uncordon")],
-}
-
-
-def _node_controls(drain_mode: str) -> list[dict]:
-    return [{"action": a, "mode": m, "label": label}
-            for a, m, label in _NODE_CONTROLS.get(drain_mode or "", _NODE_CONTROLS["cordon"])]
-
-
-def gpu_detail(d: dict) -> str:
-    """A GPU's NVML figures in one line: "12.0/141.0 GiB · 41 °C · 2 uncorrected ECC · Xid 79, 48"
-    (static/js/cluster.js gpuDetail mirrors it); figures the agent did not report are left out."""
-    parts = []
-    if isinstance(d.get("memory_bytes"), int) and d["memory_bytes"]:
-        parts.append(f"{(d.get('memory_used_bytes') or 0) / 2**30:.1f}/{d['memory_bytes'] / 2**30:.1f} GiB")
-    if isinstance(d.get("temperature_c"), int):
-        parts.append(f"{d['temperature_c']} °C")
-    if isinstance(d.get("ecc_uncorrected"), int) and d["ecc_uncorrected"] > 0:
-        parts.append(f"{d['ecc_uncorrected']} uncorrected ECC")
-    xids = [str(e.get("xid")) for e in d.get("xid_events") or [] if isinstance(e, dict)]
-    if xids:
-        parts.append("Xid " + ", ".join(xids[-5:]) + (f" ({d.get('xid_errors')} in all)" if len(xids) > 5 else ""))
-    return " · ".join(parts)
-
-
-def _device_summary(devices) -> str:
-    """[{kind: cpu}, {kind: cpu}, {kind: cuda, name: H100}] -> "2 × cpu, 1 × cuda H100"."""
-    counts: dict[str, int] = {}
-    for d in devices or []:
-        if isinstance(d, dict):
-            key = " ".join(str(x) for x in (d.get("kind"), d.get("name")) if x)
-            counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{n} × {k}" for k, n in counts.items())
 
 
 @login_required

@@ -5,19 +5,16 @@ from django.conf import settings
 from django.contrib.auth.models import Group
 from django.db import models
 
+from trainyard import status as job_status
+
 
 class Job(models.Model):
-    class Status(models.TextChoices):
-        QUEUED = "QUEUED"
-        STARTING = "STARTING"
-        RUNNING = "RUNNING"
-        STOPPING = "STOPPING"
-        SUCCEEDED = "SUCCEEDED"
-        FAILED = "FAILED"
-        CANCELLED = "CANCELLED"
+    # The names come from trainyard/status.py (shared with the CLI and the pages' JavaScript); each
+    # choice's value is its name and its label the name in title case, as the migrations record them.
+    Status = models.TextChoices("Status", [(s, s) for s in job_status.STATUSES], module=__name__, qualname="Job.Status")
 
-    ACTIVE = (Status.STARTING, Status.RUNNING, Status.STOPPING)
-    TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    ACTIVE = tuple(map(Status, job_status.ACTIVE))
+    TERMINAL = tuple(map(Status, job_status.TERMINAL))
     PRIORITIES = {"low": 0, "normal": 1, "high": 2}
 
     name = models.CharField(max_length=200)

@@ -23,14 +23,6 @@ const quarantined = (n) => !!n.quarantined_at || n.status === 'QUARANTINED';
 const canClear = () => $('#nodes')?.dataset.canClear === '1';
 const canControl = () => $('#nodes')?.dataset.canControl === '1';
 
-// What each drain_mode offers (jobs/views.py _NODE_CONTROLS says the same for the first paint).
-const CONTROLS = {
-  '': [['cordon', '', 'Cordon'], ['drain', 'finish', 'Drain (finish)'], ['drain', 'preempt', 'Drain (preempt)']],
-  cordon: [['drain', 'finish', 'Drain (finish)'], ['drain', 'preempt', 'Drain (preempt)'],
-    ['uncordon', '', 'Uncordon']],
-  finish: [['drain', 'preempt', 'Drain (preempt)'], ['uncordon', '', 'Uncordon']],
-  preempt: [['uncordon', '', 'Uncordon']],
-};
 const DRAIN_TEXT = {
   cordon: ['Cordoned', 'no new work; running jobs continue'],
   finish: ['Draining (finish)', 'no new work; running jobs finish'],
@@ -44,10 +36,10 @@ function drainBox(n) {
   return el('div', { class: 'drain', dataset: { mode } }, el('b', {}, title), `: ${text}`);
 }
 
+// The drain actions n.drain_mode offers come with the node (jobs/fleet/serializers.py node_controls).
 function nodeControls(n) {
   if (!canControl()) return null;
-  const offered = CONTROLS[n.drain_mode || ''] || CONTROLS.cordon;
-  return el('div', { class: 'node-actions' }, offered.map(([action, mode, label]) => el('button', {
+  return el('div', { class: 'node-actions' }, (n.controls || []).map(({ action, mode, label }) => el('button', {
     type: 'button', class: `small ${mode === 'preempt' ? 'warn' : 'ghost'}`,
     dataset: mode ? { action, mode, node: n.name } : { action, node: n.name } }, label)));
 }
@@ -63,27 +55,14 @@ function quarantineBox(n) {
       'Clear quarantine') : '');
 }
 
-// A GPU's NVML figures in one line (jobs/views.py gpu_detail renders the same on the server)
-function gpuDetail(g) {
-  const parts = [];
-  if (Number.isInteger(g.memory_bytes) && g.memory_bytes) {
-    parts.push(`${((g.memory_used_bytes || 0) / 2 ** 30).toFixed(1)}/${(g.memory_bytes / 2 ** 30).toFixed(1)} GiB`);
-  }
-  if (Number.isInteger(g.temperature_c)) parts.push(`${g.temperature_c} °C`);
-  if (Number.isInteger(g.ecc_uncorrected) && g.ecc_uncorrected > 0) parts.push(`${g.ecc_uncorrected} uncorrected ECC`);
-  const xids = (g.xid_events || []).filter((e) => e && typeof e === 'object').map((e) => String(e.xid));
-  if (xids.length) {
-    parts.push(`Xid ${xids.slice(-5).join(', ')}${xids.length > 5 ? ` (${g.xid_errors} in all)` : ''}`);
-  }
-  return parts.join(' · ');
-}
-
 function nodeCard(n) {
   const used = n.slots_used || 0;
   const slots = [];
   for (let i = 0; i < (n.slots || 0); i++) slots.push(el('span', { class: i < used ? 'slot used' : 'slot' }));
   const labels = Object.entries(n.labels || {}).map(([k, v]) => ` · ${k}=${v}`).join('');
   const gpus = (n.devices || []).filter((d) => d && d.kind === 'cuda');
+  // A GPU's NVML figures in one line, one per cuda device in order (jobs/fleet/serializers.py gpu_detail).
+  const details = n.gpu_details || [];
   const cls = ['node', n.status === 'LOST' ? 's-lost-card' : '', quarantined(n) ? 's-quarantined-card' : ''];
   return el('article', { class: cls.filter(Boolean).join(' '), dataset: { node: n.name } },
     el('div', { class: 'node-head' }, el('b', {}, n.name), statusBadge(n.status)),
@@ -96,26 +75,16 @@ function nodeCard(n) {
       el('span', { class: 'n' }, `${used}/${n.slots}`)),
     meter('CPU', 'cpu', n.cpu_percent, `${pct(n.cpu_percent).toFixed(0)}%`),
     meter('Memory', 'mem', n.mem_percent, `${pct(n.mem_percent).toFixed(0)}%`),
-    gpus.flatMap((g) => {
+    gpus.flatMap((g, i) => {
       const memPct = g.memory_bytes ? (100 * (g.memory_used_bytes || 0)) / g.memory_bytes : null;
       const util = typeof g.utilization === 'number' ? g.utilization : null;
-      const detail = gpuDetail(g);
+      const detail = details[i] || '';
       const bad = (g.ecc_uncorrected || 0) > 0 || (g.xid_events || []).length > 0;
       return [meter(`GPU ${g.index}`, 'gpu', util ?? memPct ?? 0,
         util !== null ? `${util.toFixed(0)}%` : memPct !== null ? `mem ${memPct.toFixed(0)}%` : '–'),
       detail ? el('div', { class: bad ? 'gpu-detail bad' : 'gpu-detail', title: g.uuid || '' }, detail) : ''];
     }),
     nodeControls(n));
-}
-
-// [{kind: cpu}, {kind: cpu}] -> "2 × cpu" (same as the server-rendered table)
-function deviceSummary(devices) {
-  const counts = new Map();
-  for (const d of devices || []) {
-    const key = [d.kind, d.name].filter(Boolean).join(' ');
-    counts.set(key, (counts.get(key) || 0) + 1);
-  }
-  return [...counts].map(([k, n]) => `${n} × ${k}`).join(', ');
 }
 
 function renderNodes() {
@@ -142,7 +111,7 @@ function renderNodes() {
       el('td', { class: 'num' }, `${n.slots_used || 0} / ${n.slots}`),
       el('td', { class: 'num' }, `${pct(n.cpu_percent).toFixed(0)}%`),
       el('td', { class: 'num' }, `${pct(n.mem_percent).toFixed(0)}%`),
-      el('td', {}, deviceSummary(n.devices)),
+      el('td', {}, n.device_summary || ''),  // jobs/fleet/serializers.py device_summary
       el('td', {}, Object.entries(n.labels || {}).map(([k, v]) => `${k}=${v}`).join(' '))))
       : [el('tr', {}, el('td', { colspan: 8, class: 'muted' }, 'No node agent has registered yet.'))]));
   }

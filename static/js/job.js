@@ -1,7 +1,8 @@
 // Job detail page: everything after the first paint arrives over /ws/jobs/<id>/ (no metric polling).
 // The only HTTP GET it makes is of the job itself, after a burst of `status` messages or of events that
 // change what the job JSON says (stragglers, hangs, restarts, rollbacks), to refresh attempts.
-// Staff also get Roll back / Pin buttons on the checkpoints (POSTs to the API with the CSRF token).
+// This module wires the page (header, queue, alerts, charts, logs, the socket); the attempts and
+// checkpoints tables (with the staff's Roll back / Pin) are in jobtables.js, the events in timeline.js.
 import { LiveSocket, bindIndicator } from './live.js';
 import { SampleStore } from './store.js';
 import { lossChart, throughputChart, breakdownChart, rankStepChart, bytesChart, shareChart,
@@ -11,8 +12,10 @@ import { KeptLogs } from './keptlogs.js';
 import { addUserCharts, renderTelemetryNote } from './usercharts.js';
 import { renderPlanMeasured } from './planpanel.js';
 import { ProfilePanel } from './profile.js';
-import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtBytes, fmtClock, fmtDateTime, frameThrottle, getJSON,
-  readJSONScript, statusBadge, isNum, postJSON, errorText, replaceKeepingOpen } from './util.js';
+import { CheckpointTable, renderAttempts } from './jobtables.js';
+import { Timeline } from './timeline.js';
+import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtClock, fmtDateTime, frameThrottle, getJSON,
+  readJSONScript, statusBadge, isNum } from './util.js';
 
 const cfg = readJSONScript('job-config');
 const store = new SampleStore({ maxSteps: 2000 });
@@ -27,13 +30,18 @@ if ($('#chart-share')) charts.share = shareChart($('#chart-share'));
 const logs = new LogPane($('#log-tabs'), $('#log-pane'));
 const kept = new KeptLogs($('#kept-logs'), cfg.id);  // a finished job's logs, paged from the kept files
 const profile = new ProfilePanel($('#profile-card'), cfg.id, { onApplied: (job) => { applyJob(job); refreshJobSoon(); } });
+const timeline = new Timeline();  // the events (static/js/timeline.js)
+const checkpoints = new CheckpointTable({  // the checkpoints and the staff's actions (static/js/jobtables.js)
+  jobId: cfg.id, isStaff: cfg.is_staff, attempts: () => (state.job && state.job.attempts) || [],
+  onRolledBack: (job) => { if (job) applyJob(job); refreshJobSoon(); },
+});
 const state = {
   job: null,
   status: cfg.status,
   step: cfg.step,
   world: cfg.world,
-  events: new Map(),       // id -> event
-  checkpoints: new Map(),  // id -> checkpoint (after a rollback two checkpoints can share a step)
+  events: timeline.items,  // id -> event
+  checkpoints: checkpoints.items,  // id -> checkpoint (after a rollback two checkpoints can share a step)
   markers: [],             // [{step, label}] rollback/restart lines on the charts
   statusMessages: 0,
   eventRefreshes: 0,       // events that asked for a job refresh (straggler, rollback, ...)
@@ -127,271 +135,6 @@ function renderQueue(job) {
   if (borrowing) borrowing.hidden = job.borrowing !== true;
 }
 
-// ---------------------------------------------------------------- attempts, checkpoints, events
-
-function ranksCell(ranks) {
-  if (!ranks || !ranks.length) return el('span', { class: 'muted' }, '–');
-  return el('ul', { class: 'ranks' }, ranks.map((r) => el('li', {},
-    el('b', {}, `r${r.rank}`), ` ${r.node}`, r.pid ? el('span', { class: 'muted' }, ` pid ${r.pid}`) : '',
-    r.role ? el('div', { class: 'rank-role', dataset: { rank: r.rank } },
-      `${r.role} · params ${fmtBytes(r.param_bytes)}${r.optim_bytes ? ` · optim ${fmtBytes(r.optim_bytes)}` : ''}`) : '')));
-}
-
-function resumedCell(a, marker) {
-  if (a.resumed_from_step === null || a.resumed_from_step === undefined) return 'start';
-  return [`step ${a.resumed_from_step}`, marker ? el('span', { class: 'muted' }, ` (${marker.label})`) : ''];
-}
-
-function failureRow(a) {
-  const f = a.failure || {};
-  if (!(f.message || f.traceback || f.class)) return null;
-  const where = [f.rank !== undefined && f.rank !== null ? `rank ${f.rank}` : '', f.node || ''].filter(Boolean).join(' on ');
-  return el('tr', { class: 'failure-row', dataset: { failure: a.id } }, el('td', {}), el('td', { colspan: 6 },
-    el('details', { dataset: { key: `tb-${a.id}` } },
-      el('summary', {}, el('b', {}, f.class || 'failure'), where ? ` (${where})` : '', ': ', f.message || ''),
-      el('pre', { class: 'tb' }, f.traceback || '(no traceback captured)')),
-    f.suggestion ? el('p', { class: 'suggestion' }, el('b', {}, 'Suggestion: '), f.suggestion) : ''));
-}
-
-function outcomeClass(outcome) {
-  if (!outcome) return '';
-  if (outcome === 'succeeded') return 'ok';
-  if (outcome.startsWith('failed') || outcome === 'lost') return 'bad';
-  return 'warn';  // rolled_back, preempted, cancelled
-}
-
-function renderAttempts(attempts) {
-  const body = $('#attempts-body');
-  if (!body) return;
-  const rows = [];
-  const markers = new Map(state.markers.map((m) => [m.attempt, m]));
-  const sorted = [...(attempts || [])].sort((a, b) => b.number - a.number);
-  for (const a of sorted) {
-    rows.push(el('tr', { dataset: { attempt: a.id, number: a.number, outcome: a.outcome || '' } },
-      el('td', {}, `#${a.number}`),
-      el('td', {}, statusBadge(a.status)),
-      el('td', {}, el('span', { class: `outcome o-${outcomeClass(a.outcome)}` },
-        a.outcome || (a.status === 'ENDED' ? '' : '…')),
-        a.stop_reason ? el('div', { class: 'muted' }, a.stop_reason) : ''),
-      el('td', {}, ranksCell(a.ranks)),
-      el('td', {}, resumedCell(a, markers.get(a.number))),
-      el('td', {}, el('time', { datetime: a.started_at || '' }, fmtDateTime(a.started_at))),
-      el('td', {}, el('time', { datetime: a.ended_at || '' }, fmtDateTime(a.ended_at)))));
-    const failure = failureRow(a);
-    if (failure) rows.push(failure);
-  }
-  if (!rows.length) rows.push(el('tr', {}, el('td', { colspan: 7, class: 'muted' }, 'No attempt yet: the job is waiting for slots.')));
-  replaceKeepingOpen(body, rows);
-}
-
-// ---------------------------------------------------------------- checkpoints (+ staff actions)
-
-function checkpointState(c) {
-  if (c.deleted) return 'deleted';
-  if (c.superseded) return 'superseded';
-  return 'active';
-}
-
-// Checkpoint JSON names its attempt by id (as metrics and events do); the table shows the attempt's number.
-function attemptLabel(c) {
-  const attempts = (state.job && state.job.attempts) || [];
-  const a = attempts.find((x) => x.id === c.attempt);
-  if (a) return `#${a.number}`;
-  if (isNum(c.attempt_number)) return `#${c.attempt_number}`;
-  return '–';
-}
-
-function checkpointActions(c) {
-  if (!cfg.is_staff) return null;
-  const buttons = [];
-  if (!c.deleted) {
-    buttons.push(el('button', { type: 'button', class: 'small warn', dataset: { action: 'rollback', id: c.id } },
-      'Roll back'));
-    buttons.push(el('button', { type: 'button', class: 'small ghost', dataset: { action: 'pin', id: c.id } },
-      c.pinned ? 'Unpin' : 'Pin'));
-  }
-  return el('td', { class: 'actions-cell' }, buttons);
-}
-
-function checkpointRow(c) {
-  const st = checkpointState(c);
-  const dataset = { checkpoint: c.id, step: c.step, state: st, pinned: c.pinned ? '1' : '' };
-  return el('tr', { class: `ck-${st}`, dataset },
-    el('td', {}, `step ${c.step}`),
-    el('td', {}, attemptLabel(c)),
-    el('td', {}, el('time', { datetime: c.created_at || '', title: fmtDateTime(c.created_at) },
-      fmtClock(c.created_at))),
-    el('td', { class: 'num' }, fmtBytes(c.size_bytes)),
-    el('td', { class: 'num' }, `${fmtSeconds(c.blocking_s)} / ${fmtSeconds(c.save_s)}`),
-    el('td', { class: 'ck-badges' }, el('span', { class: `badge b-${st}` }, st),
-      c.pinned ? el('span', { class: 'badge b-pinned' }, 'pinned') : ''),
-    checkpointActions(c));
-}
-
-function renderCheckpoints() {
-  const list = $('#checkpoints-body');
-  const items = [...state.checkpoints.values()].sort((a, b) => b.step - a.step || (b.id || 0) - (a.id || 0));
-  if (!items.length) {
-    const colspan = cfg.is_staff ? 7 : 6;
-    list.replaceChildren(el('tr', {}, el('td', { colspan, class: 'muted empty-state' }, 'No checkpoints yet.')));
-    return;
-  }
-  list.replaceChildren(...items.map(checkpointRow));
-}
-
-function addCheckpoint(c) {
-  if (!c || !Number.isInteger(c.step)) return;
-  const key = c.id ?? `step:${c.step}`;
-  state.checkpoints.set(key, { ...state.checkpoints.get(key), ...c });
-}
-
-function setNote(text, bad = false) {
-  const note = $('#checkpoint-note');
-  if (!note) return;
-  note.textContent = text || '';
-  note.hidden = !text;
-  note.classList.toggle('bad', bad);
-  if (bad) note.setAttribute('role', 'alert'); else note.removeAttribute('role');
-}
-
-let pendingRollback = null;
-
-function askRollback(c) {
-  pendingRollback = c;
-  setNote('');
-  $('#rollback-question').textContent =
-    `Roll back job ${cfg.id} to step ${c.step}? The running attempt stops; later checkpoints are superseded.`;
-  $('#rollback-confirm').hidden = false;
-  $('#rollback-yes').disabled = false;
-  $('#rollback-yes').focus();
-}
-
-function closeRollback() {
-  pendingRollback = null;
-  $('#rollback-confirm').hidden = true;
-}
-
-async function confirmRollback() {
-  const c = pendingRollback;
-  if (!c) return;
-  $('#rollback-yes').disabled = true;
-  const r = await postJSON(`/api/v1/jobs/${cfg.id}/rollback/`, { checkpoint: c.id });
-  closeRollback();
-  if (!r.ok) {
-    setNote(`Roll back to step ${c.step} refused: ${errorText(r.data, r.status)}`, true);
-    return;
-  }
-  setNote(`Rollback to step ${c.step} requested: the job restarts from that checkpoint.`);
-  if (r.data && r.data.id === cfg.id) applyJob(r.data);
-  refreshJobSoon();
-}
-
-async function togglePin(c, button) {
-  button.disabled = true;
-  const r = await postJSON(`/api/v1/jobs/${cfg.id}/checkpoints/${c.id}/pin/`, { pinned: !c.pinned });
-  button.disabled = false;
-  if (!r.ok) {
-    setNote(`${c.pinned ? 'Unpin' : 'Pin'} of step ${c.step} refused: ${errorText(r.data, r.status)}`, true);
-    return;
-  }
-  setNote('');
-  addCheckpoint(r.data && Number.isInteger(r.data.step) ? r.data : { ...c, pinned: !c.pinned });
-  renderCheckpoints();
-}
-
-function bindCheckpointActions() {
-  if (!cfg.is_staff) return;
-  $('#checkpoints-body').addEventListener('click', (ev) => {
-    const b = ev.target.closest('button[data-action]');
-    if (!b) return;
-    const c = [...state.checkpoints.values()].find((x) => String(x.id) === b.dataset.id);
-    if (!c) return;
-    if (b.dataset.action === 'rollback') askRollback(c);
-    else if (b.dataset.action === 'pin') togglePin(c, b);
-  });
-  $('#rollback-yes').addEventListener('click', confirmRollback);
-  $('#rollback-no').addEventListener('click', closeRollback);
-}
-
-// ---------------------------------------------------------------- timeline
-
-const KIND_CLASS = {
-  attempt_started: 'ok', running: 'ok', succeeded: 'ok', straggler_cleared: 'ok', node_cleared: 'ok',
-  failed: 'bad', hang_detected: 'bad', node_quarantined: 'bad', lost: 'bad',
-  restart: 'warn', rollback: 'warn', straggler: 'warn', preempted: 'warn', cancelled: 'warn',
-  preempt_requested: 'warn', preempt_forced: 'warn',
-  checkpoint: 'info', checkpoint_saved: 'info', checkpoint_deleted: 'info', resumed: 'info',
-};
-
-// failures red, restarts/rollbacks amber, checkpoints/resumes blue, success green
-function eventClass(e) {
-  const kind = e.kind || '';
-  if (kind === 'attempt_ended') return outcomeClass(e.data && e.data.outcome) || 'warn';
-  if (KIND_CLASS[kind]) return KIND_CLASS[kind];
-  if (/fail|lost|error|crash|hang|quarantin/i.test(kind)) return 'bad';
-  if (/checkpoint|resum/i.test(kind)) return 'info';
-  if (/rollback|restart|retry|preempt|cancel|stop|straggler|queue|drain/i.test(kind)) return 'warn';
-  if (/succeed|finish|start|running|clear/i.test(kind)) return 'ok';
-  return '';
-}
-
-function evidenceOf(e) {
-  const data = e.data || {};
-  const nonEmpty = (x) => !!x && typeof x === 'object' && Object.keys(x).length > 0;
-  if (nonEmpty(data.evidence)) return data.evidence;
-  return nonEmpty(data) ? data : null;
-}
-
-// Preemptions say why (and for whom, and where the job resumes) on a line of their own.
-function preemptDetail(e) {
-  if (!/^preempt/.test(e.kind || '')) return null;
-  const d = e.data || {};
-  const parts = [];
-  if (d.reason && !(e.message || '').includes(d.reason)) {
-    parts.push(el('span', { class: 'ev-reason' }, `why: ${d.reason}`));
-  }
-  if (isNum(d.for_job)) {
-    parts.push(el('span', {}, 'for ', el('a', { href: `/jobs/${d.for_job}/` }, `job ${d.for_job}`)));
-  }
-  if (isNum(d.grace_s)) parts.push(`grace ${fmtSeconds(d.grace_s)}`);
-  if (isNum(d.resume_step)) parts.push(d.resume_step ? `resumes from step ${d.resume_step}` : 'restarts from step 0');
-  if (!parts.length) return null;
-  return el('div', { class: 'ev-detail' }, parts.flatMap((p, i) => (i ? [' · ', p] : [p])));
-}
-
-function eventNode(e) {
-  const cls = eventClass(e);
-  const evidence = evidenceOf(e);
-  return el('li', { class: cls ? `ev-${cls}` : '', dataset: { id: e.id ?? '', kind: e.kind || '' } },
-    el('time', { datetime: e.created_at || '', title: fmtDateTime(e.created_at) }, fmtClock(e.created_at)),
-    el('span', { class: `ev-kind kb-${cls || 'plain'}` }, e.kind || ''),
-    el('span', { class: 'ev-msg' }, e.message || ''),
-    preemptDetail(e),
-    evidence ? el('details', { class: 'ev-evidence' }, el('summary', {}, 'evidence'),
-      el('pre', {}, JSON.stringify(evidence, null, 2))) : '');
-}
-
-// Events never change once written, so each keeps its <li> (and any evidence the user expanded).
-const eventNodes = new Map();
-
-function renderEvents() {
-  const list = $('#events');
-  const items = [...state.events.entries()].sort(([, a], [, b]) => (b.id || 0) - (a.id || 0)).slice(0, 200);
-  if (!items.length) {
-    list.replaceChildren(el('li', { class: 'muted' }, 'No events yet.'));
-    return;
-  }
-  list.replaceChildren(...items.map(([key, e]) => {
-    if (!eventNodes.has(key)) eventNodes.set(key, eventNode(e));
-    return eventNodes.get(key);
-  }));
-}
-
-function addEvent(e) {
-  if (!e) return;
-  state.events.set(e.id ?? `${e.kind}:${e.created_at}`, e);
-}
-
 // ---------------------------------------------------------------- stragglers and health
 
 function stragglerAlert(s) {
@@ -432,7 +175,7 @@ const redrawCharts = frameThrottle(() => {
   for (const c of Object.values(charts)) c.update(ctx);
   renderHeader();
 }, 100);
-const redrawEvents = frameThrottle(renderEvents, 200);
+const redrawEvents = frameThrottle(() => timeline.render(), 200);
 
 let fetchTimer = null;
 function refreshJobSoon() {
@@ -460,10 +203,10 @@ function applyJob(job) {
   $('#job-restarts').textContent = String(job.restarts ?? 0);
   renderQueue(job);
   state.markers = attemptMarkers(job.attempts, [...state.events.values()]);
-  renderAttempts(job.attempts);
+  renderAttempts(job.attempts, state.markers);
   renderAlerts(job);
   profile.render(job.profile, job.status);
-  renderCheckpoints();  // attempt numbers come from the job
+  checkpoints.render();  // attempt numbers come from the job
   renderHeader();
   redrawCharts();
 }
@@ -471,12 +214,12 @@ function applyJob(job) {
 function onMessage(msg) {
   switch (msg.type) {
     case 'snapshot':
-      for (const e of msg.events || []) addEvent(e);  // before the job: chart markers read rollback events
-      for (const c of msg.checkpoints || []) addCheckpoint(c);
+      for (const e of msg.events || []) timeline.add(e);  // before the job: chart markers read rollback events
+      for (const c of msg.checkpoints || []) checkpoints.add(c);
       applyJob(msg.job);
       store.merge(msg.samples, { downsampled: !!msg.downsampled });
       logs.reset(msg.logs || []);  // the live pane (hidden once the kept logs show)
-      renderCheckpoints();
+      checkpoints.render();
       redrawEvents();
       redrawCharts();
       break;
@@ -501,7 +244,7 @@ function onMessage(msg) {
         stream: msg.stream, line })));
       break;
     case 'event':
-      addEvent(msg.event);
+      timeline.add(msg.event);
       redrawEvents();
       if (msg.event && REFRESH_KINDS.has(msg.event.kind)) {
         state.eventRefreshes += 1;
@@ -512,8 +255,8 @@ function onMessage(msg) {
       profile.render({ ...msg.profile, attempt: msg.attempt }, state.status);
       break;
     case 'checkpoint':
-      addCheckpoint(msg.checkpoint || msg);
-      renderCheckpoints();
+      checkpoints.add(msg.checkpoint || msg);
+      checkpoints.render();
       break;
     default:
       break; // unknown types are ignored: newer servers may send more
@@ -527,16 +270,16 @@ for (const t of $$('time[datetime]')) {
   if (v) t.textContent = t.closest('#events') ? fmtClock(v) : fmtDateTime(v);
 }
 // Server-rendered events and checkpoints seed the state so a snapshot merges instead of duplicating.
-for (const e of readJSONScript('job-events') || []) addEvent(e);
-for (const c of readJSONScript('job-checkpoints') || []) addCheckpoint(c);
+for (const e of readJSONScript('job-events') || []) timeline.add(e);
+for (const c of readJSONScript('job-checkpoints') || []) checkpoints.add(c);
 setStatus(cfg.status);
 renderEta();
 setInterval(renderEta, 15000);
 setInterval(renderTelemetry, 10000);  // "no telemetry yet" once a running attempt has been quiet for a while  // the prediction only moves when the server says so; "in ~N min" ticks here
 renderHeader();
-renderEvents();
-renderCheckpoints();
-bindCheckpointActions();
+timeline.render();
+checkpoints.render();
+checkpoints.bind();
 
 const socket = new LiveSocket(`/ws/jobs/${cfg.id}/`, { onMessage, onState: bindIndicator($('#live-indicator')) }).start();
 

@@ -1,6 +1,8 @@
 // Small DOM and formatting helpers shared by the pages (no framework, no build step).
 
-export const TERMINAL = new Set(['SUCCEEDED', 'FAILED', 'CANCELLED']);
+// The job statuses after which a job no longer moves: trainyard/status.py, which every page carries
+// (templates/base.html, a json_script) so there is no copy here to fall out of step.
+export const TERMINAL = new Set(readJSONScript('job-statuses')?.terminal);
 
 export const $ = (sel, root = document) => root.querySelector(sel);
 export const $$ = (sel, root = document) => Array.from(root.querySelectorAll(sel));

@@ -13,9 +13,10 @@ import time
 
 import click
 
+from trainyard.status import TERMINAL
+
 from .client import Api
 from .safe import clean
-from .watch import TERMINAL
 
 PAGE = 5000
 POLL_S = 1.0

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import time
 
+from trainyard.status import SUCCEEDED, TERMINAL
+
 from .client import Api
 from .errors import CliError
 from .safe import clean, text
 
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 RECONNECTS = 5  # attempts in a row that receive nothing, then the CLI gives up
 
 
@@ -166,4 +167,4 @@ def watch(api: Api, job_id: int, console) -> int:
     with progress:
         follow(api, job_id, on_message)
     console.print(text(state.summary()), highlight=False)
-    return 0 if state.status == "SUCCEEDED" else 1
+    return 0 if state.status == SUCCEEDED else 1
