@@ -4,7 +4,7 @@
 
 Measures this machine with the calibration harness (`python -m workers.calibrate`, 2 ranks; or
 reads `--measurements`), fits the constants on two thirds of the runs
-(jobs/services/calibration.py, the same as `manage.py calibrate`) and prints, for the runs held
+(jobs/planning/services/calibration.py, the same as `manage.py calibrate`) and prints, for the runs held
 out of the fit, predicted vs measured step time (Spearman, median and max relative error) and
 memory under the default constants ("before") and the calibrated ones ("after"), with their
 ratio. `--oversubscribed FILE` (a harness document measured with `--procs 4` on a 2-core

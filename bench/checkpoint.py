@@ -12,7 +12,7 @@ Sections (`--sections a,b`, default: all):
                  dW = dY^T X into W.grad, i.e. 6 * params * tokens FLOPs (the usual count for a
                  transformer's weights; attention would add more), reading the weights and
                  writing the gradients as a real step does. `--tokens` per step, default 256:
-                 a small batch (the demo job, jobs/forms.py, runs 16 x 128 = 2048 tokens per
+                 a small batch (the demo job, jobs/runs/forms.py, runs 16 x 128 = 2048 tokens per
                  rank per step), so the compute the copy hides behind is not flattered.
                  `compute_gflop_per_s` is what this CPU achieved;
     sync         dcp.save, then os.fsync of every written file and the directory (the writer

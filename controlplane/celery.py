@@ -23,13 +23,13 @@ app.conf.beat_schedule = {
     "nodes-check": {"task": NODES_CHECK_TASK, "schedule": 2.0, "options": {"expires": 4}},
     # Hang and straggler detection over the relay's committed telemetry.
     "attempts-check": {"task": ATTEMPTS_CHECK_TASK, "schedule": 2.0, "options": {"expires": 4}},
-    # Queued jobs' predicted start times: the policy run forward (jobs/policy/scheduling/predict.py, predict_starts).
+    # Queued jobs' predicted start times: the policy run forward (jobs/scheduling/policy/predict.py, predict_starts).
     "eta-refresh": {"task": ETA_REFRESH_TASK, "schedule": 5.0, "options": {"expires": 10}},
-    # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/services/bundles.py).
+    # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/bundles/services.py).
     "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
 }
 
-# Liveness (jobs/liveness.py): the worker stamps trainyard:alive:control from its event loop, beat
+# Liveness (jobs/fleet/liveness.py): the worker stamps trainyard:alive:control from its event loop, beat
 # stamps trainyard:alive:beat on every tick; /metrics and the nodes page read them.
 app.steps["consumer"].add(ControlStamp)
 app.conf.beat_scheduler = "jobs.fleet.liveness:StampingScheduler"

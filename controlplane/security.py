@@ -5,9 +5,9 @@ controlplane/settings.py; plain functions of an environ mapping so tests call th
   state directory (tightened at start if an older version left them readable).
 - allowed_hosts: the local names always, plus DJANGO_ALLOWED_HOSTS; never `*` unless configured.
 - trusted_proxies: TRAINYARD_TRUSTED_PROXIES, the reverse proxies whose X-Forwarded-For is believed
-  (jobs/client_ip.py; default none: the peer's address is the client's).
+  (jobs/core/client_ip.py; default none: the peer's address is the client's).
 - ws_origins: TRAINYARD_WS_ORIGINS, the exact origins (scheme://host[:port]) browsers may open
-  websockets from; unset means the origin being served (jobs/ws_auth.py).
+  websockets from; unset means the origin being served (jobs/access/ws_auth.py).
 - cookies: HttpOnly and SameSite=Lax always; with TRAINYARD_TLS=1 (served over https, directly or
   behind a proxy that sets X-Forwarded-Proto) Secure cookies, HSTS and the proxy's scheme header.
 """
@@ -54,7 +54,7 @@ def allowed_hosts(env: Mapping[str, str]) -> list[str]:
 def trusted_proxies(env: Mapping[str, str]) -> list[str]:
     """TRAINYARD_TRUSTED_PROXIES: comma-separated addresses or CIDRs of the reverse proxies in front of
     the web (default none). Only a request whose peer is one of them has its X-Forwarded-For read
-    (jobs/client_ip.py); each entry must parse, or the settings refuse to load."""
+    (jobs/core/client_ip.py); each entry must parse, or the settings refuse to load."""
     import ipaddress
 
     out = []

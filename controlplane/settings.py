@@ -28,7 +28,7 @@ TRAINYARD_NODE_KEY = os.environ.get("TRAINYARD_NODE_KEY", "") or security.derive
 TRAINYARD_HEARTBEAT_MAX_AGE_S = float(os.environ.get("TRAINYARD_HEARTBEAT_MAX_AGE_S", "60"))
 # Unregistered nodes' join requests kept at most (a flood of invented names cannot grow the table).
 TRAINYARD_JOIN_REQUESTS_MAX = int(os.environ.get("TRAINYARD_JOIN_REQUESTS_MAX", "100"))
-# Security events (jobs/services/identity.py): distinct unregistered sources with a row of their own;
+# Security events (jobs/fleet/services/identity.py): distinct unregistered sources with a row of their own;
 # beyond them each kind counts in one "(other sources)" row, so made-up node names cannot grow the table.
 TRAINYARD_SECURITY_EVENT_SOURCES_MAX = int(os.environ.get("TRAINYARD_SECURITY_EVENT_SOURCES_MAX", "100"))
 DEBUG = os.environ.get("DJANGO_DEBUG", "0") == "1"
@@ -75,7 +75,7 @@ AXES_COOLOFF_TIME = timedelta(seconds=float(os.environ.get("TRAINYARD_LOGIN_COOL
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_HTTP_RESPONSE_CODE = 429
-# The address a lockout counts against: the same as the API throttles' (jobs/client_ip.py: the peer,
+# The address a lockout counts against: the same as the API throttles' (jobs/core/client_ip.py: the peer,
 # or behind a proxy of TRAINYARD_TRUSTED_PROXIES the right-most X-Forwarded-For address not in it).
 AXES_CLIENT_IP_CALLABLE = "jobs.core.client_ip.client_ip"
 
@@ -131,7 +131,7 @@ CHANNEL_LAYERS = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Token first, so a request without credentials gets 401 with WWW-Authenticate, not 403.
-        "jobs.access.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/tokens.py)
+        "jobs.access.tokens.HashedTokenAuthentication",  # keys stored as SHA-256 (jobs/access/tokens.py)
         "rest_framework.authentication.SessionAuthentication",
     ],
     # IsAuthenticated, with requests without credentials counted against TRAINYARD_THROTTLE_ANON
@@ -143,7 +143,7 @@ REST_FRAMEWORK = {
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "jobs.core.api_errors.exception_handler",
-    # jobs/throttles.py: rates from the TRAINYARD_THROTTLE_* settings below (429 with Retry-After)
+    # jobs/core/throttles.py: rates from the TRAINYARD_THROTTLE_* settings below (429 with Retry-After)
     "DEFAULT_THROTTLE_CLASSES": ["jobs.core.throttles.AnonThrottle", "jobs.core.throttles.UserThrottle"],
 }
 SPECTACULAR_SETTINGS = {
@@ -152,7 +152,7 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
 }
 
-# Celery: the control plane's app (jobs/celery_app.py); node agents run their own (workers/celery_app.py).
+# Celery: the control plane's app (jobs/core/celery_app.py); node agents run their own (workers/celery_app.py).
 CELERY_BROKER_URL = REDIS_URL
 
 # Trainyard knobs.
@@ -190,7 +190,7 @@ TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMO
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # The node check runs every 2 s (beat); a longer gap between two checks that ran (worker or beat
 # down, the database locked) is a control-plane stall, and silence during it is not held against
-# any node (jobs/services/nodes.py, nodes_check). Default: half of TRAINYARD_NODE_LOST_S, at least
+# any node (jobs/fleet/services/nodes.py, nodes_check). Default: half of TRAINYARD_NODE_LOST_S, at least
 # 3 check intervals (a limit near the interval would call ordinary jitter a stall, and a node
 # would never be judged).
 TRAINYARD_CONTROL_STALL_S = float(os.environ.get("TRAINYARD_CONTROL_STALL_S") or max(6.0, TRAINYARD_NODE_LOST_S / 2))
@@ -214,9 +214,9 @@ TRAINYARD_QUOTA_WINDOW_S = float(os.environ.get("TRAINYARD_QUOTA_WINDOW_S", str(
 # Reclaim (preempt borrowers) only when the entitled job would otherwise wait longer than this.
 TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600"))
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
-# POST /api/v1/auth/token/ (jobs/api_auth.py): token requests per client address (DRF rate syntax).
+# POST /api/v1/auth/token/ (jobs/access/api.py): token requests per client address (DRF rate syntax).
 TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")
-# A JSON request body larger than this is a 413, read no further (jobs/parsers.py; a JobSpec is ~1 KB,
+# A JSON request body larger than this is a 413, read no further (jobs/core/parsers.py; a JobSpec is ~1 KB,
 # its `config` at most 64 KiB).
 TRAINYARD_JSON_MAX_BYTES = int(os.environ.get("TRAINYARD_JSON_MAX_BYTES", str(1024 * 1024)))
 # A request body larger than this is a 413 from its headers, before any of it is received, on every
@@ -228,7 +228,7 @@ TRAINYARD_HTTP_MAX_BODY_BYTES = int(os.environ.get("TRAINYARD_HTTP_MAX_BODY_BYTE
 # A connection that has not sent its first request's headers this long after opening is dropped
 # (slow-loris clients; controlplane/daphne_bodies.py). 0: no deadline.
 TRAINYARD_HTTP_HEADER_TIMEOUT_S = float(os.environ.get("TRAINYARD_HTTP_HEADER_TIMEOUT_S", "10"))
-# Request rates (jobs/throttles.py, DRF syntax; empty: no limit): API requests without credentials per
+# Request rates (jobs/core/throttles.py, DRF syntax; empty: no limit): API requests without credentials per
 # address, API requests per user, and job submissions (API and form) per user. Counted per web
 # process in Django's cache.
 TRAINYARD_THROTTLE_ANON = os.environ.get("TRAINYARD_THROTTLE_ANON", "120/min")
@@ -236,18 +236,18 @@ TRAINYARD_THROTTLE_USER = os.environ.get("TRAINYARD_THROTTLE_USER", "3000/min")
 TRAINYARD_THROTTLE_SUBMIT = os.environ.get("TRAINYARD_THROTTLE_SUBMIT", "30/min")
 # A user with this many QUEUED jobs gets a 429 on the next submit (0: no cap).
 TRAINYARD_MAX_QUEUED_JOBS_PER_USER = int(os.environ.get("TRAINYARD_MAX_QUEUED_JOBS_PER_USER", "100"))
-# Open websockets per user in one web process (jobs/consumers.py): past it the socket is closed with
+# Open websockets per user in one web process (jobs/runs/consumers.py): past it the socket is closed with
 # 4429 and the reason (0: no cap).
 TRAINYARD_MAX_SOCKETS_PER_USER = int(os.environ.get("TRAINYARD_MAX_SOCKETS_PER_USER", "64"))
 
 # ---------------------------------------------------------------- secrets and sessions (issue 15, s3)
 # The reverse proxies in front of the web (TRAINYARD_TRUSTED_PROXIES: comma-separated addresses or
-# CIDRs; default none). A request's client address (throttles, login lockout; jobs/client_ip.py) is its
+# CIDRs; default none). A request's client address (throttles, login lockout; jobs/core/client_ip.py) is its
 # peer's, unless the peer is one of these: then the right-most X-Forwarded-For address not among them.
 # A client-sent X-Forwarded-For is never believed otherwise (rotating it escaped every throttle).
 TRAINYARD_TRUSTED_PROXIES = security.trusted_proxies(os.environ)
 # Websockets from browsers: the exact origins (scheme://host[:port]) allowed, TRAINYARD_WS_ORIGINS;
-# empty means the origin being served (jobs/ws_auth.py).
+# empty means the origin being served (jobs/access/ws_auth.py).
 TRAINYARD_WS_ORIGINS = security.ws_origins(os.environ)
 # Cookies: HttpOnly and SameSite=Lax always; TRAINYARD_TLS=1 adds Secure, HSTS (TRAINYARD_HSTS_SECONDS,
 # default a year) and SECURE_PROXY_SSL_HEADER (the TLS proxy sets X-Forwarded-Proto).

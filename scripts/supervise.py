@@ -14,7 +14,7 @@ GRACE s, then the same for the --stop-last ones. A second SIGTERM/SIGINT kills a
 
 With --status-file, the state of every process (pid, running, restarts, last exit) is written there
 as JSON each second and on every change (0600, replaced atomically); the web process reads it for
-/metrics and the nodes page (jobs/liveness.py).
+/metrics and the nodes page (jobs/fleet/liveness.py).
 
 With --log-dir, each process's whole output goes to DIR/NAME.log (0600, appended, never through a
 link; at --log-max-bytes it becomes NAME.log.1, replacing the one before, so a process holds at most

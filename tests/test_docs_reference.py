@@ -16,9 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCH = ROOT / "docs" / "architecture.md"
 DOMAIN_CONTRACT = "jobs: the domains, each importing only the ones below it"
 # A backticked repository path: starts at one of the project's top folders.
-# Paths docs/deploy.md still names from before the reorganisation (another change owns that file):
-# listed so that no new stale path gets in; drop an entry when deploy.md is fixed.
-KNOWN_STALE = {"docs/deploy.md": {"jobs/client_ip.py"}}
 DOCS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")) + ["README.md"]
 PATH_RE = re.compile(r"`((?:jobs|trainyard|workers|controlplane|scripts|tests|bench|deploy|docs|examples)/[^`\s]*)`")
 
@@ -70,7 +67,7 @@ def test_every_path_the_docs_name_exists(doc):
     text = (ROOT / doc).read_text()
     missing = {p for p in PATH_RE.findall(text)
                if not re.search(r"[<>*{}$]", p) and not (ROOT / p.rstrip(".,:;)")).exists()}
-    missing = sorted(missing - KNOWN_STALE.get(doc, set()))
+    missing = sorted(missing)
     assert not missing, f"{doc} names paths that do not exist: {missing}"
 
 

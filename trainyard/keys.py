@@ -17,7 +17,7 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
     trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
-    trainyard:alive:<role>       liveness stamps of `control` (worker) and `beat` (TTL expiry, jobs/liveness.py)
+    trainyard:alive:<role>       liveness stamps of `control` (worker) and `beat` (TTL expiry, jobs/fleet/liveness.py)
     trainyard:relay:deadletter   stream: entries the relay refused (unparseable, forged, poison), capped
     trainyard:preempt:<attempt>  set by the control plane: checkpoint and exit (trainyard/sdk/preempt.py)
     trainyard:rdzv:<attempt>:<token>  the rank-0 node's torchrun rendezvous port, for its peer nodes;
@@ -82,7 +82,7 @@ RELAY_ALIVE_KEY = "trainyard:relay:alive"
 
 ALIVE_PREFIX = "trainyard:alive:"
 """Liveness stamps: `ALIVE_PREFIX + role` (control, beat) holds the writer's Unix time and expires
-after settings.TRAINYARD_ALIVE_TTL_S; a missing key means the role is down (jobs/liveness.py)."""
+after settings.TRAINYARD_ALIVE_TTL_S; a missing key means the role is down (jobs/fleet/liveness.py)."""
 
 
 def alive_key(role: str) -> str:

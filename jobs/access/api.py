@@ -1,6 +1,6 @@
 """POST /api/v1/auth/token/: exchange a username and password for a new API token (as
 `manage.py api_token USER` prints one), for non-browser clients such as `trainyard login`. The key
-is in this one answer only: the database keeps its SHA-256 (jobs/tokens.py).
+is in this one answer only: the database keeps its SHA-256 (jobs/access/tokens.py).
 
 No session, so no CSRF: the view authenticates nothing but the credentials in the body, and a
 browser's cookies are ignored. Attempts are throttled per client address

@@ -10,8 +10,8 @@ ALLOWED_HOSTS passed, whatever its scheme and port (http://localhost:9999, anoth
 could open sockets on the dashboard's session).
 
 A socket without an Origin is not a browser, so its cookies are ignored and only a token
-(jobs/tokens.py, hashed) authenticates it; scope["token_id"] says which, so revoking that token
-closes the socket (jobs/consumers.py).
+(jobs/access/tokens.py, hashed) authenticates it; scope["token_id"] says which, so revoking that token
+closes the socket (jobs/runs/consumers.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The one DRF exception handler: every API error is {"errors": {"field.path": ["message"]}}
 (docs/architecture.md, section 7), with the status its kind says.
 
-Domain errors (jobs/errors.py) carry their field paths and status (400 invalid input, 403
+Domain errors (jobs/core/errors.py) carry their field paths and status (400 invalid input, 403
 forbidden, 404 not found, 409 conflict); a JobSpec that fails validation (trainyard.spec.SpecError)
 is a 400 with its field paths, and so is bad planner input (PlanInputError); DRF's own errors (parse errors, authentication, its NotFound and
 ValidationError) keep their status and get their detail flattened into field paths. Views raise;

@@ -1,4 +1,4 @@
-"""The client's address, for the request rate limits (jobs/throttles.py, jobs/api_auth.py) and the
+"""The client's address, for the request rate limits (jobs/core/throttles.py, jobs/access/api.py) and the
 login lockout (django-axes, AXES_CLIENT_IP_CALLABLE): one answer for all three.
 
 X-Forwarded-For is whatever the client sent, with each proxy on the way appending the address it

@@ -8,7 +8,7 @@ the default local-memory cache counts per web process (N daphne processes allow 
 point CACHES at Redis to count across processes.
 
 Login throttling with lockout is django-axes (controlplane/settings.py, AXES_*), not here. "Client
-address" is jobs/client_ip.py's everywhere (the peer, or behind a trusted proxy what it saw), never
+address" is jobs/core/client_ip.py's everywhere (the peer, or behind a trusted proxy what it saw), never
 a client-sent X-Forwarded-For.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ def node_list(request):
 
 
 def _control_plane(user) -> dict:
-    """The nodes page's "Control plane" panel: every process's liveness (jobs/liveness.py) and, for
+    """The nodes page's "Control plane" panel: every process's liveness (jobs/fleet/liveness.py) and, for
     staff, what `make run`'s supervisor knows (pids, restarts, last exit)."""
     rows = liveness.processes()
     for row in rows:

@@ -9,7 +9,7 @@ class ApiToken(models.Model):
     """An API token (`Authorization: Token <key>`), stored as the SHA-256 of its key: the key is shown
     once when created (`manage.py api_token USER`, POST /api/v1/auth/token/) and a copy of the
     database authenticates nobody. A fast hash is right here: keys are 256 random bits, nothing to
-    guess (jobs/tokens.py). Deleting a row revokes the key and closes its websockets."""
+    guess (jobs/access/tokens.py). Deleting a row revokes the key and closes its websockets."""
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
     digest = models.CharField(max_length=64, unique=True, help_text="SHA-256 of the key, hex")

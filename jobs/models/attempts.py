@@ -46,7 +46,7 @@ class Attempt(models.Model):
     resumed_from_step = models.PositiveBigIntegerField(null=True, blank=True)
     # Progress as the relay committed it: the hang detector's evidence.
     last_step = models.PositiveBigIntegerField(default=0)
-    # Set when the control plane wrote the attempt off with a node it lost (jobs/services/nodes.py):
+    # Set when the control plane wrote the attempt off with a node it lost (jobs/fleet/services/nodes.py):
     # the last step it had accepted. Nothing of the attempt beyond it is taken in: its ranks may
     # still run behind a partition, and their later samples and checkpoints belong to no line.
     fenced_step = models.PositiveBigIntegerField(null=True, blank=True)
@@ -55,7 +55,7 @@ class Attempt(models.Model):
     rank_plans = models.JSONField(default=dict, blank=True,
                                   help_text='{"<rank>": {coords, role, param_bytes, optim_bytes}} as the runtime reported them')
     profile = models.JSONField(default=dict, blank=True,
-                               help_text="what bounds its step and the recommended change (jobs/policy/profiling.py)")
+                               help_text="what bounds its step and the recommended change (jobs/policy/profiling.py)")  # as its migration (0007) says: now jobs/attempts/policy/profiling.py
     preempt_requested_at = models.DateTimeField(null=True, blank=True)
     preempt_reason = models.CharField(max_length=500, blank=True)
     preempt_for = models.PositiveIntegerField(null=True, blank=True, help_text="the queued job its slots go to")

@@ -18,7 +18,7 @@ class Node(models.Model):
     slots = models.PositiveIntegerField()
     labels = models.JSONField(default=dict, blank=True)
     devices = models.JSONField(default=list, blank=True)
-    # What the last heartbeat's `devices` advertise (jobs/policy/scheduling/eligibility.py): "cuda"
+    # What the last heartbeat's `devices` advertise (jobs/scheduling/policy/eligibility.py): "cuda"
     # with gpu_count GPUs, the smallest of gpu_memory_bytes; "cpu"; "" before any device report.
     # Placement reads these, not the JSON (a cuda job runs only where gpu_count > 0).
     device_kind = models.CharField(max_length=8, blank=True, default="")

@@ -9,8 +9,8 @@ from jobs.models.runs import Job
 
 
 class KnowledgeRecord(models.Model):
-    """What one finished attempt measured (jobs/services/knowledge.py writes it when the attempt
-    ends, from its warm steps; jobs/policy/knowledge.py computes it): model shape, plan, where it
+    """What one finished attempt measured (jobs/planning/services/knowledge.py writes it when the attempt
+    ends, from its warm steps; jobs/planning/policy/knowledge.py computes it): model shape, plan, where it
     ran, measured step time, peak memory and throughput, and what the planner predicted. The
     planner, the run-time predictor and the knowledge page read these. A user-code job's record
     has no model shape (null fields). Kept when its job is deleted."""

@@ -32,7 +32,7 @@ class Job(models.Model):
     # Nodes the next attempt should not use (the node that failed to join a rendezvous, ...);
     # ignored when the job could not fit without them.
     avoid_nodes = models.JSONField(default=list, blank=True)
-    predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")
+    predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")  # as its migration (0003) says: now jobs/planning/policy/predictor.py
     predicted_start_at = models.DateTimeField(null=True, blank=True, help_text="ETA while queued")
     borrowing = models.BooleanField(default=False, help_text="runs beyond its team's quota on idle capacity")
     created_at = models.DateTimeField(auto_now_add=True)

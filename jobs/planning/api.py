@@ -2,7 +2,7 @@
 400 naming each field (PlanInputError, SpecError through jobs.core.api_errors); nothing is stored.
 
 Two bodies: the planner's own request ({model, cluster, global_batch, precision, fix}), or
-{"spec": <JobSpec>}, planned as a submit would plan it on this cluster (jobs/autoplan.py: the
+{"spec": <JobSpec>}, planned as a submit would plan it on this cluster (jobs/planning/autoplan.py: the
 nodes' devices, the calibrated constants, the runtime's strategies): the submit page's preview."""
 from __future__ import annotations
 from drf_spectacular.utils import extend_schema

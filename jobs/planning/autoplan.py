@@ -6,7 +6,7 @@ The request is the spec's built-in GPT on its resources (trainyard/plan/job.py),
 facts of this cluster: a CUDA job gets the name and memory the nodes' agents report for their
 GPUs; a CPU job a slot's share of a node's memory (TRAINYARD_CPU_DEVICE_MEMORY_GB) and the peak the
 newest calibration measured. The constants are the newest calibration of that device type, else
-the defaults (jobs/planning.py constants_for). The search is restricted to what the runtime runs.
+the defaults (jobs/planning/constants.py constants_for). The search is restricted to what the runtime runs.
 
 At submit, the best plan is written into the stored spec (its `parallel` section and, for pp = 1,
 `train.grad_accum`; for pp > 1 `parallel.microbatches`) so that restarts, rollbacks and the runtime

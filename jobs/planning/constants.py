@@ -1,6 +1,6 @@
 """The control plane's door to the planner (trainyard/plan): which constants a device type is
 planned with, and one call from a parsed JSON request to the planner's output document. Used by
-`POST /api/v1/plan/` (jobs/api_plan.py) and `python manage.py plan`.
+`POST /api/v1/plan/` (jobs/planning/api.py) and `python manage.py plan`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Reads of the knowledge base (`KnowledgeRecord`, written by jobs/services/knowledge.py): who
+"""Reads of the knowledge base (`KnowledgeRecord`, written by jobs/planning/services/knowledge.py): who
 may see which records, the records nearest a configuration, the best measured plan per model
 shape and cluster, and the nearest measured step times the run-time predictor uses. A sibling
-of jobs/selectors.py under the same contract (reads never import the API, serializers, payloads
-or services); jobs/policy/knowledge.py does the ranking and the aggregation.
+of jobs/scheduling/selectors.py under the same contract (reads never import the API, serializers, payloads
+or services); jobs/planning/policy/knowledge.py does the ranking and the aggregation.
 
 `shape` is a model dict as the planner takes it ({kind, layers, hidden, heads, seq_len, vocab},
 plus "global_batch" when known); `cluster` is the planner's ({nodes, devices_per_node, device:

@@ -1,7 +1,7 @@
 """The knowledge-base page (/knowledge/): past configurations with predicted vs measured step time
 and memory, the best known plan per model shape and cluster, and the device calibrations.
 
-The same filters and record JSON as GET /api/v1/knowledge/ (jobs/api_knowledge.py); the page
+The same filters and record JSON as GET /api/v1/knowledge/ (jobs/planning/api.py); the page
 renders text the API leaves as numbers. The calibrations section shows the `Calibration` rows
 (jobs/models/planning.py, added with `python manage.py calibrate`) when that model exists."""
 from __future__ import annotations

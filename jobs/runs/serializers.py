@@ -63,7 +63,7 @@ class JobSerializer(serializers.ModelSerializer):
         return list(a.stragglers) if a is not None and a.status != Attempt.Status.ENDED else []
 
     def get_profile(self, obj) -> dict | None:
-        """The running attempt's profile (jobs/policy/profiling.py: class, shares, window,
+        """The running attempt's profile (jobs/attempts/policy/profiling.py: class, shares, window,
         recommendation with its change and predicted gain), with "attempt" (its id); null when
         no attempt runs or none was profiled yet."""
         a = self._current(obj)
@@ -128,4 +128,4 @@ class CheckpointSerializer(serializers.ModelSerializer):
         return obj.deleted_at is not None
 
     def to_representation(self, instance: Checkpoint) -> dict:
-        return checkpoint_row(instance)  # the fields above are the schema; the row is built once (jobs/rows.py)
+        return checkpoint_row(instance)  # the fields above are the schema; the row is built once (jobs/attempts/rows.py)

@@ -122,7 +122,7 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
         # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
         attempts: dict[int, int] = {}
         ended: set[int] = set()
-        fences: dict[int, int] = {}  # attempt -> its fenced step (jobs/services/nodes.py, attempt_fence)
+        fences: dict[int, int] = {}  # attempt -> its fenced step (jobs/fleet/services/nodes.py, attempt_fence)
         if wanted:
             cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
             for attempt_id, job_id, status, fenced_step in cursor.fetchall():

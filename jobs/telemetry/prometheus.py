@@ -11,7 +11,7 @@ up in Prometheus. Relay figures come from the counters the relay keeps in Redis
 (trainyard.keys.RELAY_STATS_KEY) plus the job streams' current backlog and the age of their oldest
 entry; if Redis cannot be reached, `trainyard_redis_up 0` says so and the rest still renders.
 Process liveness (`trainyard_process_up{process=...}`, restarts under `make run`) comes from
-jobs/liveness.py.
+jobs/fleet/liveness.py.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def collect_security(exp: Exposition) -> None:
 
 
 def collect_control_clock(exp: Exposition) -> None:
-    """The node check's own clock (jobs/services/nodes.py, control_plane_clock): stalls seen, the
+    """The node check's own clock (jobs/fleet/services/nodes.py, control_plane_clock): stalls seen, the
     latest one's length, and how long the current healthy stretch is (node silence is judged only
     within it)."""
     clock = ControlPlaneClock.objects.filter(pk=1).first()
@@ -255,7 +255,7 @@ def collect_relay(exp: Exposition) -> None:
 
 
 def collect_processes(exp: Exposition) -> None:
-    """Liveness of every process (jobs/liveness.py), and what `make run`'s supervisor adds."""
+    """Liveness of every process (jobs/fleet/liveness.py), and what `make run`'s supervisor adds."""
     for row in liveness.processes():
         exp.add("trainyard_process_up", "gauge", "1 if the process proved alive within its stamp TTL (web, redis, "
                 "control, beat, relay; agent:<node> by heartbeat), else 0.", row["up"], process=row["process"])

@@ -1,5 +1,5 @@
 """The relay's way to the browsers: committed samples to the Channels groups `job.<id>`, in order,
-from one long-lived event loop thread (jobs/telemetry.py hands them over)."""
+from one long-lived event loop thread (jobs/telemetry/relay.py hands them over)."""
 from __future__ import annotations
 
 import asyncio

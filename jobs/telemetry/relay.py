@@ -22,7 +22,7 @@ bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at m
 under load a round takes longer than that and so reads more: batches grow with the rate
 instead of the relay falling behind at a fixed batch size.
 
-Nothing on the bus stops the relay: every entry passes jobs/entries.py's schema and must name
+Nothing on the bus stops the relay: every entry passes jobs/telemetry/entries.py's schema and must name
 only attempts of the job whose stream carried it (a checkpoint report also a complete
 checkpoint on disk) before anything is applied; the rest goes to keys.DEADLETTER_STREAM with the
 reason (staff: /relay/dead-letters/, /metrics: trainyard_relay_deadletter_total). Database errors
@@ -68,7 +68,7 @@ IGNORED_FORGET_S = 60.0  # streams of no known attempt are looked up again after
 
 
 class Parsed(NamedTuple):
-    """A stream entry that passed the schema (jobs/entries.py)."""
+    """A stream entry that passed the schema (jobs/telemetry/entries.py)."""
 
     stream: str
     job_id: int

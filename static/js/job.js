@@ -104,7 +104,7 @@ function renderHeader() {
 
 // ---------------------------------------------------------------- queue position, predicted start
 
-// A predicted start as "in ~4 min" (jobs/views.py _eta_text says the same for the first paint).
+// A predicted start as "in ~4 min" (jobs/runs/views.py _eta_text says the same for the first paint).
 function fmtIn(iso, now = Date.now()) {
   if (!iso) return 'unknown';
   const t = new Date(iso).getTime();

@@ -1,5 +1,5 @@
 // The job page's profile panel: what bounds the running attempt's step (compute, communication or
-// data wait, jobs/policy/profiling.py), the shares, the recommendation with its predicted gain, and
+// data wait, jobs/attempts/policy/profiling.py), the shares, the recommendation with its predicted gain, and
 // an Apply button (owner, team or staff: whoever sees the page) that POSTs
 // /api/v1/jobs/<id>/apply_recommendation/ with the change shown, so a newer recommendation is a 409.
 import { $, el, postJSON, errorText } from './util.js';

@@ -1,4 +1,4 @@
-"""Beat and the control worker prove their own liveness (jobs/liveness.py), whatever manages them:
+"""Beat and the control worker prove their own liveness (jobs/fleet/liveness.py), whatever manages them:
 real `celery beat` and `celery worker` processes on a real Redis; SIGKILL one and /metrics shows it
 down within the stamp TTL while the other stays up."""
 from __future__ import annotations

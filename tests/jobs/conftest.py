@@ -93,7 +93,7 @@ def relay_alive(monkeypatch):
 
 @pytest.fixture
 def healthy_control_plane(db):
-    """The control plane's clock (jobs/services/nodes.py, control_plane_clock) as after a day of node
+    """The control plane's clock (jobs/fleet/services/nodes.py, control_plane_clock) as after a day of node
     checks on schedule: silence is judged over the whole TRAINYARD_NODE_LOST_S. Without it the first
     check of a test starts a healthy stretch and judges no node."""
     from datetime import timedelta

@@ -1,6 +1,6 @@
 """Telemetry to the job's Redis Stream, off the training thread.
 
-Stream entries (the relay, jobs/telemetry.py, parses exactly these):
+Stream entries (the relay, jobs/telemetry/relay.py, parses exactly these):
     XADD <stream> * type metrics data <JSON list of per-step sample dicts, at most 500>
     XADD <stream> * type event   data <JSON {"kind": ..., "rank": r, ...}>
 

@@ -2,7 +2,7 @@
 
 Input: the attempt's recent per-rank per-step samples (step_s, data_s, compute_s, comm_s,
 optim_s as workers/runtime/trainer.py defines them) and the job's stored spec. Output: a
-JSON-safe profile (`profile`) that jobs/services/profiling.py stores on the attempt.
+JSON-safe profile (`profile`) that jobs/attempts/services/profiling.py stores on the attempt.
 
 Shares of step time (per rank, over the window; then the median over ranks):
 - input = data_s / step_s (waiting for the next batch);

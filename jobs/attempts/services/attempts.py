@@ -1,7 +1,7 @@
 """Attempts: stop, preempt, finish (outcome, diagnosis, restart or fail), hang and straggler checks.
 
 An attempt ends once no node still runs it; its outcome then moves the job on (succeeded,
-cancelled, back to the queue, or failed) as jobs/policy/diagnosis.py classifies the evidence.
+cancelled, back to the queue, or failed) as jobs/attempts/policy/diagnosis.py classifies the evidence.
 A node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window (failed attempts blamed on
 it, GPU Xid/ECC errors its agent reported) is quarantined.
 """

@@ -3,7 +3,7 @@
 A checkpoint is a directory `<TRAINYARD_CHECKPOINT_ROOT>/job-<id>/step-<n>/` that rank 0 renames
 into place after writing its manifest `trainyard.json`; registration only accepts paths under the
 job's own directory, and deletion only ever touches paths under the root. Which checkpoints to
-keep, resume from or supersede is jobs/policy/checkpoints.py's decision.
+keep, resume from or supersede is jobs/attempts/policy/checkpoints.py's decision.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def checkpoint_register(attempt_id: int, *, data: dict) -> Checkpoint | None:
         return None
     step = data["step"]
     if attempt.fenced_step is not None and step > attempt.fenced_step:
-        # Saved behind a partition after the attempt was written off (jobs/services/nodes.py,
+        # Saved behind a partition after the attempt was written off (jobs/fleet/services/nodes.py,
         # attempt_fence): the job went on elsewhere from an earlier step; never a resume point.
         log.warning("refusing checkpoint %s of attempt %s: step %s is after its fence at step %s; deleting it",
                     path, attempt_id, step, attempt.fenced_step)

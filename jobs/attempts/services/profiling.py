@@ -1,5 +1,5 @@
 """Profiles of running attempts: what bounds the step and the recommended change
-(jobs/policy/profiling.py decides), stored on `Attempt.profile` by the periodic attempts check.
+(jobs/attempts/policy/profiling.py decides), stored on `Attempt.profile` by the periodic attempts check.
 
 A change of class is a "profile" job event; every change of the stored profile goes to the job
 page as a `profile` websocket message after commit. The first profile of the attempt after an

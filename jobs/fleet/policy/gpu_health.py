@@ -3,7 +3,7 @@
 The agent's heartbeat carries, per GPU, its critical Xid events (each with the agent's Unix time)
 and the volatile uncorrected ECC error count (since the driver loaded; it stays until the GPU is
 reset). Both count toward the node's quarantine together with the attempt failures it was
-implicated in (jobs/services/attempts.py). Xids that user code or a killed process cause are
+implicated in (jobs/attempts/services/attempts.py). Xids that user code or a killed process cause are
 shown on the node card but are not the node's fault.
 """
 from __future__ import annotations

@@ -87,7 +87,7 @@ def node_heartbeat(beat: Heartbeat, *, signer: str | None = None) -> tuple[Node 
 def node_maybe_quarantine(name: str, *, job: Job | None = None, attempt: Attempt | None = None) -> bool:
     """Quarantine a node implicated in TRAINYARD_QUARANTINE_FAILURES faults within the window: the
     attempt failures blamed on it plus the GPU faults (Xid, uncorrected ECC) its agent reported
-    (jobs/policy/gpu_health.py). Called when an attempt fails on the node and when a heartbeat
+    (jobs/fleet/policy/gpu_health.py). Called when an attempt fails on the node and when a heartbeat
     brings a GPU fault. True if it quarantined the node now."""
     window = settings.TRAINYARD_QUARANTINE_WINDOW_S
     cutoff = timezone.now() - timedelta(seconds=window)

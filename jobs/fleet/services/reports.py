@@ -51,7 +51,7 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
 def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
     """A node's processes for an attempt have exited (or were stopped, or never started).
     `result` is a NodeExit's JSON, stored as it came (the evidence diagnosis reads), NULs in its
-    log tails made storable on PostgreSQL (jobs/dbtext.py)."""
+    log tails made storable on PostgreSQL (jobs/core/dbtext.py)."""
     result = storable(result)
     report = NodeExit.model_validate(result)
     if report.node is not None and report.node != node_name:

@@ -98,7 +98,7 @@ def extract(spec: Mapping, plan: Mapping, samples: Iterable[Mapping], *, device_
     m = measure(samples)
     if m is None:
         return None
-    # the planner's figures for the plan the job ran (jobs/autoplan.py puts them in plan["planner"])
+    # the planner's figures for the plan the job ran (jobs/planning/autoplan.py puts them in plan["planner"])
     predicted = plan.get("planner") or {}
     res, train = spec.get("resources") or {}, spec.get("train") or {}
     nodes, procs = int(res.get("nodes", 1)), int(res.get("procs_per_node", 1))

@@ -106,7 +106,7 @@ class MeasuredStep:
 
     shape: JobShape
     step_time_s: float
-    distance: float  # jobs/policy/knowledge.py's distance from the job asking
+    distance: float  # jobs/planning/policy/knowledge.py's distance from the job asking
 
 
 # Farther neighbours than this (e.g. one dimension 7x off, or two 4x each) say less than the model.

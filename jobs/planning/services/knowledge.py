@@ -1,5 +1,5 @@
 """The knowledge base's writes: one `KnowledgeRecord` per ended attempt with enough warm steps
-of telemetry (jobs/policy/knowledge.py decides what it says).
+of telemetry (jobs/planning/policy/knowledge.py decides what it says).
 
 Written where the attempt ends (services.attempts, whatever its outcome: a preempted or failed
 attempt measured its steps as well as a succeeded one) and refreshed when the relay commits

@@ -1,4 +1,4 @@
-"""The client address the throttles and the login lockout count against (jobs/client_ip.py, issue 21
+"""The client address the throttles and the login lockout count against (jobs/core/client_ip.py, issue 21
 section 6): a client-sent X-Forwarded-For is believed only from a proxy of TRAINYARD_TRUSTED_PROXIES,
 and then only its right-most address that is not a trusted proxy. A client cannot escape its limit by
 rotating the header; behind a configured proxy, clients are told apart and the limits still hold."""

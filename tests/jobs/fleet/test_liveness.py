@@ -1,4 +1,4 @@
-"""Process liveness (jobs/liveness.py) in /metrics and on the nodes page: each role's own stamp in
+"""Process liveness (jobs/fleet/liveness.py) in /metrics and on the nodes page: each role's own stamp in
 Redis (control, beat, relay), Redis's PING, the agents' heartbeats, and `make run`'s supervisor file."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`parallel: auto` at submit and the submit page's plan preview (jobs/autoplan.py): the planner's
+"""`parallel: auto` at submit and the submit page's plan preview (jobs/planning/autoplan.py): the planner's
 best plan for the spec's GPT on this cluster is written into the stored spec, the job's plan keeps
 the prediction and the runners-up, a spec that fits nowhere is a 400 naming the shortfall, and
 POST /api/v1/plan/ {"spec": ...} answers what a submit would do."""

@@ -1,4 +1,4 @@
-"""Kept logs on disk (jobs/keptlogs.py): one write per file per batch, paging by stable line offsets,
+"""Kept logs on disk (jobs/telemetry/keptlogs.py): one write per file per batch, paging by stable line offsets,
 the per-job byte cap cutting the oldest lines first (and counting them), disk errors that never raise."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""jobs/policy/profiling.py: shares, classes with hysteresis, and each recommendation."""
+"""jobs/attempts/policy/profiling.py: shares, classes with hysteresis, and each recommendation."""
 from __future__ import annotations
 
 import pytest

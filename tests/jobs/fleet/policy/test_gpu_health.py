@@ -1,4 +1,4 @@
-"""jobs/policy/gpu_health.py: which GPU faults an agent reported count against its node."""
+"""jobs/fleet/policy/gpu_health.py: which GPU faults an agent reported count against its node."""
 from __future__ import annotations
 
 from jobs.fleet.policy.gpu_health import GpuFault, gpu_faults, quarantine_due

@@ -1,4 +1,4 @@
-"""The knowledge base's pure part (jobs/policy/knowledge.py): what an attempt's samples say
+"""The knowledge base's pure part (jobs/planning/policy/knowledge.py): what an attempt's samples say
 (warm-step median of the slowest rank, peak memory), the record's fields, the nearest-record
 ranking and the best plan per shape and cluster; and the predictor's use of the records."""
 import math
