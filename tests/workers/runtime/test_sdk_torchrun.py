@@ -20,7 +20,7 @@ from .test_torchrun import Output, wait_for
 
 pytestmark = pytest.mark.procs
 
-SCRIPT = REPO / "tests" / "runtime" / "sdk_script.py"
+SCRIPT = REPO / "tests" / "workers" / "runtime" / "sdk_script.py"
 STEPS, EVERY = 12, 5
 
 
