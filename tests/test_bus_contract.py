@@ -71,8 +71,8 @@ def test_keys_keep_their_values():
     assert keys.attempt_stream(7, 9) == "trainyard:job:7:a9" and keys.stream_ids("trainyard:job:7:a9") == (7, 9)
     assert keys.job_log_key(7) == "trainyard:joblog:7"
     assert keys.preempt_key(9) == "trainyard:preempt:9" and keys.rdzv_port_key(9, "t0k") == "trainyard:rdzv:9:t0k"
-    assert (keys.RELAY_GROUP, keys.RELAY_STATS_KEY, keys.RELAY_ALIVE_KEY) == (
-        "relay", "trainyard:relay:stats", "trainyard:relay:alive")
+    assert (keys.RELAY_GROUP, keys.RELAY_STATS_KEY, keys.RELAY_ALIVE_KEY, keys.RELAY_STARTED_KEY) == (
+        "relay", "trainyard:relay:stats", "trainyard:relay:alive", "trainyard:relay:started")
     assert (keys.CONTROL_QUEUE, keys.node_queue("node-a")) == ("control", "node.node-a")
     assert keys.step_dir_name(5, 21) == "step-00000005-a21" and keys.MANIFEST == "trainyard.json"
 

@@ -80,6 +80,11 @@ RELAY_STATS_KEY = "trainyard:relay:stats"
 RELAY_ALIVE_KEY = "trainyard:relay:alive"
 """Set by the relay every round with a 10 s expiry; its absence means no relay runs."""
 
+RELAY_STARTED_KEY = "trainyard:relay:started"
+"""The epoch second the running relay process started, refreshed with RELAY_ALIVE_KEY (10 s
+expiry): progress trained while no relay ran is committed only after that, so the hang detector
+counts no idle time from before it."""
+
 ALIVE_PREFIX = "trainyard:alive:"
 """Liveness stamps: `ALIVE_PREFIX + role` (control, beat) holds the writer's Unix time and expires
 after settings.TRAINYARD_ALIVE_TTL_S; a missing key means the role is down (jobs/fleet/liveness.py)."""

@@ -5,16 +5,21 @@ from trainyard import keys
 from jobs.models import Allocation, MetricSample
 
 
-def relay_alive() -> bool:
-    """The relay refreshes this key (10 s expiry) every second while it runs."""
+def relay_alive() -> float | None:
+    """The epoch second the running relay started (keys.RELAY_STARTED_KEY, which it refreshes
+    with a 10 s expiry every second while it runs); None when no relay runs (or Redis is away)."""
     import redis
     from django.conf import settings
 
     try:
-        return bool(redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-                    .exists(keys.RELAY_ALIVE_KEY))
+        value = (redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+                 .get(keys.RELAY_STARTED_KEY))
     except redis.RedisError:
-        return False
+        return None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 STRAGGLER_WINDOW_STEPS = 20

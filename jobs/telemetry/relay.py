@@ -95,6 +95,7 @@ class Relay:
         self._ignored: set[str] = set()  # streams of no known attempt (forgotten every IGNORED_FORGET_S)
         self._ignored_at = time.monotonic()
         self._last_scan = 0.0
+        self._started = time.time()  # keys.RELAY_STARTED_KEY
         self._last_gc = time.monotonic()
         self._last_progress = 0.0
         self.running = True
@@ -174,8 +175,10 @@ class Relay:
         """Read and commit one round of entries; returns how many entries were handled."""
         if time.monotonic() - self._last_scan > 1.0:
             self.discover()
-            # The hang detector trusts "no progress in the database" only while this key lives.
-            self.r.set(keys.RELAY_ALIVE_KEY, time.time(), ex=10)
+            # The hang detector trusts "no progress in the database" only while these keys live,
+            # and only since this relay started (a restarted relay commits the backlog after it).
+            self.r.pipeline(transaction=False).set(keys.RELAY_ALIVE_KEY, time.time(), ex=10).set(
+                keys.RELAY_STARTED_KEY, self._started, ex=10).execute()
         if not self.streams:
             time.sleep(self.block_ms / 1000)
             return 0

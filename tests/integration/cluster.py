@@ -170,11 +170,32 @@ class Cluster:
         return pids
 
     def logs(self, tail: int = 60) -> str:
+        """The last lines of every process's log: the agents' and the relay's first (a failure's
+        report is cut in the middle when long), beat's ticks last and shorter."""
+        def order(f: Path) -> tuple[int, str]:
+            return ({"beat.log": 3, "web.log": 2, "control.log": 1}.get(f.name, 0), f.name)
+
         out = []
-        for f in sorted(self.dir.glob("*.log")):
-            lines = f.read_text(errors="replace").splitlines()[-tail:]
+        for f in sorted(self.dir.glob("*.log"), key=order):
+            lines = f.read_text(errors="replace").splitlines()[-(10 if f.name == "beat.log" else tail):]
             out.append(f"==== {f.name}\n" + "\n".join(lines))
         return "\n".join(out)
+
+    def job_state(self, job_id: int) -> str:
+        """One job as a failure report wants it: status and why, each attempt's outcome and failure,
+        the last events."""
+        try:
+            j = self.job(job_id)
+            events = self.get(f"/api/v1/jobs/{job_id}/events/?page_size=200")
+        except Exception as exc:  # the web server may be what is broken
+            return f"job {job_id}: unreadable ({exc!r})"
+        rows = events.get("results", events) if isinstance(events, dict) else events
+        attempts = [(a.get("number"), a.get("status"), a.get("outcome"), (a.get("failure") or {}).get("message"),
+                     [(r.get("node"), r.get("pid")) for r in a.get("ranks", [])]) for a in j.get("attempts", [])]
+        lines = [f"job {job_id}: {j.get('status')} ({j.get('status_reason')!r}) step {j.get('step')}",
+                 f"attempts: {attempts}"]
+        lines += [f"  {e.get('created_at')} {e.get('kind')}: {str(e.get('message'))[:300]}" for e in rows[-15:]]
+        return "\n".join(lines)
 
     # ------------------------------------------------------------ HTTP
     def request(self, method: str, path: str, body=None, token: str | None = None) -> tuple[int, dict | list]:
@@ -209,25 +230,29 @@ class Cluster:
     def metrics(self, job_id: int) -> list[dict]:
         return self.get(f"/api/v1/jobs/{job_id}/metrics/?limit=10000")
 
-    def wait_for(self, cond, timeout_s: float, what: str, interval_s: float = 0.2):
+    def wait_for(self, cond, timeout_s: float, what: str, interval_s: float = 0.2, job_id: int | None = None):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             value = cond()
             if value:
                 return value
             time.sleep(interval_s)
-        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
+        state = self.job_state(job_id) + "\n" if job_id is not None else ""
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{state}{self.logs()}")
 
     def wait_status(self, job_id: int, statuses: set[str], timeout_s: float = 240) -> dict:
         return self.wait_for(lambda: (j := self.job(job_id))["status"] in statuses and j, timeout_s,
-                             f"job {job_id} to reach {statuses}")
+                             f"job {job_id} to reach {statuses}", job_id=job_id)
 
     def wait_running_ranks(self, job_id: int, world: int, timeout_s: float = 120) -> dict:
         def ready():
             j = self.job(job_id)
+            if j["status"] in {"SUCCEEDED", "FAILED", "CANCELLED"}:  # it will never be RUNNING again
+                raise AssertionError(f"job {job_id} ended before it was seen running with {world} ranks "
+                                     f"(a test job too short for a loaded machine?)\n{self.job_state(job_id)}")
             att = j["attempts"][-1] if j["attempts"] else None
             return j["status"] == "RUNNING" and att and len(att["ranks"]) == world and j
-        return self.wait_for(ready, timeout_s, f"job {job_id} running with {world} ranks")
+        return self.wait_for(ready, timeout_s, f"job {job_id} running with {world} ranks", job_id=job_id)
 
 
 def attempt_processes(attempt_id: int) -> list[psutil.Process]:

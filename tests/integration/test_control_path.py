@@ -63,7 +63,7 @@ def test_cancel_leaves_no_process_within_5s(cluster):
 
 
 def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
-    steps = 150
+    steps = 400  # long enough to be seen running (and still run through the restart) on a loaded machine
     job = cluster.submit(small("dup", steps))
     running = cluster.wait_running_ranks(job["id"], 2)
     attempt = running["attempts"][0]

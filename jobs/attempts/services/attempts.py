@@ -162,8 +162,12 @@ def _success_text(job: Job, attempt: Attempt) -> str:
 def attempts_check() -> dict:
     """Stop hung attempts, flag stragglers and profile what bounds each step (services.profiling),
     from the telemetry the relay committed. Hangs are judged only while the relay is alive: a
-    stopped relay also stops progress in the database."""
-    relay_ok = selectors.relay_alive()
+    stopped relay also stops progress in the database; and idle time counts only from the
+    running relay's start (a restarted relay commits what was trained meanwhile after it, and
+    on a loaded machine catching up can take a while)."""
+    relay_since = selectors.relay_alive()
+    relay_ok = relay_since is not None and relay_since is not False
+    since = float(relay_since) if relay_ok else 0.0
     now = timezone.now()
     hung, flagged, profiles = [], {}, {}
     grace = timedelta(seconds=settings.TRAINYARD_PREEMPT_GRACE_S)
@@ -175,7 +179,7 @@ def attempts_check() -> dict:
             attempt_stop(attempt, reason="preempt")
     for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING).select_related("job"):
         recent = selectors.attempt_recent_samples(attempt.pk, attempt.last_step)
-        if relay_ok and _attempt_hang_check(attempt, recent, now):
+        if relay_ok and _attempt_hang_check(attempt, recent, now, since):
             hung.append(attempt.pk)
             continue
         ranks = _attempt_stragglers_check(attempt, recent)
@@ -187,11 +191,13 @@ def attempts_check() -> dict:
     return {"hung": hung, "stragglers": flagged, "profiles": profiles, "relay_alive": relay_ok}
 
 
-def _attempt_hang_check(attempt: Attempt, recent: list[dict], now) -> bool:
+def _attempt_hang_check(attempt: Attempt, recent: list[dict], now, relay_since: float) -> bool:
+    """`relay_since`: the epoch second the running relay started; no idle time counts before it."""
     started = attempt.started_at or attempt.created_at
+    progress = attempt.last_progress_at.timestamp() if attempt.last_progress_at else None
     check = diagnosis.hang_check(
-        now=now.timestamp(), started=started.timestamp(),
-        last_progress=attempt.last_progress_at.timestamp() if attempt.last_progress_at else None,
+        now=now.timestamp(), started=max(started.timestamp(), relay_since),
+        last_progress=max(progress, relay_since) if progress is not None else None,
         spec_timeout=attempt.job.spec.get("hang_timeout_s", "auto"),
         recent_step_s=[s["step_s"] for s in recent if s["step_s"] is not None],
         floor_s=settings.TRAINYARD_HANG_FLOOR_S, user_code=bool(attempt.job.spec.get("entrypoint")))

@@ -1,5 +1,6 @@
 """Checkpoints, restarts from them, rollback, quarantine, hangs and stragglers (services + API)."""
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -361,3 +362,18 @@ def test_a_gpu_fault_in_a_ranks_log_tail_avoids_and_quarantines_its_node_and_an_
                                  "terminated with exception: CUDA error: device-side assert triggered"])
     attempt.refresh_from_db()
     assert attempt.failure["class"] == "user_error" and Job.objects.get(pk=job.pk).status == "FAILED"
+
+
+def test_no_idle_time_counts_from_before_the_relay_started(user, nodes, sent, monkeypatch,
+                                                          django_capture_on_commit_callbacks):
+    """A restarted relay commits what the ranks trained while none ran only after it started: the
+    hang detector counts idle time from the relay's start, not from the last committed step (CI
+    saw a healthy job stopped as hung while a restarted relay caught up on PostgreSQL)."""
+    job = submit(user, hang_timeout_s=5)
+    attempt = start(job)
+    Attempt.objects.filter(pk=attempt.pk).update(last_progress_at=timezone.now() - timedelta(seconds=60), last_step=3)
+    monkeypatch.setattr(selectors, "relay_alive", lambda: time.time() - 2)  # started 2 s ago
+    assert services.attempts_check()["hung"] == []
+    monkeypatch.setattr(selectors, "relay_alive", lambda: time.time() - 30)  # up for 30 s, still no step
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.attempts_check()["hung"] == [attempt.pk]
