@@ -75,6 +75,7 @@ bench: venv deps
 	@scripts/ensure_system_deps.sh iproute2
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sdk_overhead.py
+	$(BIN)/python bench/prepare.py
 	$(BIN)/python bench/sandbox.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)

@@ -42,6 +42,10 @@ def _builtin(s: JobSpec) -> bool:
 
 
 _BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job (your own code)"
+# What run.prepare (trainyard/sdk/prepare.py) applies to an entrypoint job's own model today.
+_PREPARE_DP = ("run.prepare applies plain data parallelism to your model (DDP, with comm.compression, comm.sync, "
+               "train.grad_accum through run.micro_batches, parallel.recompute and parallel.shard_optimizer); "
+               "fsdp, tp, pp and parallel auto for your own model are not supported yet")
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
@@ -74,7 +78,8 @@ RULES: tuple[Rule, ...] = (
     Rule("spec", "parallel.dp", lambda s: s.dp * s.plan.tp * s.plan.pp != s.resources.world_size,
          lambda s: f"dp x tp x pp = {s.dp} x {s.plan.tp} x {s.plan.pp} must equal the number of "
                    f"processes, resources.nodes x procs_per_node = {s.resources.world_size}"),
-    Rule("spec", "train.global_batch", lambda s: _builtin(s) and s.train.global_batch % (s.dp * s.train.grad_accum),
+    Rule("spec", "train.global_batch", lambda s: (_builtin(s) or s.train.grad_accum > 1)
+         and s.train.global_batch % (s.dp * s.train.grad_accum),
          lambda s: f"global_batch ({s.train.global_batch}) must be divisible "
                    f"by dp x grad_accum = {s.dp * s.train.grad_accum}"),
     Rule("spec", "model.vocab", lambda s: _builtin(s) and s.data.kind == "demo" and s.model.vocab < BYTE_VOCAB,
@@ -90,13 +95,9 @@ RULES: tuple[Rule, ...] = (
            lambda s, f=f: f"{f} applies to an entrypoint job (your own code); the built-in trainer "
                           f"does not use it") for f in ("config", "env", "python")),
     Rule("submit", "parallel", lambda s: s.user_code and not s.plain_ddp,
-         lambda s: "an entrypoint job runs as plain data parallelism over its processes (tp 1, pp 1, fsdp "
-                   "false); a script that builds its own tp/pp/FSDP mesh does so inside that world"),
-    Rule("submit", "comm.compression", lambda s: s.user_code and s.comm.compression != "none",
-         lambda s: f"gradient compression {_BUILTIN_ONLY}; your script may register its own DDP comm hook: "
-                   f"use none"),
-    Rule("submit", "comm.sync", lambda s: s.user_code and s.comm.sync != "allreduce",
-         lambda s: f"model averaging (comm.sync {s.comm.sync}) {_BUILTIN_ONLY}: use allreduce"),
+         lambda s: f"an entrypoint job runs as plain data parallelism over its processes (tp 1, pp 1, fsdp "
+                   f"false): {_PREPARE_DP}; a script that builds its own tp/pp/FSDP mesh does so inside "
+                   f"that world"),
     Rule("submit", "train.balance", lambda s: s.user_code and s.train.balance != "none",
          lambda s: f"batch balancing {_BUILTIN_ONLY}: use none"),
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,
@@ -144,13 +145,10 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "parallel.shard_optimizer", lambda s: s.plan.shard_optimizer and s.comm.sync != "allreduce",
          lambda s: f"with shard_optimizer each rank updates only its share of the parameters from the "
                    f"averaged gradients, but comm.sync {s.comm.sync} averages no gradients: use allreduce"),
-    Rule("submit", "parallel", lambda s: s.user_code and (s.plan.recompute != "none" or s.plan.shard_optimizer),
-         lambda s: f"recompute and shard_optimizer {_BUILTIN_ONLY}: use recompute none and "
-                   f"shard_optimizer false"),
-    Rule("submit", "comm.compression", lambda s: _builtin(s) and not s.plain_ddp and s.comm.compression != "none",
+    Rule("submit", "comm.compression", lambda s: not s.plain_ddp and s.comm.compression != "none",
          lambda s: "gradient compression is a DDP comm hook: it needs plain data "
                    "parallelism (tp 1, pp 1, fsdp false)"),
-    Rule("submit", "comm.sync", lambda s: _builtin(s) and not s.plain_ddp and s.comm.sync != "allreduce",
+    Rule("submit", "comm.sync", lambda s: not s.plain_ddp and s.comm.sync != "allreduce",
          lambda s: f"{s.comm.sync} averages whole model replicas: it needs plain data parallelism "
                    f"(tp 1, pp 1, fsdp false)"),
     Rule("submit", "comm.sync", lambda s: s.comm.sync != "allreduce" and s.dp < 2,

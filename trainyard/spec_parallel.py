@@ -51,7 +51,7 @@ class Periods(_Strict):
 # The gradient compressions there are, each with its hook's arithmetic per step in units of the
 # job's measured optimizer step: the profiler's cost model (jobs/attempts/policy/profiling.py says
 # how each was measured). CommSpec.compression accepts exactly these keys, and the runtime sets up
-# each of them (workers/runtime/comm.py _SETUP, tested against this table).
+# each of them (trainyard/sdk/comm.py _SETUP, tested against this table).
 COMPRESSION_COST: dict[str, float] = {"none": 0.0, "fp16": 0.3, "bf16": 0.3, "powersgd": 1.5, "topk": 2.0}
 Compression = Literal[tuple(COMPRESSION_COST)]  # type: ignore[valid-type]
 
@@ -60,7 +60,7 @@ class CommSpec(_Strict):
     """How gradients or models are synchronised between data-parallel replicas."""
 
     compression: Compression = Field(
-        "none", description="gradient all-reduce compression (a DDP comm hook; workers/runtime/comm.py)")
+        "none", description="gradient all-reduce compression (a DDP comm hook; trainyard/sdk/comm.py)")
     ratio: Union[Literal["auto"], float] = Field(
         0.01, description="topk: fraction of each gradient bucket sent, (0, 1]; auto: chosen from "
                           "measured step times")

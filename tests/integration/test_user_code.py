@@ -64,7 +64,7 @@ def upload(cluster: Cluster, data: bytes, token: str | None = None) -> tuple[int
 @pytest.fixture(scope="module")
 def bundles(cluster) -> dict[str, str]:
     out = {}
-    for name in ("sdk_ddp", "plain"):
+    for name in ("sdk_ddp", "plain", "own_model"):
         status, body = upload(cluster, pack_dir(EXAMPLES / name))
         assert status == 201, body
         assert body["bundle"].startswith("sha256:") and body["files"] >= 2, body
@@ -114,6 +114,25 @@ def member(cluster: Cluster, username: str, team: str) -> str:
            f"g, _ = Group.objects.get_or_create(name='{team}'); "
            f"u, _ = User.objects.get_or_create(username='{username}'); u.groups.add(g)")
     return manage(cluster, "api_token", username)
+
+
+def test_an_outside_model_trains_under_the_jobs_plan_with_every_ranks_role_on_the_job(cluster, bundles):
+    """examples/own_model (a minGPT-style model of its own) through the cluster: run.prepare applies
+    top-k compression with error feedback and 2 micro-batches a step; the samples carry the bytes
+    and ratio, the job's ranks their plan."""
+    steps = 30
+    job = cluster.submit({"name": "own-model", "code": {"bundle": bundles["own_model"]},
+                          "entrypoint": {"script": "train.py"},
+                          "train": {"steps": steps, "global_batch": 16, "grad_accum": 2},
+                          "comm": {"compression": "topk", "ratio": 0.05, "start_step": 5},
+                          "resources": {"nodes": 2, "procs_per_node": 1}, "checkpoint": {"every_steps": 10}})
+    done = cluster.wait_status(job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    rows = assert_each_step_once(cluster, job["id"], steps, 2)
+    assert all(r["bytes_sent"] > 0 and r["comm_s"] > 0 for r in rows)
+    assert all(r["compression_ratio"] > 5 for r in rows if r["step"] > 5), [r["compression_ratio"] for r in rows]
+    ranks = done["attempts"][0]["ranks"]
+    assert [r["strategy"] for r in ranks] == ["ddp", "ddp"] and "replica 1 of 2" in ranks[1]["role"]
 
 
 def test_sdk_script_killed_mid_run_resumes_from_its_checkpoint_with_every_step_once(cluster, bundles):

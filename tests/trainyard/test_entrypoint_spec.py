@@ -134,8 +134,7 @@ def test_user_code_fields_are_bounded_naming_the_field(spec, field, message):
     ({**MODULE, "parallel": {"tp": 2, "dp": 1}}, "parallel", "plain data parallelism"),
     ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "plain data parallelism"),
     ({**MODULE, "parallel": {"fsdp": True}}, "parallel", "plain data parallelism"),
-    ({**MODULE, "comm": {"compression": "fp16"}}, "comm.compression", "feature of the built-in trainer"),
-    ({**MODULE, "comm": {"sync": "local_sgd"}}, "comm.sync", "feature of the built-in trainer"),
+    ({**MODULE, "parallel": {"fsdp": True}}, "parallel", "run.prepare applies plain data parallelism"),
     ({**MODULE, "train": {"balance": "auto"}}, "train.balance", "feature of the built-in trainer"),
     ({"code": {"bundle": BUNDLE}}, "code", "add entrypoint"),
     ({"config": {"lr": 1}}, "config", "applies to an entrypoint job"),
@@ -146,6 +145,24 @@ def test_user_code_restrictions_are_submit_rules_naming_the_field(spec, field, m
     errors = errors_of(spec)
     assert field in errors, errors
     assert [m for m in errors[field] if message in m] == errors[field][:1], errors  # ours comes first
+
+
+@pytest.mark.parametrize("extra", [
+    {"comm": {"compression": "topk", "ratio": 0.01}}, {"comm": {"compression": "powersgd", "rank": 4}},
+    {"comm": {"compression": "topk", "ratio": "auto"}}, {"comm": {"sync": "local_sgd", "period": 4}},
+    {"train": {"grad_accum": 2, "global_batch": 8}}, {"parallel": {"shard_optimizer": True}},
+    {"parallel": {"recompute": "full"}},
+])
+def test_run_prepare_makes_the_data_plane_available_to_user_code(extra):
+    """comm, grad_accum, recompute and ZeRO-1 are applied by run.prepare (trainyard/sdk/prepare.py)."""
+    spec = parse_job_spec({"name": "x", **MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, **extra})
+    assert spec.user_code and spec.plain_ddp
+
+
+def test_user_code_grad_accum_must_divide_the_global_batch():
+    errors = errors_of({**MODULE, "resources": {"nodes": 1, "procs_per_node": 2},
+                        "train": {"grad_accum": 3, "global_batch": 8}})
+    assert "divisible by dp x grad_accum = 6" in errors["train.global_batch"][0]
 
 
 def test_built_in_rules_do_not_repeat_the_user_code_message():

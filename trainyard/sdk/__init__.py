@@ -17,17 +17,21 @@ client); numpy only if installed (its RNG state is checkpointed then). No Django
 
 Public names:
 - `init()`: this rank's `Run` (run.py), from $TRAINYARD_RUN_CONFIG or standalone.
-- `Run`: rank, local_rank, world_size, device, config, job_id, attempt_id; restore, phase, log,
-  should_checkpoint, checkpoint, should_stop, finish.
+- `Run`: rank, local_rank, world_size, device, config, job_id, attempt_id, steps, grad_accum;
+  prepare, loader, micro_batches, init_device, restore, phase, log, should_checkpoint,
+  checkpoint, should_stop, finish.
 - `Preempted`, `PREEMPTED_EXIT_CODE`: what `Run.finish` raises (SystemExit 83) after an agreed stop.
 - `PHASES`, `STANDARD_FIELDS`: the phase names and the sample fields with columns of their own.
 - `ConfigError`, `RUN_CONFIG_ENV`: a bad launch config; the variable that names it.
 
 Modules: config (the launch config, torch-free), reporter (telemetry to the job's Redis Stream),
-preempt (the preemption contract), layout (checkpoint directories and manifests, torch-free),
-checkpoint (async DCP saves and loads), run (Run and init), groups (the run's process groups and
-their collective timeout; torch inside its functions), stacks (every thread's stack on SIGUSR1,
-torch-free). torch is imported when a name of run.py is first used, so the torch-free modules
+preempt (the preemption contract), stopvote (the ranks' agreement on the stop step), layout
+(checkpoint directories and manifests, torch-free), checkpoint (async DCP saves and loads), run
+(Run and init), groups (the run's process groups and their collective timeout; torch inside its
+functions), stacks (every thread's stack on SIGUSR1, torch-free). The data plane, shared with the
+built-in trainer (workers/runtime): prepare (`run.prepare`, `run.micro_batches`), loader
+(`run.loader`), comm (gradient compression hooks), sync (local and hierarchical SGD), autoratio
+(top-k's `ratio: auto`), optim (ZeRO-1). torch is imported when a name of run.py is first used, so the torch-free modules
 (config, layout, preempt, reporter, stacks) import without it.
 """
 from __future__ import annotations

@@ -84,6 +84,7 @@ from trainyard import attemptauth
 from trainyard.keys import MANIFEST  # noqa: F401  (the manifest name, shared with the control plane)
 from trainyard.spec import CheckpointSpec
 
+from .optim import state_optimizer
 from .safeload import SafeFileSystemReader, SafeLoadPlanner
 from .staging import ShareSavePlanner, ShareStager, bind_device, pin_limit_bytes, plan_share
 from .layout import (FORMAT, MANIFEST_KEYS, PARTIAL, dir_size, final_name, fsync_dir, is_due,  # noqa: F401
@@ -134,6 +135,7 @@ def saveable(state: dict) -> dict:
         if isinstance(obj, torch.nn.Module):
             out[name] = get_model_state_dict(obj, options=STATE_DICT_OPTIONS)
         elif isinstance(obj, torch.optim.Optimizer):
+            obj = state_optimizer(obj)  # ZeRO-1: the optimizer holding this rank's share
             out[name] = get_optimizer_state_dict(_owner(state, name, obj), obj, options=STATE_DICT_OPTIONS)
         elif _is_stateful(obj):
             out[name] = obj.state_dict()
@@ -149,6 +151,7 @@ def load_into(state: dict, loaded: dict) -> None:
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, loaded[name], options=STATE_DICT_OPTIONS)
         elif isinstance(obj, torch.optim.Optimizer):
+            obj = state_optimizer(obj)
             set_optimizer_state_dict(_owner(state, name, obj), obj, loaded[name], options=STATE_DICT_OPTIONS)
         elif _is_stateful(obj):
             obj.load_state_dict(loaded[name])

@@ -4,7 +4,7 @@ The control plane sets `trainyard.keys.preempt_key(attempt)` in Redis to a
 trainyard.launch.PreemptRequest (jobs.core.dispatch.request_preempt: preemption, and any other stop
 it asks of a running attempt). Every rank's reporter thread polls it (at most every POLL_S, off
 the training thread); the ranks agree on it with an all_reduce on a gloo group of their own
-about every 50 ms (run.py `StopVote`, so all stop after the same step), save a checkpoint of
+about every 50 ms (stopvote.py `StopVote`, so all stop after the same step), save a checkpoint of
 that step, wait for it to be complete and exit with PREEMPTED_EXIT_CODE. If they do not within
 the grace period, the control plane stops them.
 """

@@ -24,11 +24,12 @@ from trainyard.spec import CheckpointSpec, JobSpec
 
 from . import groups
 from .checkpoint import Checkpointer
-from .config import RUN_CONFIG_ENV, LaunchConfig, load_launch_config, resume_inside
+from .config import RUN_CONFIG_ENV, ConfigError, LaunchConfig, load_launch_config, resume_inside
 from .layout import latest_checkpoint, resume_manifest
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
 from .stacks import install_stack_dump
+from .stopvote import StopVote
 
 PHASES = ("data", "compute", "comm", "optim")
 # Sample fields the control plane stores in columns of their own (jobs.models.MetricSample):
@@ -107,55 +108,6 @@ class Offline:
         return True
 
 
-class StopVote:
-    """The ranks' agreement on stopping: an all_reduce(MAX) of ("a stop was asked of me", "my
-    seconds per step") on a gloo group of its own, every few steps, pipelined. A vote waits for
-    the previous one (long finished) and starts the next, so no step waits for a round trip
-    (~0.1 ms of CPU on a loaded 2-core VM; a synchronous one took ~0.3 ms). Votes are spaced
-    to about every VOTE_EVERY_S (at most MAX_GAP steps apart), the gap computed from the
-    agreed step time, so every rank votes at the same calls; every rank reads the same result at
-    the same call, hence stops after the same step, at most two gaps after the first rank saw
-    the request."""
-
-    VOTE_EVERY_S = 0.05
-    MAX_GAP = 64
-
-    def __init__(self, world_size: int):
-        self.group = groups.new_group(backend="gloo") if world_size > 1 else None
-        self._flag: torch.Tensor | None = None
-        self._work: Any = None
-        self._calls = 0  # steps seen (one call per step, on every rank)
-        self._next = 1  # the call that votes next
-        self._t_vote = time.perf_counter()
-        self._calls_at_vote = 0
-
-    def vote(self, mine: bool) -> bool:
-        """Called once per step on every rank; True once the ranks agreed to stop."""
-        if self.group is None:
-            return mine
-        self._calls += 1
-        if self._calls < self._next:
-            return False
-        now = time.perf_counter()
-        step_s = (now - self._t_vote) / max(1, self._calls - self._calls_at_vote)
-        self._t_vote, self._calls_at_vote = now, self._calls
-        agreed, gap = False, 1
-        if self._work is not None:
-            self._work.wait()
-            stop, agreed_step_s = self._flag.tolist()
-            agreed = stop > 0
-            gap = max(1, min(self.MAX_GAP, int(self.VOTE_EVERY_S / agreed_step_s) if agreed_step_s > 0 else 1))
-        self._next = self._calls + gap
-        self._flag = torch.tensor([1.0 if mine else 0.0, step_s], dtype=torch.float64)
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return agreed
-
-    def close(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-
-
 class _Phase:
     __slots__ = ("run", "name", "t0")
 
@@ -189,7 +141,13 @@ class Run:
         self.job_id = launch.job_id if launch else None
         self.attempt_id = launch.attempt_id if launch else None
         self.steps = spec.train.steps if spec else None  # the last step (train.steps), if known
-        self._seed = spec.train.seed if spec else 0
+        self.spec = spec
+        self.seed = self._seed = spec.train.seed if spec else 0
+        self.grad_accum = spec.train.grad_accum if spec else 1  # micro-batches per step (run.micro_batches)
+        self.node = launch.node if launch else "local"
+        self._prepared: Any = None  # prepare.Prepared, once run.prepare built it
+        self._loaders: list[Any] = []
+        self._restored = 0
         self._reporter = reporter or Offline()
         self._owns_reporter, self._owns_pg = owns_reporter, owns_process_group
         directory = checkpoint_dir or (launch.checkpoint_dir if launch else Path(STANDALONE_CHECKPOINTS).absolute())
@@ -229,6 +187,7 @@ class Run:
             if path is None:
                 return 0
         r = self._ckpt.load_state(path, state, seed=self._seed)
+        self._restored = r.step
         if not r.rng_restored:
             say(f"rank {self.rank}: {path} holds no RNG state for rank {self.rank} (saved with another "
                 f"world size); seeded its RNGs deterministically from (seed, step, rank) instead")
@@ -237,6 +196,63 @@ class Run:
         say(f"rank {self.rank} resumed from step {r.step} ({path}) in {r.load_s:.2f} s")
         self._t_last = time.perf_counter()
         return r.step
+
+    # ---- the job's plan applied to the script's model (prepare.py, loader.py) ----------------
+    def init_device(self) -> Any:
+        """A context to build the model in: on this rank's device (under plain data parallelism
+        every rank holds the whole model, so nothing is built on the meta device)."""
+        return self.device
+
+    def prepare(self, model: torch.nn.Module, make_optimizer: Any, *, blocks: str | None = None) -> tuple:
+        """The job's plan applied to `model` (trainyard/sdk/prepare.py): returns (module, optimizer)
+        to train and checkpoint. `make_optimizer(params)` builds the optimizer over the parameters
+        it is given; `blocks`: the name of the ModuleList of the model's blocks (found by itself
+        otherwise). Call it once, on every rank, after init and before restore."""
+        from .prepare import Prepared
+
+        if self._prepared is not None:
+            raise RuntimeError("run.prepare was called already: a run prepares one model")
+        self._prepared = Prepared(self, model, make_optimizer, blocks=blocks)
+        return self._prepared.module, self._prepared.opt
+
+    def micro_batches(self, source: Any) -> Any:
+        """The next step's batch (`next(source)` for a loader or iterator, else `source`) as
+        train.grad_accum micro-batches, gradients averaged only after the last (prepare.py)."""
+        if self._prepared is not None:
+            return self._prepared.micro_batches(source)
+        if self.grad_accum > 1:
+            raise ConfigError(f"run.micro_batches: train.grad_accum {self.grad_accum} needs run.prepare(model, ...) "
+                              f"first (it holds the gradient averaging back until the last micro-batch)")
+        from collections.abc import Iterator
+
+        return iter([next(source) if isinstance(source, Iterator) else source])
+
+    def loader(self, dataset: Any, batch_size: int | None = None, *, shuffle: bool = True,
+               collate: Any = None, prefetch: int = 2) -> Any:
+        """This rank's share of each global batch of `dataset` (trainyard/sdk/loader.py): by default
+        train.global_batch / world samples a step; `batch_size` sets this rank's share instead.
+        Checkpoint it with the model (`run.restore({"data": loader, ...})`) to resume mid-epoch."""
+        from .loader import Loader
+
+        if batch_size is None:
+            if self.spec is None:
+                raise ValueError("run.loader: without a launch config (standalone) pass batch_size")
+            if self.spec.train.global_batch % self.world_size:
+                raise ConfigError(f"run.loader: train.global_batch {self.spec.train.global_batch} does not split "
+                                  f"over {self.world_size} ranks: make it a multiple, or pass batch_size")
+            batch_size = self.spec.train.global_batch // self.world_size
+        loader = Loader(dataset, batch_size=batch_size, dp_rank=self.rank, dp=self.world_size, seed=self._seed,
+                        device=self.device, shuffle=shuffle, collate=collate, prefetch=prefetch)
+        self._loaders.append(loader)
+        return loader
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Report an event of this rank (the job's timeline; rank_plan and the like)."""
+        self._reporter.event(kind, **fields)
+
+    def next_step(self) -> int:
+        """The step the next forward belongs to: after the last logged (or restored) one."""
+        return (self._step if self._step is not None else self._restored) + 1
 
     # ---- telemetry -------------------------------------------------------------------------
     def phase(self, name: str) -> _Phase:
@@ -260,6 +276,7 @@ class Run:
         sample["metrics"] as a float. `extra`: fields put at the top level as they are (the
         built-in trainer's sync fields)."""
         now = time.perf_counter()
+        plan = self._plan_fields(step)
         groups.apply_collective_timeout()  # a step is done: start-up is over (no-op after the first)
         start = self._t_last if self._logged or self._first_phase is None else self._first_phase
         sample: dict[str, Any] = {"rank": self.rank, "step": step, "ts": time.time(),
@@ -270,6 +287,11 @@ class Run:
             for name, secs in self._phase_s.items():
                 sample[name + "_s"] = secs
         sample["step_s"] = now - start
+        for name, value in plan.items():  # what prepare measured, unless the script timed it itself
+            if name in ("averaged", "params_checksum"):
+                sample[name] = value
+            elif name not in metrics and not sample.get(name):
+                sample[name] = value
         user = {}
         for name, value in metrics.items():
             if name in STANDARD_FIELDS:
@@ -293,6 +315,20 @@ class Run:
         self._phase_s = dict.fromkeys(PHASES, 0.0)
         self._t_last = time.perf_counter()
         return sample
+
+    def _plan_fields(self, step: int) -> dict:
+        if self._prepared is not None:
+            return self._prepared.end_step(step)
+        if not self._logged and self.spec is not None and self.spec.user_code:  # the trainer applies its own
+            from .prepare import needs_prepare
+
+            wanted = needs_prepare(self.spec)
+            if wanted:
+                raise ConfigError(f"this job's spec asks for {', '.join(wanted)}, which run.prepare(model, "
+                                  f"make_optimizer) applies to the model, but the script logged step {step} "
+                                  f"without calling it: call run.prepare after trainyard.init() (see the "
+                                  f"README), or remove those settings from the spec")
+        return {}
 
     # ---- checkpoints and stopping ------------------------------------------------------------
     def should_checkpoint(self, step: int) -> bool:
@@ -361,6 +397,8 @@ class Run:
             return
         self._finished = True
         try:
+            for loader in self._loaders:
+                loader.close()
             self._ckpt.close()
             self._vote.close()
             if self.stop_step is not None:

@@ -27,22 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainyard.mesh import Mesh
+from trainyard.sdk.optim import optim_bytes, param_bytes  # noqa: F401 (every strategy's byte counts)
 
 from .model import lm_loss
-
-
-def param_bytes(module: nn.Module) -> int:
-    """Bytes of parameters this rank really stores (a DTensor counts its local shard only)."""
-    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
-
-
-def optim_bytes(opt: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                total += _local(v).numel() * v.element_size()
-    return total
 
 
 @torch.no_grad()
@@ -53,10 +40,6 @@ def eval_loss_of(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return lm_loss(module(x), y).item()
     finally:
         module.train()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DDPStrategy:

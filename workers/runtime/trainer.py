@@ -79,14 +79,14 @@ from trainyard.spec import TrainSpec
 
 from .balance import Balance
 from .chaos import Chaos, SlowKnob
-from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
+from trainyard.sdk.comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig
 from .data import Batch, build_batches, to_device, val_batches
 from .model import build_model
-from .optim import build_optimizer, state_optimizer
+from trainyard.sdk.optim import build_optimizer, state_optimizer
 from .parallel import optim_bytes
 from .strategy import build_strategy
-from .sync import build_sync
+from trainyard.sdk.sync import build_sync
 
 COSINE_FLOOR = 0.1  # cosine decays to 10% of lr (nanoGPT's min_lr = lr/10)
 VAL_BATCHES = 4

@@ -29,7 +29,7 @@ load), so a job sitting at a threshold does not flap between classes on every ch
 Predicted gains (documented model, per recommendation; `predicted_step_s` and `predicted_gain`,
 the fractional speed-up step_s / predicted_step_s - 1):
 - compression: comm time scales with the bytes handed to the collectives (bandwidth-bound
-  buckets), and the hook's own arithmetic (in comm_s, workers/runtime/comm.py) is added: the new
+  buckets), and the hook's own arithmetic (in comm_s, trainyard/sdk/comm.py) is added: the new
   comm is comm_s x byte ratio + COMPRESSION_COST[kind] x optim_s, of which the part that still
   fits in the overlap window measured now (comm_s - exposed) stays hidden. The cost is in units
   of the job's own optimizer step, measured in the same window: both are memory-bound passes

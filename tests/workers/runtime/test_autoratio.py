@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.runtime.autoratio import (RATIO_MAX, RATIO_MIN, Decision, choose_ratio, decide,
+from trainyard.sdk.autoratio import (RATIO_MAX, RATIO_MIN, Decision, choose_ratio, decide,
                                        dense_bandwidth, gather_bandwidth)
 
 from .conftest import SMALL_MODEL, make_launch_config, read_stream, start_torchrun, write_launch_config

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from workers.runtime.comm import (CommCounter, CpuClock, GradCompression, RunComm, StepComm, _pack, _union,
+from trainyard.sdk.comm import (CommCounter, CpuClock, GradCompression, RunComm, StepComm, _pack, _union,
                                   _unpack, compression_hook, counting_allreduce_hook, topk_count,
                                   topk_select)
 

@@ -74,7 +74,7 @@ def test_combinations_refused_at_submit_live_in_the_spec_rules_not_the_launch_pa
 
 
 def test_every_compression_the_spec_accepts_has_a_set_up_in_the_runtime():
-    from workers.runtime import comm
+    from trainyard.sdk import comm
 
     assert set(get_args(CommSpec.model_fields["compression"].annotation)) == set(comm._SETUP)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from workers.runtime.comm import CommCounter, CpuClock, CudaClock
+from trainyard.sdk.comm import CommCounter, CpuClock, CudaClock
 from workers.runtime.parallel import CollectiveMeter, MeteredStrategy
 
 from .fake_cuda import FakeStream, install

@@ -58,7 +58,7 @@ def gloo_world_of_one():
 def test_accumulated_micro_batches_give_the_gradient_and_loss_of_one_batch(gloo_world_of_one):
     import torch
 
-    from workers.runtime.comm import CommCounter, CpuClock, counting_allreduce_hook
+    from trainyard.sdk.comm import CommCounter, CpuClock, counting_allreduce_hook
     from trainyard.spec import ModelSpec
     from workers.runtime.model import build_model
     from trainyard.mesh import Mesh

@@ -47,6 +47,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of parameters this rank really stores (a DTensor counts its local shard only)."""
+    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
+
+
+def optim_bytes(opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                total += _local(v).numel() * v.element_size()
+    return total
+
+
 def build_optimizer(module: nn.Module, train: TrainSpec, *, shard: bool,
                     dp_group=None) -> torch.optim.Optimizer:
     """AdamW over `module`'s parameters; with `shard`, ZeRO-1 over `dp_group` (None: every rank)."""

@@ -1,0 +1,127 @@
+"""`run.loader(dataset)`: this rank's share of each global batch of a map-style Dataset, in an
+order fixed by the job's seed, prefetched in a background thread, with a position that
+checkpoints and resumes exactly.
+
+- Order: epoch e is torch.randperm(len(dataset)) from a generator seeded with (seed + e) (or
+  0..n-1 with shuffle=False); global batch i of the epoch is positions [i x G, (i + 1) x G) of
+  it, G = the global batch; the last incomplete global batch of an epoch is dropped, so every
+  step is one whole global batch.
+- Share: data-parallel rank r of dp takes positions [r x b, (r + 1) x b) of the global batch,
+  b = G / dp. Single-process training with batch G sees the same samples per step: under DDP's
+  gradient averaging the same update (tests/workers/runtime/test_prepare.py).
+- Prefetch: the next `prefetch` batches are read and collated in one background thread; on
+  CUDA each is pinned and copied to the rank's device without blocking.
+- Position: `state_dict()` is {"consumed": batches handed out, "global_batch", "seed"};
+  `run.restore({"data": loader, ...})` puts it back, and the next batch is the one an
+  uninterrupted run would have seen next (mid-epoch too). A position saved under another
+  global batch or seed is refused (the order it indexes would not be this one).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import default_collate
+
+
+class Loader:
+    """An endless iterator of this rank's batches, one per step (see the module docstring)."""
+
+    def __init__(self, dataset: Any, *, batch_size: int, dp_rank: int, dp: int, seed: int,
+                 device: torch.device, shuffle: bool = True, collate: Callable[[list], Any] | None = None,
+                 prefetch: int = 2):
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise TypeError("run.loader needs a map-style dataset (with __len__ and __getitem__), "
+                            f"got {type(dataset).__name__}") from None
+        if batch_size < 1:
+            raise ValueError(f"run.loader: batch_size must be at least 1, got {batch_size}")
+        self.dataset, self.batch_size, self.dp_rank, self.dp = dataset, batch_size, dp_rank, dp
+        self.global_batch = batch_size * dp
+        self.per_epoch = n // self.global_batch
+        if self.per_epoch < 1:
+            raise ValueError(f"run.loader: the dataset has {n} samples, fewer than one global batch "
+                             f"({batch_size} x {dp} data-parallel ranks = {self.global_batch})")
+        self.n, self.seed, self.shuffle, self.device = n, seed, shuffle, device
+        self.collate = collate or default_collate
+        self.prefetch = max(1, prefetch)
+        self.consumed = 0
+        self._orders: dict[int, torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: dict[int, Future] = {}
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return self.per_epoch
+
+    def __iter__(self) -> "Loader":
+        return self
+
+    def __next__(self) -> Any:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainyard-loader")
+        for pos in range(self.consumed, self.consumed + self.prefetch + 1):
+            if pos not in self._ahead:
+                self._ahead[pos] = self._pool.submit(self._load, pos)
+        batch = self._ahead.pop(self.consumed).result()
+        self.consumed += 1
+        return batch
+
+    def indices(self, pos: int) -> list[int]:
+        """The dataset indices of this rank's share of global batch `pos` (counted over epochs)."""
+        epoch, i = divmod(pos, self.per_epoch)
+        order = self._order(epoch)
+        start = i * self.global_batch + self.dp_rank * self.batch_size
+        return order[start:start + self.batch_size].tolist()
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            self._orders = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+                            if self.shuffle else torch.arange(self.n)}
+        return self._orders[epoch]
+
+    def _load(self, pos: int) -> Any:
+        batch = self.collate([self.dataset[j] for j in self.indices(pos)])
+        if self.device.type == "cuda":
+            batch = _to(batch, lambda t: t.pin_memory().to(self.device, non_blocking=True))
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "global_batch": self.global_batch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("global_batch"), state.get("seed")) != (self.global_batch, self.seed):
+            raise ValueError(f"run.loader: the checkpoint's data position was saved with global batch "
+                             f"{state.get('global_batch')} and seed {state.get('seed')}; this run has "
+                             f"{self.global_batch} and {self.seed}, so the position would index another order")
+        self._drop_ahead()
+        self.consumed = int(state["consumed"])
+
+    def _drop_ahead(self) -> None:
+        for f in self._ahead.values():
+            f.cancel()
+        for f in self._ahead.values():
+            if not f.cancelled():
+                try:
+                    f.result()
+                except Exception:  # a read for a position no one asks for any more
+                    pass
+        self._ahead = {}
+
+    def close(self) -> None:
+        self._drop_ahead()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _to(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, fn) for k, v in batch.items()}
+    return batch

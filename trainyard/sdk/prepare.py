@@ -1,0 +1,271 @@
+"""`run.prepare` and `run.micro_batches`: the job's data-parallel plan applied to a user's own
+model, with the code the built-in trainer runs (comm.py's compression hooks with error feedback,
+autoratio.py's `ratio: auto`, sync.py's local and hierarchical SGD, optim.py's ZeRO-1).
+
+    model, opt = run.prepare(model, lambda params: torch.optim.AdamW(params, lr=3e-4))
+    for step in range(start + 1, run.steps + 1):
+        for micro in run.micro_batches(loader):   # train.grad_accum parts; gradients sync on the last
+            loss = loss_fn(model(micro[0]), micro[1]) / run.grad_accum
+            loss.backward()
+        opt.step(); opt.zero_grad()
+        run.log(step, loss=..., samples=...)      # bytes_sent, comm_s, compute_s, optim_s filled in
+
+What `prepare` does, from the JobSpec of the launch config (standalone: none of it):
+- parallel.recompute full: each block (the largest ModuleList/Sequential of modules of one class,
+  or `blocks="name"`) runs its forward under torch.utils.checkpoint (use_reentrant=False); its
+  parameters keep their names, so checkpoints load under either setting.
+- DDP over every rank with the comm hook of `comm` (compression, sync), counting the bytes each
+  rank hands to gradient collectives.
+- the optimizer from the user's factory; with parallel.shard_optimizer, ZeRO-1 of the same class
+  and defaults over the data-parallel ranks (one parameter group); with comm.sync local_sgd or
+  hierarchical, torch's PostLocalSGDOptimizer around it.
+
+The step's telemetry is measured as the trainer's (trainer.py's docstring defines the fields):
+the first forward after an optimizer step opens the step (the sync's `begin_step`), the
+optimizer's step ends it, and `run.log` closes it with the step's bytes and phase times. A
+metric the script passes to `run.log` itself wins. After the first step each rank reports its
+`rank_plan` event (strategy, mesh, role, bytes of parameters and optimizer state held).
+
+A job whose JobSpec asks for what only `prepare` applies (compression, model averaging,
+grad_accum > 1, recompute, shard_optimizer) and whose script calls `run.log` without having
+called `prepare` fails at that first `run.log` with a ConfigError (a user error: no restart).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from trainyard.mesh import Mesh
+
+from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
+from .config import ConfigError
+from .optim import ZeroOptimizer, state_optimizer
+from .sync import build_sync
+
+if TYPE_CHECKING:
+    from trainyard.spec import JobSpec
+
+
+def needs_prepare(spec: JobSpec | None) -> list[str]:
+    """What of `spec` only run.prepare applies (empty: a script without prepare runs as asked)."""
+    if spec is None:
+        return []
+    c, p = spec.comm, spec.plan
+    out = []
+    if c.compression != "none":
+        out.append(f"comm.compression {c.compression}")
+    if c.sync != "allreduce":
+        out.append(f"comm.sync {c.sync}")
+    if spec.train.grad_accum > 1:
+        out.append(f"train.grad_accum {spec.train.grad_accum}")
+    if p.recompute != "none":
+        out.append(f"parallel.recompute {p.recompute}")
+    if p.shard_optimizer:
+        out.append("parallel.shard_optimizer")
+    return out
+
+
+def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, list[nn.Module]]:
+    """The model's repeated blocks: the ModuleList/Sequential named `name`, or else the largest
+    one whose children are all of one class (how transformer models are built). ("", []) when
+    it has none."""
+    if name is not None:
+        try:
+            found = model.get_submodule(name)
+        except AttributeError:
+            raise ConfigError(f"run.prepare: the model has no submodule {name!r} (blocks=...)") from None
+        if not isinstance(found, (nn.ModuleList, nn.Sequential)) or len(found) == 0:
+            raise ConfigError(f"run.prepare: blocks={name!r} is a {type(found).__name__}, not a non-empty "
+                              f"ModuleList or Sequential of the model's blocks")
+        return name, list(found)
+    best: tuple[str, list[nn.Module]] = ("", [])
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > len(best[1]):
+            kids = list(module)
+            if len({type(k) for k in kids}) == 1:
+                best = (path, kids)
+    return best
+
+
+def _recompute(block: nn.Module) -> None:
+    """Run `block`'s forward under activation checkpointing (in training, with gradients)."""
+    forward = block.forward
+
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    block.forward = recomputed  # an instance attribute: parameter names stay as they were
+    block.recompute = True
+
+
+def _zero(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if len(opt.param_groups) != 1:
+        raise ConfigError(f"run.prepare: parallel.shard_optimizer (ZeRO-1) builds {type(opt).__name__} over "
+                          f"one parameter group, but the optimizer factory made {len(opt.param_groups)}: "
+                          f"give every parameter the same settings, or use shard_optimizer false")
+    # the factory's settings, as far as the class's constructor takes them (AdamW's defaults also
+    # hold decoupled_weight_decay, which only Adam's takes)
+    accepted = inspect.signature(type(opt).__init__).parameters
+    return ZeroOptimizer(params, type(opt), **{k: v for k, v in opt.defaults.items() if k in accepted})
+
+
+def split(batch: Any, parts: int) -> list[Any]:
+    """`batch` (a tensor, or a tuple/list/dict of them, batch dimension first) as `parts` equal
+    micro-batches; other values are repeated as they are."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % parts:
+            raise ValueError(f"run.micro_batches: a batch of {batch.shape[0]} samples does not split into "
+                             f"train.grad_accum = {parts} equal micro-batches")
+        return list(batch.chunk(parts))
+    if isinstance(batch, (tuple, list)):
+        cols = [split(b, parts) for b in batch]
+        return [type(batch)(c[i] for c in cols) for i in range(parts)]
+    if isinstance(batch, dict):
+        cols = {k: split(v, parts) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(parts)]
+    return [batch] * parts
+
+
+class Prepared:
+    """What `run.prepare` built for one rank: the DDP module, the optimizer, the sync, and the
+    step's measurements."""
+
+    def __init__(self, run: Any, model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer],
+                 *, blocks: str | None = None):
+        spec: JobSpec | None = run.spec
+        self.run, self.accum = run, spec.train.grad_accum if spec else 1
+        world = dist.get_world_size()
+        self.mesh = Mesh.for_world(world)
+        p = spec.plan if spec else None
+        self.blocks_name, blocks_found = find_blocks(model, blocks)
+        self.recompute = bool(p and p.recompute == "full")
+        if self.recompute:
+            if not blocks_found:
+                raise ConfigError("run.prepare: parallel.recompute full checkpoints the model's blocks, but it "
+                                  "has no ModuleList/Sequential of modules of one class: name them with "
+                                  "prepare(..., blocks='layers'), or use recompute none")
+            for b in blocks_found:
+                _recompute(b)
+        self.inner = model.to(run.device)
+        self.clock = CudaClock(run.device) if run.device.type == "cuda" else CpuClock()
+        self.counter = CommCounter(self.clock)
+        c = spec.comm if spec else None
+        self.compression = GradCompression(c.compression if c else "none", self.counter,
+                                           ratio=c.ratio if c else 0.01, rank=c.rank if c else 2,
+                                           start_step=c.start_step if c else 0, seed=run.seed)
+        self.run_comm = RunComm(self.compression.kind)
+        self.sync = build_sync(c.sync if c else "allreduce", rank=run.rank, world=world, counter=self.counter,
+                               compression=self.compression, auto_ratio=bool(c and c.ratio == "auto"),
+                               start_step=c.start_step if c else 0, period=c.period if c else 1,
+                               periods=(c.periods.node, c.periods.global_) if c else (1, 2),
+                               procs_per_node=spec.resources.procs_per_node if spec else 1,
+                               event=run.event, say=_say if run.rank == 0 else (lambda line: None))
+        self.module = DDP(self.inner, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                          gradient_as_bucket_view=True)
+        if self.sync.hook is not None:
+            self.module.register_comm_hook(self.sync.hook_state, self.sync.hook)
+        params = list(self.module.parameters())
+        opt = make_optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"run.prepare: the optimizer factory returned a {type(opt).__name__}, not a "
+                              f"torch.optim.Optimizer")
+        self.shard = bool(p and p.shard_optimizer)
+        if self.shard:
+            opt = _zero(opt, params)
+        self.opt = self.sync.wrap(opt)
+        self.state_opt = state_optimizer(self.opt)
+        self._wrap_step(self.opt)
+        self.module.register_forward_pre_hook(self._forward_starts)
+        self._open = False
+        self._ref = self._backward_end = self._optim_start = self._optim_end = None
+        self._reported = False
+
+    # ---- the step's boundaries ------------------------------------------------------------
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if self._open:
+            return
+        self._open = True
+        self._ref = self.clock.mark()
+        self._backward_end = self._optim_start = self._optim_end = None
+        self.sync.begin_step(self.run.next_step())  # compression's step, local SGD's counters
+
+    def _wrap_step(self, opt: torch.optim.Optimizer) -> None:
+        step = opt.step
+
+        def measured_step(*args: Any, **kwargs: Any) -> Any:
+            self._backward_end = self.clock.mark()
+            self.run.wait_for_staging()  # an async save's copy first (checkpoint blocking, not optim_s)
+            self._optim_start = self.clock.mark()
+            out = step(*args, **kwargs)
+            self._optim_end = self.clock.mark()
+            return out
+
+        opt.step = measured_step  # an instance attribute: the optimizer's class stays as it is
+
+    def micro_batches(self, source: Any) -> Iterator[Any]:
+        """The next step's batch (`next(source)` for a loader or iterator, else `source` itself) as
+        train.grad_accum micro-batches; the backward passes of all but the last run under DDP's
+        no_sync, so gradients are averaged once, on the last."""
+        batch = next(source) if isinstance(source, Iterator) else source
+        parts = split(batch, self.accum)
+        for i, part in enumerate(parts):
+            with self.module.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+                yield part
+
+    def end_step(self, step: int) -> dict:
+        """The step's sample fields (bytes and phase times; the sync's own fields); {} when no
+        forward ran since the last one."""
+        if not self._open:
+            return {}
+        self._open = False
+        clock = self.clock
+        clock.sync()
+        comm = self.counter.take()
+        self.run_comm.add(comm, self.compression.compressing)
+        backward_end = self._backward_end or clock.mark()
+        comm_s, exposed_s = comm.measure(clock, self._ref, backward_end)
+        compute_s = max(0.0, clock.seconds(self._ref, backward_end) - exposed_s)
+        avg_s, sync_fields = self.sync.end_step(step, comm, comm_s, compute_s)
+        out: dict[str, Any] = {"bytes_sent": comm.bytes_sent, "comm_s": comm_s + avg_s, "compute_s": compute_s}
+        if self._optim_start is not None and self._optim_end is not None:
+            out["optim_s"] = max(0.0, clock.seconds(self._optim_start, self._optim_end) - avg_s)
+        out.update(sync_fields)
+        if not self._reported:
+            self._reported = True
+            self.report_plan()
+        return out
+
+    def report_plan(self) -> None:
+        from .optim import optim_bytes, param_bytes
+
+        rank, dp = self.run.rank, self.mesh.dp
+        role = f"replica {self.mesh.coords(rank)['dp']} of {dp}: the whole model"
+        if self.shard:
+            role += f"; optimizer state: its 1/{dp} share (ZeRO-1)"
+        if self.recompute:
+            role += f"; activations recomputed in backward ({self.blocks_name})"
+        opt_bytes = optim_bytes(self.state_opt)
+        self.run.event("rank_plan", rank=rank, node=self.run.node, strategy="ddp", mesh=self.mesh.describe(),
+                       coords=self.mesh.coords(rank), role=role, param_bytes=param_bytes(self.inner),
+                       optim_bytes=opt_bytes, recompute="full" if self.recompute else "none",
+                       shard_optimizer=self.shard)
+        _say(f"rank {rank} plan ddp mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
+             f"grad_accum {self.accum} param_bytes {param_bytes(self.inner)} optim_bytes {opt_bytes}")
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
