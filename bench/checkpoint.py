@@ -169,54 +169,97 @@ def save_blocking(args, work: Path) -> dict:
             "target_met": bool(big) and all(s["ratio_blocking_to_sync"] <= TARGET_RATIO for s in big)}
 
 
-def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
-    model, opt = make_model(mb)
-    fwd_bwd = ForwardBackward(model, args.tokens)
-    events = Events()
-    ckpt = Checkpointer(CheckpointSpec.model_validate({"every_steps": 1, "async": True}), work / f"ckpt-{mb}",
-                        job_id=1, attempt_id=1, rank=0, world_size=1, device=torch.device("cpu"),
-                        reporter=events)
-    # the previous runtime path: one stager for the run, staging synchronously in the call
-    call_stager = DefaultStager(StagingOptions(
-        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-        use_non_blocking_copy=False))
-    times: dict[str, list[float]] = {k: [] for k in (
-        "compute_s", "step_s", "sync_s", "async_blocking_s", "async_sync_part_s",
-        "async_staging_wait_s", "compute_overlapped_s", "async_save_s", "async_steps_during_save",
-        "async_call_blocking_s", "async_call_total_s", "async_fresh_blocking_s")}
-    runs: list[tuple[float, int]] = []  # runtime: (sync part + the steps' time, steps)
-    step = 0
+# save_blocking's figures per size: one list per key, a value per repeat (medians reported).
+TIMES = ("compute_s", "step_s", "sync_s", "async_blocking_s", "async_sync_part_s",
+         "async_staging_wait_s", "compute_overlapped_s", "async_save_s", "async_steps_during_save",
+         "async_call_blocking_s", "async_call_total_s", "async_fresh_blocking_s")
 
-    def train_step() -> tuple[float, float, float]:
+
+def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
+    run = SizeRun(args, work, group, mb)
+    first_s, call_first_s = run.first_saves()
+    run.repeat(args.repeats)
+    run.close()
+    return run.summary(first_s, call_first_s)
+
+
+class SizeRun:
+    """save_blocking at one size: the model and AdamW, the runtime's Checkpointer, the previous
+    runtime path's stager, and the variants (alone, sync, runtime, call, async_fresh: see the
+    module docstring), each appending its figures to `times`."""
+
+    def __init__(self, args, work: Path, group, mb: int):
+        self.work, self.group, self.mb, self.tokens = work, group, mb, args.tokens
+        self.model, self.opt = make_model(mb)
+        self.fwd_bwd = ForwardBackward(self.model, args.tokens)
+        self.events = Events()
+        self.ckpt = Checkpointer(CheckpointSpec.model_validate({"every_steps": 1, "async": True}),
+                                 work / f"ckpt-{mb}", job_id=1, attempt_id=1, rank=0, world_size=1,
+                                 device=torch.device("cpu"), reporter=self.events)
+        # the previous runtime path: one stager for the run, staging synchronously in the call
+        self.call_stager = DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=False))
+        self.times: dict[str, list[float]] = {k: [] for k in TIMES}
+        self.runs: list[tuple[float, int]] = []  # runtime: (sync part + the steps' time, steps)
+        self.step = 0
+
+    def first_saves(self) -> tuple[float, float]:
+        """Warm up the matmuls, then each path's unmeasured first save (fresh pages): the
+        runtime's and the previous path's blocking seconds."""
+        self.fwd_bwd()  # warm up the matmuls
+        first_s = self.runtime(self.work / "unused", record=False)  # the runtime's first save: fresh pages
+        first = self.work / f"first-{self.mb}"
+        call_first_s = self.call(first, key="")
+        shutil.rmtree(first)
+        return first_s, call_first_s
+
+    def repeat(self, repeats: int) -> None:
+        variants = [self.alone, self.sync, self.runtime, self.call, self.async_fresh]
+        for rep in range(repeats):
+            # rotate the order, so writeback left by the one before hits every variant alike
+            k = rep % len(variants)
+            for fn in variants[k:] + variants[:k]:
+                path = self.work / f"{fn.__name__}-{self.mb}-{rep}"
+                fn(path)
+                shutil.rmtree(path, ignore_errors=True)
+            log(f"save_blocking {self.mb} MB #{rep + 1}: "
+                + ", ".join(f"{k} {v[-1]:.3f}" for k, v in self.times.items()))
+
+    def close(self) -> None:
+        self.ckpt.close()
+        self.call_stager.close()
+
+    def train_step(self) -> tuple[float, float, float]:
         """(forward + backward, wait for the save's state copy, the whole step) in seconds"""
         t0 = time.perf_counter()
-        compute = fwd_bwd()
-        waited = ckpt.wait_for_staging()
-        opt.step()
+        compute = self.fwd_bwd()
+        waited = self.ckpt.wait_for_staging()
+        self.opt.step()
         return compute, waited, time.perf_counter() - t0
 
-    def alone(path: Path) -> None:
+    def alone(self, path: Path) -> None:
         for _ in range(2):
-            compute, _, total = train_step()
-            times["compute_s"].append(compute)
-            times["step_s"].append(total)
+            compute, _, total = self.train_step()
+            self.times["compute_s"].append(compute)
+            self.times["step_s"].append(total)
 
-    def sync(path: Path) -> None:
+    def sync(self, path: Path) -> None:
         t0 = time.perf_counter()
-        dcp.save(state_of(model, opt, step), checkpoint_id=path, process_group=group)
+        dcp.save(state_of(self.model, self.opt, self.step), checkpoint_id=path, process_group=self.group)
         fsync_tree(path)
-        times["sync_s"].append(time.perf_counter() - t0)
+        self.times["sync_s"].append(time.perf_counter() - t0)
 
-    def runtime(path: Path, record: bool = True) -> float:
-        nonlocal step
-        step += 1
-        published = len(events.events)
-        sync_part = ckpt.save(step, model, opt)
+    def runtime(self, path: Path, record: bool = True) -> float:
+        self.step += 1
+        events = self.events.events
+        published = len(events)
+        sync_part = self.ckpt.save(self.step, self.model, self.opt)
         steps = []
-        while len(events.events) == published and len(steps) < 1000:
-            steps.append(train_step())
-        ckpt.wait()  # collects the save (raises if it failed)
-        [(kind, ev)] = events.events[published:]
+        while len(events) == published and len(steps) < 1000:
+            steps.append(self.train_step())
+        self.ckpt.wait()  # collects the save (raises if it failed)
+        [(kind, ev)] = events[published:]
         shutil.rmtree(ev["path"])
         blocking = sync_part + steps[0][1]
         assert kind == "checkpoint" and ev["blocking_s"] == blocking, (ev, sync_part, steps)
@@ -225,53 +268,40 @@ def _save_blocking_size(args, work: Path, group, mb: int) -> dict:
                            ("async_staging_wait_s", steps[0][1]),
                            ("compute_overlapped_s", steps[0][0]), ("async_save_s", ev["save_s"]),
                            ("async_steps_during_save", len(steps))]:
-                times[key].append(v)
-            runs.append((sync_part + sum(s[2] for s in steps), len(steps)))
+                self.times[key].append(v)
+            self.runs.append((sync_part + sum(s[2] for s in steps), len(steps)))
         return blocking
 
-    def call(path: Path, stager=call_stager, key: str = "async_call_blocking_s") -> float:
+    def call(self, path: Path, fresh: bool = False, key: str = "async_call_blocking_s") -> float:
+        """dcp.async_save with the reused stager (fresh: a new one, plain async_save's default)."""
+        stager = None if fresh else self.call_stager
         t0 = time.perf_counter()
-        future = dcp.async_save(state_of(model, opt, step), checkpoint_id=path, process_group=group,
-                                async_stager=stager)
+        future = dcp.async_save(state_of(self.model, self.opt, self.step), checkpoint_id=path,
+                                process_group=self.group, async_stager=stager)
         blocking = time.perf_counter() - t0
         future.result()
         if key:
-            times[key].append(blocking)
-            if stager is call_stager:
-                times["async_call_total_s"].append(time.perf_counter() - t0)
+            self.times[key].append(blocking)
+            if not fresh:
+                self.times["async_call_total_s"].append(time.perf_counter() - t0)
         return blocking
 
-    def async_fresh(path: Path) -> None:  # plain async_save: a new stager, fresh pages, each call
-        call(path, stager=None, key="async_fresh_blocking_s")
+    def async_fresh(self, path: Path) -> None:  # plain async_save: a new stager, fresh pages, each call
+        self.call(path, fresh=True, key="async_fresh_blocking_s")
 
-    fwd_bwd()  # warm up the matmuls
-    first_s = runtime(work / "unused", record=False)  # the runtime's first save: fresh pages
-    first = work / f"first-{mb}"
-    call_first_s = call(first, key="")
-    shutil.rmtree(first)
-    variants = [alone, sync, runtime, call, async_fresh]
-    for rep in range(args.repeats):
-        # rotate the order, so writeback left by the one before hits every variant alike
-        k = rep % len(variants)
-        for fn in variants[k:] + variants[:k]:
-            path = work / f"{fn.__name__}-{mb}-{rep}"
-            fn(path)
-            shutil.rmtree(path, ignore_errors=True)
-        log(f"save_blocking {mb} MB #{rep + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()))
-    ckpt.close()
-    call_stager.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    slowdown = statistics.median(total - n * med["step_s"] for total, n in runs)
-    return {"mb": round(state_mb(state_of(model, opt, step)), 1), "tokens": args.tokens,
-            **{k: round(v, 4) for k, v in med.items()},
-            "compute_gflop_per_s": round(fwd_bwd.flops / med["compute_s"] / 1e9, 1),
-            "async_slowdown_s": round(slowdown, 4),
-            "async_first_blocking_s": round(first_s, 4),
-            "async_call_first_blocking_s": round(call_first_s, 4),
-            "ratio_blocking_to_sync": round(med["async_blocking_s"] / med["sync_s"], 4),
-            "ratio_slowdown_to_sync": round(slowdown / med["sync_s"], 4),
-            "ratio_call_blocking_to_sync": round(med["async_call_blocking_s"] / med["sync_s"], 4),
-            "ratio_fresh_blocking_to_sync": round(med["async_fresh_blocking_s"] / med["sync_s"], 4)}
+    def summary(self, first_s: float, call_first_s: float) -> dict:
+        med = {k: statistics.median(v) for k, v in self.times.items()}
+        slowdown = statistics.median(total - n * med["step_s"] for total, n in self.runs)
+        return {"mb": round(state_mb(state_of(self.model, self.opt, self.step)), 1), "tokens": self.tokens,
+                **{k: round(v, 4) for k, v in med.items()},
+                "compute_gflop_per_s": round(self.fwd_bwd.flops / med["compute_s"] / 1e9, 1),
+                "async_slowdown_s": round(slowdown, 4),
+                "async_first_blocking_s": round(first_s, 4),
+                "async_call_first_blocking_s": round(call_first_s, 4),
+                "ratio_blocking_to_sync": round(med["async_blocking_s"] / med["sync_s"], 4),
+                "ratio_slowdown_to_sync": round(slowdown / med["sync_s"], 4),
+                "ratio_call_blocking_to_sync": round(med["async_call_blocking_s"] / med["sync_s"], 4),
+                "ratio_fresh_blocking_to_sync": round(med["async_fresh_blocking_s"] / med["sync_s"], 4)}
 
 
 # name -> function(args, work_dir) -> JSON-able dict; each section sets up what it needs.
