@@ -13,8 +13,10 @@ run_dir layout (one per attempt per node):
     config.json         the runtime's --config
     torchrun.{stdout,stderr}.log   agent-level output of procwrap and torchrun
     logs/<rdzv-id>_<random>/attempt_0/<local_rank>/{stdout.log,stderr.log,error.json}
-    ranks/<local_rank>.json        {"rank","local_rank","pid","node"}: written by the runtime, or by
-                                   the supervisor from the rank's environment (user code)
+    ranks/<local_rank>.json        {"rank","local_rank","pid","node"}: written by the rank through
+                                   the SDK (the built-in runtime uses it too)
+    rank-<local_rank>.agent.json   the same, found by the supervisor from a rank's environment
+                                   (user code without the SDK; workers/launcher_ranks.py)
     code/               the extracted bundle of a user-code job (read-only; written by the agent)
     exit.json           written by procwrap: {"exit_code","signal","ended_at"}
     stop_requested      stop() was called (survives an agent restart)
@@ -52,7 +54,8 @@ from trainyard.private import private_dir, write_private
 from workers import sandbox
 from workers.launch_spec import (  # noqa: F401 - the launcher's public API
     SYSTEM_PATH, LaunchRequest, build_argv, build_env, pick_free_port, validate)
-from workers.launcher_logs import LogTailer, collect_failures, read_json, read_run_json, tail_lines
+from workers.launcher_logs import LogTailer, collect_failures, read_json, tail_lines
+from workers.launcher_ranks import RankTracker
 from workers.procwrap import (
     WrapperHandle, kill_all, live_process, pidfd, write_json_atomic)
 
@@ -72,13 +75,6 @@ def catches_signal(pid: int, signum: int) -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return bool(caught >> (signum - 1) & 1)
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.lstat(path).st_mtime
-    except OSError:
-        return time.time()
 
 
 def launched_attempts(base_dir) -> list[str]:
@@ -117,17 +113,15 @@ class Supervisor:
         self._abandoned = threading.Event()
         self._finished = threading.Event()
         self._escalated = False  # stop() had to SIGKILL the wrapper itself
-        self._ranks: dict[int, dict] = {}
+        self._tracker = RankTracker(req, self.run_dir, self._descendants)  # who, pids, deaths
         self._ranks_sent = False
-        self._rank_fds: dict[int, int] = {}  # local_rank -> pidfd
-        # local_rank -> (last seen alive, first seen gone): a death we did not witness
-        self._died_at: dict[int, tuple[float, float]] = {}
-        self._alive_at: dict[int, float] = {}  # local_rank -> last time known running
-        self._known: dict[int, float] = {}  # pid -> create_time, every process of the tree
         self._tailer = LogTailer(os.path.join(self.run_dir, "logs"), req.nproc)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.run_dir, name)
+
+    def _descendants(self) -> list[psutil.Process]:
+        return self._wrap.descendants() if self._wrap else []
 
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> bool:
@@ -227,10 +221,10 @@ class Supervisor:
         except ProcessLookupError:
             pass
         if not self._wrap.wait(grace_s):
-            kill_all(self._tree_pids(), timeout_s=3.0)  # procwrap then writes exit.json
+            kill_all(self._tracker.tree_pids(), timeout_s=3.0)  # procwrap then writes exit.json
             if not self._wrap.wait(3.0):
                 self._escalated = True
-                kill_all(self._tree_pids() + [self._wrap.pid], timeout_s=1.0)
+                kill_all(self._tracker.tree_pids() + [self._wrap.pid], timeout_s=1.0)
         if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)  # so on_exit has fired when stop() returns
 
@@ -240,7 +234,7 @@ class Supervisor:
         A rank that never registered a handler (user code without the SDK) is left alone:
         SIGUSR1's default action would kill it before the stop could report anything."""
         sent = []
-        for info in list(self._ranks.values()):
+        for info in list(self._tracker.ranks.values()):
             proc = live_process(info["pid"], None)
             if proc is None or proc.create_time() < self._started_at - 1 \
                     or not catches_signal(proc.pid, STACK_SIGNAL):
@@ -257,13 +251,6 @@ class Supervisor:
         self._abandoned.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
-
-    def _tree_pids(self) -> list[int]:
-        """torchrun, ranks and their helpers: procwrap's descendants plus those we saw."""
-        pids = {p.pid for p in self._wrap.descendants()} if self._wrap else set()
-        pids.update(pid for pid, ctime in list(self._known.items())
-                    if live_process(pid, ctime) is not None)
-        return sorted(pids)
 
     # ---- supervision thread --------------------------------------------------------------
     def _spawn_thread(self) -> None:
@@ -291,13 +278,13 @@ class Supervisor:
                 self._scan_ranks(poller)
                 self._pump_logs(final=False)
                 if time.monotonic() - last_snapshot > TREE_SNAPSHOT_S:
-                    self._snapshot_tree()
+                    self._tracker.snapshot_tree()
                     last_snapshot = time.monotonic()
                 if self._ended():
-                    self._note_deaths(poller, {fd for fd, _ in poller.poll(0)})
+                    self._tracker.note_deaths(poller, {fd for fd, _ in poller.poll(0)})
                     break
                 ready = {fd for fd, _ in poller.poll(POLL_S * 1000)}
-                self._note_deaths(poller, ready)
+                self._tracker.note_deaths(poller, ready)
             else:
                 return  # abandoned: the next agent adopts and reports
             self._finish()
@@ -312,10 +299,9 @@ class Supervisor:
                     "duration_s": round(time.time() - self._started_at, 3),
                     "error": f"supervisor crashed: {exc!r}"})
         finally:
-            for fd in [wfd, *self._rank_fds.values()]:
-                if fd is not None:
-                    os.close(fd)
-            self._rank_fds.clear()
+            if wfd is not None:
+                os.close(wfd)
+            self._tracker.close()
             self._tailer.close()
 
     def _ended(self) -> bool:
@@ -324,134 +310,40 @@ class Supervisor:
         return self._wrap is None or self._wrap.process() is None
 
     def _scan_ranks(self, poller) -> None:
-        for lr in range(self.req.nproc):
-            if lr in self._ranks:
-                continue
-            path = os.path.join(self.run_dir, "ranks", f"{lr}.json")
-            # The agent's own record (a host pid) first; then what the rank wrote (its pid in the
-            # sandbox: translated); then the tree (a host pid, recorded by the agent).
-            info, host = read_json(self._path(f"rank-{lr}.agent.json")), True
-            if info is None:
-                info, host = read_run_json(self.run_dir, f"ranks/{lr}.json"), False
-            if info is None:
-                info, host = self._rank_from_tree(lr), True
-            try:
-                pid = self._host_pid(int(info["pid"]), host=host)
-                self._ranks[lr] = {"rank": int(info["rank"]), "local_rank": lr, "pid": pid,
-                                   "node": self.req.node}
-            except (TypeError, KeyError, ValueError):  # not written yet, or not the contract
-                continue
-            self._snapshot_tree()  # the tree is complete enough to remember once ranks run
-            proc = live_process(pid, None) if pid > 0 else None
-            if proc is None or proc.create_time() < self._started_at - 1:
-                self._died_at.setdefault(lr, (_mtime(path), time.time()))  # gone already
-                continue
-            self._alive_at[lr] = time.time()
-            self._known[proc.pid] = proc.create_time()
-            fd = pidfd(proc.pid)
-            if fd is not None:
-                self._rank_fds[lr] = fd
-                poller.register(fd, select.POLLIN)
-        if not self._ranks_sent and len(self._ranks) == self.req.nproc:
+        self._tracker.scan(poller, self._started_at, sandboxed=self.sandboxed)
+        if not self._ranks_sent and self._tracker.complete():
             self._ranks_sent = True
-            self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
-
-    def _host_pid(self, pid: int, host: bool) -> int:
-        """A rank's pid on this host. A rank in a sandbox reports its pid inside the sandbox's PID
-        namespace (and may report any number): translated among this attempt's own processes, or
-        -1 when none has it (a rank that already exited, or a made-up pid)."""
-        if not self.sandboxed or host:
-            return pid
-        found = sandbox.outer_pid(pid, [p.pid for p in self._wrap.descendants()] if self._wrap else [])
-        return -1 if found is None else found
-
-    def _rank_from_tree(self, lr: int) -> dict | None:
-        """A rank that wrote no ranks/<lr>.json (user code that never imports the SDK): found
-        among torchrun's children by the environment torchrun gave it (RANK is its global rank,
-        the one the runtime would have written), with its host pid. Recorded in the agent's own
-        rank-<lr>.agent.json (not in ranks/, which the job writes), so that an adopting agent and
-        the death bookkeeping see it the same way."""
-        run_id = f"attempt-{self.req.attempt_id}"
-        for proc in self._wrap.descendants() if self._wrap else ():
-            try:
-                env = proc.environ()
-                if env.get("TORCHELASTIC_RUN_ID") != run_id or env.get("LOCAL_RANK") != str(lr):
-                    continue
-                parent = proc.parent()
-                if parent is not None and "LOCAL_RANK" in parent.environ():
-                    continue  # a process the rank started (a data loader worker): not the rank
-                info = {"rank": int(env["RANK"]), "local_rank": lr, "pid": proc.pid,
-                        "node": self.req.node, "source": "agent"}
-            except (psutil.Error, KeyError, ValueError):
-                continue
-            write_json_atomic(self._path(f"rank-{lr}.agent.json"), info)
-            return info
-        return None
-
-    def _note_deaths(self, poller, ready: set[int]) -> None:
-        """Bracket each rank's death between the last check it passed and the first it failed.
-
-        With pidfds the poll wakes when a rank dies; without, psutil is asked every poll.
-        """
-        now = time.time()
-        for lr, info in self._ranks.items():
-            fd = self._rank_fds.get(lr)
-            if lr in self._died_at or lr not in self._alive_at:
-                continue
-            gone = fd in ready if fd is not None else live_process(info["pid"], None) is None
-            if not gone:
-                self._alive_at[lr] = now
-                continue
-            self._died_at[lr] = (self._alive_at[lr], now)
-            if fd is not None:
-                poller.unregister(fd)
-                os.close(self._rank_fds.pop(lr))
-
-    def _snapshot_tree(self) -> None:
-        for p in self._wrap.descendants() if self._wrap else ():
-            try:
-                self._known.setdefault(p.pid, p.create_time())
-            except psutil.Error:
-                pass
-
-    def _rank_of(self, lr: int) -> int:
-        if lr in self._ranks:
-            return self._ranks[lr]["rank"]
-        if self._ranks:  # torchrun gives a node one contiguous block of global ranks
-            known = next(iter(self._ranks.values()))
-            return known["rank"] - known["local_rank"] + lr
-        # Nothing reported (the runtime died before writing ranks/): the usual placement.
-        return self.req.node_rank * self.req.nproc + lr
+            self._call(self._on_ranks, self._tracker.listed())
 
     def _pump_logs(self, final: bool) -> None:
-        ready = (lambda lr: True) if final else (lambda lr: lr in self._ranks)
+        ready = (lambda lr: True) if final else (lambda lr: lr in self._tracker.ranks)
         for lr, stream, lines in self._tailer.poll(final=final, ready=ready):
-            self._call(self._on_log, self._rank_of(lr), stream, lines)
+            self._call(self._on_log, self._tracker.rank_of(lr), stream, lines)
 
     def _finish(self) -> None:
         exit_info = read_json(self._path("exit.json"))
         self._scan_ranks(select.poll())
         self._pump_logs(final=True)  # everything the ranks wrote, before on_exit
         stopped = os.path.exists(self._path("stop_requested"))
-        if not self._ranks_sent and self._ranks:
+        if not self._ranks_sent and self._tracker.ranks:
             self._ranks_sent = True
-            self._call(self._on_ranks, [self._ranks[lr] for lr in sorted(self._ranks)])
+            self._call(self._on_ranks, self._tracker.listed())
         lost = exit_info is None and not stopped
         if exit_info is None:
             # procwrap died without a word (OOM killer, kill -9): make sure nothing of the
             # attempt runs on unsupervised, then report it lost.
-            kill_all(self._tree_pids(), timeout_s=3.0)
+            kill_all(self._tracker.tree_pids(), timeout_s=3.0)
             exit_info = {"exit_code": None, "signal": "SIGKILL" if self._escalated else None,
                          "ended_at": time.time()}
         code = exit_info.get("exit_code")
         failures = [] if code == 0 else collect_failures(
-            self._tailer, self._path("torchrun.stderr.log"), self._rank_of,
-            self._died_at, fallback_ts=exit_info["ended_at"])
+            self._tailer, self._path("torchrun.stderr.log"), self._tracker.rank_of,
+            self._tracker.died_at, fallback_ts=exit_info["ended_at"])
         result = {
             "attempt_id": self.req.attempt_id, "job_id": self.req.job_id,
             "node": self.req.node, "exit_code": code, "signal": exit_info.get("signal"),
             "stopped": stopped, "lost": lost, "failures": failures,
-            "log_tail": {str(self._rank_of(lr)): lines
+            "log_tail": {str(self._tracker.rank_of(lr)): lines
                          for lr, lines in self._tailer.tails().items()},
             "duration_s": round(max(0.0, exit_info["ended_at"] - self._started_at), 3),
         }
