@@ -12,13 +12,14 @@ import time
 
 from telemetry_roles import sample  # bench/ is sys.path[0] (bench/telemetry.py makes sure)
 from telemetry_stack import Stack, say
+from trainyard import keys
 
 
 class Bench(Stack):
     """The run's processes (Stack) and the figures measured on them."""
 
     def backlog(self) -> int:
-        return sum(self.r.xlen(f"trainyard:job:{j['job']}") for j in self.jobs)
+        return sum(self.r.xlen(keys.attempt_stream(j['job'], j['attempt'])) for j in self.jobs)
 
     def cpu(self) -> dict:
         """CPU seconds so far: relay, daphne, redis, the simulated ranks and clients together, and
@@ -164,7 +165,7 @@ class Bench(Stack):
                         batch = [sample(rank, start_step + base + k, job["attempt"], time.time())
                                  for k in range(min(entry_samples, steps_per_rank - base))]
                         entries.append(json.dumps(batch, separators=(",", ":")))
-                payloads.append((f"trainyard:job:{job['job']}", entries))
+                payloads.append((keys.attempt_stream(job['job'], job['attempt']), entries))
             total = sum(len(e) for _, e in payloads) * entry_samples
             t0 = time.perf_counter()
             pipe = self.r.pipeline(transaction=False)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from trainyard import keys  # the repository root is on sys.path (bench/telemetry.py)
 
 REPO = Path(__file__).resolve().parent.parent  # on sys.path: bench/telemetry.py puts it there
 PY = sys.executable
@@ -143,7 +144,7 @@ class Stack:
             for rank in range(self.args.ranks):
                 self.emitters.append(Child(f"emitter-{job['job']}-{rank}", [
                     PY, SCRIPT, "--role", "emitter", "--redis", self.redis_url, "--rank", str(rank),
-                    "--attempt", str(job["attempt"]), "--stream", f"trainyard:job:{job['job']}"],
+                    "--attempt", str(job["attempt"]), "--stream", keys.attempt_stream(job['job'], job['attempt'])],
                     self.env, self.dir / "emitters.log"))
             for c in range(self.args.clients):
                 self.clients.append(Child(f"client-{job['job']}-{c}", [
