@@ -93,15 +93,14 @@ def test_each_plan_trains_a_user_model_as_single_process_training_does(case, ref
 
 @pytest.mark.procs
 def test_topk_with_error_feedback_cuts_the_bytes_of_a_user_model(reference, redis_url, tmp_path):
-    dense, _ = _run(tmp_path / "dense", redis_url, nproc=2, job_id=42)
-    topk, cfg = _run(tmp_path / "topk", redis_url, nproc=2, job_id=43,
+    topk, cfg = _run(tmp_path, redis_url, nproc=2, job_id=43,
                      comm={"compression": "topk", "ratio": 0.01, "start_step": 2})
     assert topk.returncode == 0, topk.stdout + topk.stderr
     rows = {(int(m[1]), int(m[2])): m for m in LINE.finditer(topk.stdout)}
-    base = {(int(m[1]), int(m[2])): m for m in LINE.finditer(dense.stdout)}
-    assert int(rows[(0, 1)][4]) == int(base[(0, 1)][4])  # steps up to start_step: dense
+    dense = int(rows[(0, 1)][4])  # steps up to start_step: dense (ratio 1.0)
+    assert float(rows[(0, 1)][5]) == 1.0 and int(rows[(1, 2)][4]) == dense
     assert all(float(rows[(r, s)][5]) > 10 for r in (0, 1) for s in range(3, STEPS + 1))
-    assert all(int(rows[(0, s)][4]) * 10 < int(base[(0, s)][4]) for s in range(3, STEPS + 1))
+    assert all(int(rows[(r, s)][4]) * 10 < dense for r in (0, 1) for s in range(3, STEPS + 1))
     mean = _mean_losses(topk.stdout)
     assert mean[:2] == pytest.approx(reference[:2], rel=1e-5) and mean[2:] != pytest.approx(reference[2:], rel=1e-5)
     samples, _, _ = read_stream(redis_url, cfg["stream"])
