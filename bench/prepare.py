@@ -1,6 +1,6 @@
 """run.prepare for a user's own model, measured side by side in one run.
 
-The model is tests/workers/runtime/user_model_script.py's minGPT-style GPT (its own attention,
+The model is examples/own_model/train.py's minGPT-style GPT (its own attention,
 MLP and block list), 2 gloo ranks on the CPU under `torchrun --standalone`, one thread per rank,
 fixed random token windows, AdamW.
 
@@ -68,8 +68,8 @@ def worker(args) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, str(REPO / "tests" / "workers" / "runtime"))
-    from user_model_script import MinGPT, Windows
+    sys.path.insert(0, str(REPO / "examples" / "own_model"))
+    from train import MinGPT, Windows
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

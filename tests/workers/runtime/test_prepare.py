@@ -161,11 +161,12 @@ def test_the_loader_resumes_mid_epoch_exactly_and_splits_each_global_batch_over_
 
 
 def test_blocks_are_found_by_their_shape_or_their_name_and_batches_split_evenly():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from user_model_script import MinGPT
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("own_model_train", REPO / "examples" / "own_model" / "train.py")
+    example = importlib.util.module_from_spec(found)
+    found.loader.exec_module(example)
+    MinGPT = example.MinGPT
     model = MinGPT(n_layer=3)
     name, blocks = find_blocks(model)
     assert name == "h" and len(blocks) == 3

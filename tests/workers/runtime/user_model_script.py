@@ -1,85 +1,16 @@
-"""A training script as a team outside Trainyard writes it: its own minGPT-style model (its own
-attention, MLP and block list, nothing of workers/runtime), its own dataset, and the SDK's
+"""A training script as a team outside Trainyard writes it: examples/own_model's minGPT-style model
+(its own attention, MLP and block list, nothing of workers/runtime) and dataset, and the SDK's
 prepare / loader / micro_batches lines. config.mode "noprepare" skips prepare (the fail-fast
 test); config.resume_check prints the loader's position after restore."""
-import math
 import sys
+from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 import trainyard
 
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int):
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head = n_head
-        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class MinGPT(nn.Module):
-    def __init__(self, vocab: int = 64, block_size: int = 16, n_layer: int = 2, n_head: int = 2, n_embd: int = 32):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList([Block(n_embd, n_head, block_size) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-
-    def forward(self, idx, targets):
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-
-class Windows(torch.utils.data.Dataset):
-    """Fixed random token windows (input, next tokens)."""
-
-    def __init__(self, n: int = 96, block_size: int = 16, vocab: int = 64):
-        g = torch.Generator().manual_seed(1234)
-        self.data = torch.randint(0, vocab, (n, block_size + 1), generator=g)
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i, :-1], self.data[i, 1:]
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")  # one write: the ranks share the pipe
-    sys.stdout.flush()
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "own_model"))
+from train import MinGPT, Windows, say  # noqa: E402  (the example's model and data)
 
 
 def main():
