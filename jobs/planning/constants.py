@@ -20,6 +20,11 @@ def constants_for(device_name: str) -> DeviceConstants:
     row = latest_calibration(device_name)
     if row is not None:
         return DeviceConstants.from_dict(row.constants)
+    return default_constants(device_name)
+
+
+def default_constants(device_name: str) -> DeviceConstants:
+    """The uncalibrated constants: DEFAULT_CPU for "cpu", DEFAULT_GPU for any other name."""
     return DEFAULT_CPU if device_name.strip().lower() == "cpu" else DEFAULT_GPU
 
 

@@ -5,8 +5,9 @@ import sys
 import time
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
-from jobs.planning.constants import constants_for
+from jobs.planning.constants import constants_for, default_constants
 from trainyard.plan import PlanInputError, parse_plan_request, plan
 
 
@@ -31,7 +32,12 @@ class Command(BaseCommand):
             req = parse_plan_request(data)
         except PlanInputError as exc:
             raise CommandError(f"bad plan request: {exc}", returncode=2) from None
-        constants = constants_for(req.cluster.device.name)
+        try:
+            constants = constants_for(req.cluster.device.name)
+        except DatabaseError as exc:  # a fresh clone before `migrate`: no calibrations to read
+            constants = default_constants(req.cluster.device.name)
+            self.stderr.write(f"no calibrations to read ({str(exc).splitlines()[0]}: run `python manage.py "
+                              f"migrate` first to use this cluster's): planning with the default constants")
         t0 = time.perf_counter()
         out = plan(req, constants, limit_rejected=limit_rejected)
         self.stderr.write(f"planned {req.cluster.devices} devices with {constants.source} constants in "

@@ -99,3 +99,15 @@ def test_manage_py_plan_process_bad_input_one_line_exit_2(tmp_path):
     ok = subprocess.run([sys.executable, "manage.py", "plan"], cwd=REPO, input=json.dumps(REQUEST),
                         capture_output=True, text=True, timeout=120, env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["plans"]
+
+
+@pytest.mark.procs
+def test_manage_py_plan_before_migrate_plans_with_the_default_constants_and_says_so(tmp_path):
+    """A fresh clone's first `python manage.py plan` (no migrate yet) crashed with a traceback
+    (no such table: jobs_calibration)."""
+    env = {**os.environ, **postgres.fresh_database_env(tmp_path / "db.sqlite3")}
+    r = subprocess.run([sys.executable, "manage.py", "plan"], cwd=REPO, input=json.dumps(REQUEST),
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["plans"] and "Traceback" not in r.stderr
+    assert "run `python manage.py migrate` first" in r.stderr and "planning with the default constants" in r.stderr
