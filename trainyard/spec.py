@@ -43,9 +43,9 @@ def _builtin(s: JobSpec) -> bool:
 
 _BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job (your own code)"
 # What run.prepare (trainyard/sdk/prepare.py) applies to an entrypoint job's own model today.
-_PREPARE_DP = ("run.prepare applies plain data parallelism to your model (DDP, with comm.compression, comm.sync, "
-               "train.grad_accum through run.micro_batches, parallel.recompute and parallel.shard_optimizer); "
-               "fsdp, tp, pp and parallel auto for your own model are not supported yet")
+_PREPARE_DP = ("run.prepare applies data parallelism to your model (DDP with comm.compression, comm.sync, "
+               "parallel.recompute and parallel.shard_optimizer, or parallel.fsdp; train.grad_accum through "
+               "run.micro_batches); tp, pp and parallel auto for your own model are not supported yet")
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
@@ -94,10 +94,9 @@ RULES: tuple[Rule, ...] = (
     *(Rule("submit", f, lambda s, f=f: not s.user_code and getattr(s, f) not in (None, {}),
            lambda s, f=f: f"{f} applies to an entrypoint job (your own code); the built-in trainer "
                           f"does not use it") for f in ("config", "env", "python")),
-    Rule("submit", "parallel", lambda s: s.user_code and not s.plain_ddp,
-         lambda s: f"an entrypoint job runs as plain data parallelism over its processes (tp 1, pp 1, fsdp "
-                   f"false): {_PREPARE_DP}; a script that builds its own tp/pp/FSDP mesh does so inside "
-                   f"that world"),
+    Rule("submit", "parallel", lambda s: s.user_code and (s.plan.tp > 1 or s.plan.pp > 1),
+         lambda s: f"an entrypoint job runs as data parallelism over its processes (tp 1, pp 1): {_PREPARE_DP}; "
+                   f"a script that builds its own tp/pp mesh does so inside that world"),
     Rule("submit", "train.balance", lambda s: s.user_code and s.train.balance != "none",
          lambda s: f"batch balancing {_BUILTIN_ONLY}: use none"),
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,

@@ -131,10 +131,10 @@ def test_user_code_fields_are_bounded_naming_the_field(spec, field, message):
 
 
 @pytest.mark.parametrize("spec, field, message", [
-    ({**MODULE, "parallel": {"tp": 2, "dp": 1}}, "parallel", "plain data parallelism"),
-    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "plain data parallelism"),
-    ({**MODULE, "parallel": {"fsdp": True}}, "parallel", "plain data parallelism"),
-    ({**MODULE, "parallel": {"fsdp": True}}, "parallel", "run.prepare applies plain data parallelism"),
+    ({**MODULE, "parallel": {"tp": 2, "dp": 1}}, "parallel", "runs as data parallelism over its processes"),
+    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "tp, pp and parallel auto for your own model"),
+    ({**MODULE, "parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression",
+     "needs plain data parallelism"),
     ({**MODULE, "train": {"balance": "auto"}}, "train.balance", "feature of the built-in trainer"),
     ({"code": {"bundle": BUNDLE}}, "code", "add entrypoint"),
     ({"config": {"lr": 1}}, "config", "applies to an entrypoint job"),
@@ -151,12 +151,12 @@ def test_user_code_restrictions_are_submit_rules_naming_the_field(spec, field, m
     {"comm": {"compression": "topk", "ratio": 0.01}}, {"comm": {"compression": "powersgd", "rank": 4}},
     {"comm": {"compression": "topk", "ratio": "auto"}}, {"comm": {"sync": "local_sgd", "period": 4}},
     {"train": {"grad_accum": 2, "global_batch": 8}}, {"parallel": {"shard_optimizer": True}},
-    {"parallel": {"recompute": "full"}},
+    {"parallel": {"recompute": "full"}}, {"parallel": {"fsdp": True, "recompute": "full"}},
 ])
 def test_run_prepare_makes_the_data_plane_available_to_user_code(extra):
-    """comm, grad_accum, recompute and ZeRO-1 are applied by run.prepare (trainyard/sdk/prepare.py)."""
+    """comm, grad_accum, recompute, ZeRO-1 and FSDP are applied by run.prepare (trainyard/sdk/prepare.py)."""
     spec = parse_job_spec({"name": "x", **MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, **extra})
-    assert spec.user_code and spec.plain_ddp
+    assert spec.user_code and spec.plan.tp == spec.plan.pp == 1
 
 
 def test_user_code_grad_accum_must_divide_the_global_batch():

@@ -15,7 +15,10 @@ What `prepare` does, from the JobSpec of the launch config (standalone: none of 
   or `blocks="name"`) runs its forward under torch.utils.checkpoint (use_reentrant=False); its
   parameters keep their names, so checkpoints load under either setting.
 - DDP over every rank with the comm hook of `comm` (compression, sync), counting the bytes each
-  rank hands to gradient collectives.
+  rank hands to gradient collectives; or, with parallel.fsdp, FSDP2 (`fully_shard`) on each block
+  and then the root over a 1-D mesh of the ranks: each rank holds 1/world of every parameter,
+  gradient and optimizer state (its collectives are not metered: compute_s holds them). Parameter
+  names stay the plain model's, so a DDP checkpoint resumes under FSDP and back (DCP reshards).
 - the optimizer from the user's factory; with parallel.shard_optimizer, ZeRO-1 of the same class
   and defaults over the data-parallel ranks (one parameter group); with comm.sync local_sgd or
   hierarchical, torch's PostLocalSGDOptimizer around it.
@@ -27,7 +30,7 @@ metric the script passes to `run.log` itself wins. After the first step each ran
 `rank_plan` event (strategy, mesh, role, bytes of parameters and optimizer state held).
 
 A job whose JobSpec asks for what only `prepare` applies (compression, model averaging,
-grad_accum > 1, recompute, shard_optimizer) and whose script calls `run.log` without having
+grad_accum > 1, recompute, shard_optimizer, fsdp) and whose script calls `run.log` without having
 called `prepare` fails at that first `run.log` with a ConfigError (a user error: no restart).
 """
 from __future__ import annotations
@@ -71,6 +74,8 @@ def needs_prepare(spec: JobSpec | None) -> list[str]:
         out.append(f"parallel.recompute {p.recompute}")
     if p.shard_optimizer:
         out.append("parallel.shard_optimizer")
+    if p.fsdp:
+        out.append("parallel.fsdp")
     return out
 
 
@@ -148,15 +153,17 @@ class Prepared:
         spec: JobSpec | None = run.spec
         self.run, self.accum = run, spec.train.grad_accum if spec else 1
         world = dist.get_world_size()
-        self.mesh = Mesh.for_world(world)
         p = spec.plan if spec else None
+        self.fsdp = bool(p and p.fsdp)
+        self.mesh = Mesh.for_world(world, fsdp=self.fsdp)
         self.blocks_name, blocks_found = find_blocks(model, blocks)
         self.recompute = bool(p and p.recompute == "full")
+        for wanted, setting in ((self.recompute, "parallel.recompute full checkpoints"),
+                                (self.fsdp, "parallel.fsdp shards")):
+            if wanted and not blocks_found:
+                raise ConfigError(f"run.prepare: {setting} the model's blocks, but it has no ModuleList/Sequential "
+                                  f"of modules of one class: name them with prepare(..., blocks='layers')")
         if self.recompute:
-            if not blocks_found:
-                raise ConfigError("run.prepare: parallel.recompute full checkpoints the model's blocks, but it "
-                                  "has no ModuleList/Sequential of modules of one class: name them with "
-                                  "prepare(..., blocks='layers'), or use recompute none")
             for b in blocks_found:
                 _recompute(b)
         self.inner = model.to(run.device)
@@ -173,10 +180,19 @@ class Prepared:
                                periods=(c.periods.node, c.periods.global_) if c else (1, 2),
                                procs_per_node=spec.resources.procs_per_node if spec else 1,
                                event=run.event, say=_say if run.rank == 0 else (lambda line: None))
-        self.module = DDP(self.inner, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-                          gradient_as_bucket_view=True)
-        if self.sync.hook is not None:
-            self.module.register_comm_hook(self.sync.hook_state, self.sync.hook)
+        if self.fsdp:  # FSDP2: each block a unit, then the root (what is left: embeddings, head)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            device_mesh = init_device_mesh(run.device.type, (world,), mesh_dim_names=("dp",))
+            for b in blocks_found:
+                fully_shard(b, mesh=device_mesh)
+            self.module = fully_shard(self.inner, mesh=device_mesh)
+        else:
+            self.module = DDP(self.inner, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                              gradient_as_bucket_view=True)
+            if self.sync.hook is not None:
+                self.module.register_comm_hook(self.sync.hook_state, self.sync.hook)
         params = list(self.module.parameters())
         opt = make_optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -222,7 +238,12 @@ class Prepared:
         batch = next(source) if isinstance(source, Iterator) else source
         parts = split(batch, self.accum)
         for i, part in enumerate(parts):
-            with self.module.no_sync() if i < len(parts) - 1 else contextlib.nullcontext():
+            last = i == len(parts) - 1
+            if self.fsdp:  # FSDP's no_sync: unsharded gradients accumulate until the last
+                self.module.set_requires_gradient_sync(last)
+                yield part
+                continue
+            with contextlib.nullcontext() if last else self.module.no_sync():
                 yield part
 
     def end_step(self, step: int) -> dict:
@@ -240,6 +261,8 @@ class Prepared:
         compute_s = max(0.0, clock.seconds(self._ref, backward_end) - exposed_s)
         avg_s, sync_fields = self.sync.end_step(step, comm, comm_s, compute_s)
         out: dict[str, Any] = {"bytes_sent": comm.bytes_sent, "comm_s": comm_s + avg_s, "compute_s": compute_s}
+        if self.fsdp:  # FSDP's all-gathers and reduce-scatters are not metered: compute_s holds them
+            out = {"compute_s": clock.seconds(self._ref, backward_end)}
         if self._optim_start is not None and self._optim_end is not None:
             out["optim_s"] = max(0.0, clock.seconds(self._optim_start, self._optim_end) - avg_s)
         out.update(sync_fields)
@@ -252,17 +275,20 @@ class Prepared:
         from .optim import optim_bytes, param_bytes
 
         rank, dp = self.run.rank, self.mesh.dp
-        role = f"replica {self.mesh.coords(rank)['dp']} of {dp}: the whole model"
+        strategy = "fsdp" if self.fsdp else "ddp"
+        role = (f"shard {self.mesh.coords(rank)['dp']} of {dp}: 1/{dp} of every parameter, gradient and optimizer "
+                f"state (FSDP2 per block of {self.blocks_name}, then the root)" if self.fsdp
+                else f"replica {self.mesh.coords(rank)['dp']} of {dp}: the whole model")
         if self.shard:
             role += f"; optimizer state: its 1/{dp} share (ZeRO-1)"
         if self.recompute:
             role += f"; activations recomputed in backward ({self.blocks_name})"
         opt_bytes = optim_bytes(self.state_opt)
-        self.run.event("rank_plan", rank=rank, node=self.run.node, strategy="ddp", mesh=self.mesh.describe(),
+        self.run.event("rank_plan", rank=rank, node=self.run.node, strategy=strategy, mesh=self.mesh.describe(),
                        coords=self.mesh.coords(rank), role=role, param_bytes=param_bytes(self.inner),
                        optim_bytes=opt_bytes, recompute="full" if self.recompute else "none",
                        shard_optimizer=self.shard)
-        _say(f"rank {rank} plan ddp mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
+        _say(f"rank {rank} plan {strategy} mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
              f"grad_accum {self.accum} param_bytes {param_bytes(self.inner)} optim_bytes {opt_bytes}")
 
 

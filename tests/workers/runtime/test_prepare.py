@@ -20,6 +20,7 @@ from trainyard.sdk.prepare import find_blocks, split
 from .conftest import make_launch_config, read_stream, write_launch_config
 
 SCRIPT = REPO / "tests" / "workers" / "runtime" / "user_model_script.py"
+FULL_PARAM_BYTES = 4 * 30_080  # the example MinGPT's parameters (vocab 64, 2 blocks of width 32), fp32
 STEPS, BATCH = 6, 8
 LINE = re.compile(r"^user rank (\d+) step (\d+) loss (\S+) bytes (\S+) ratio (\S+) averaged (\S+)$", re.MULTILINE)
 
@@ -74,7 +75,9 @@ def reference(tmp_path_factory, redis_url) -> list[float]:
     {"train": {"grad_accum": 2}},
     {"parallel": {"shard_optimizer": True}},
     {"parallel": {"recompute": "full"}},
-], ids=["dp", "grad_accum", "zero1", "recompute"])
+    {"parallel": {"fsdp": True}},
+    {"parallel": {"fsdp": True, "recompute": "full"}, "train": {"grad_accum": 2}},
+], ids=["dp", "grad_accum", "zero1", "recompute", "fsdp", "fsdp_recompute_accum"])
 def test_each_plan_trains_a_user_model_as_single_process_training_does(case, reference, redis_url, tmp_path):
     proc, cfg = _run(tmp_path, redis_url, nproc=2, job_id=50 + len(case) + 10 * len(str(case)), **case)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,9 +85,14 @@ def test_each_plan_trains_a_user_model_as_single_process_training_does(case, ref
     assert _mean_losses(proc.stdout) == pytest.approx(reference, rel=1e-5)
     samples, events, _ = read_stream(redis_url, cfg["stream"])
     assert sorted((s["rank"], s["step"]) for s in samples) == [(r, s) for r in (0, 1) for s in range(1, STEPS + 1)]
-    assert all(s["bytes_sent"] > 0 and s["compute_s"] > 0 and s["optim_s"] > 0 for s in samples)
+    fsdp = case.get("parallel", {}).get("fsdp", False)
+    assert all(s["compute_s"] > 0 and s["optim_s"] > 0 for s in samples)
+    assert fsdp or all(s["bytes_sent"] > 0 for s in samples)  # FSDP's collectives are not metered
     plans = {e["rank"]: e for e in events if e["kind"] == "rank_plan"}
-    assert set(plans) == {0, 1} and plans[0]["strategy"] == "ddp" and plans[1]["coords"]["dp"] == 1
+    assert set(plans) == {0, 1} and plans[0]["strategy"] == ("fsdp" if fsdp else "ddp")
+    assert plans[1]["coords"]["dp"] == 1 and plans[0]["mesh"]["fsdp"] is fsdp
+    if fsdp:  # each rank holds its half of every parameter
+        assert "shard 1 of 2" in plans[1]["role"] and plans[0]["param_bytes"] < 0.6 * FULL_PARAM_BYTES
     if case.get("parallel", {}).get("shard_optimizer"):
         assert "ZeRO-1" in plans[0]["role"] and plans[0]["shard_optimizer"] is True
     if case.get("parallel", {}).get("recompute"):
@@ -117,13 +125,17 @@ def test_local_sgd_averages_a_user_models_replicas(redis_url, tmp_path):
 
 
 @pytest.mark.procs
-def test_a_resumed_user_run_continues_the_loader_mid_epoch_exactly(reference, redis_url, tmp_path):
-    first, cfg = _run(tmp_path, redis_url, nproc=2, job_id=45, steps=5)  # checkpoints step 5
+@pytest.mark.parametrize("first_plan, then", [({}, {"fsdp": True}), ({"fsdp": True}, {})], ids=["dp-fsdp", "fsdp-dp"])
+def test_a_resumed_user_run_continues_the_loader_mid_epoch_exactly(first_plan, then, reference, redis_url, tmp_path):
+    """Under one plan or across plans: a DDP checkpoint resumes under FSDP and back (DCP reshards)."""
+    job_id = 45 + 10 * len(first_plan) + 20 * len(then)
+    first, cfg = _run(tmp_path, redis_url, nproc=2, job_id=job_id, steps=5, parallel=first_plan)  # saves step 5
     assert first.returncode == 0, first.stdout + first.stderr
     _, events, _ = read_stream(redis_url, cfg["stream"])
     ckpt = [e for e in events if e["kind"] == "checkpoint"][-1]
     resume = {"path": ckpt["path"], "step": 5, "checkpoint_id": 1}
-    second, _ = _run(tmp_path, redis_url, nproc=2, job_id=45, steps=STEPS, resume=resume, resume_check=True)
+    second, _ = _run(tmp_path, redis_url, nproc=2, job_id=job_id, steps=STEPS, resume=resume, resume_check=True,
+                     parallel=then)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "user rank 0 resumed at 5 consumed 5" in second.stdout
     losses = _losses(first.stdout) | _losses(second.stdout)
