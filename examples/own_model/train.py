@@ -8,6 +8,7 @@ comm.sync, train.grad_accum, parallel.shard_optimizer or parallel.recompute ther
 """
 import math
 import sys
+import time
 
 import torch
 from torch import nn
@@ -103,6 +104,7 @@ def main():
             total += loss.item()
         opt.step()
         opt.zero_grad()
+        time.sleep(run.config.get("step_sleep_s", 0))  # to watch it on the job page
         sample = run.log(step, loss=total, samples=loader.batch_size)
         say(f"rank {run.rank} step {step} loss {total!r} bytes {sample.get('bytes_sent')} "
             f"ratio {sample.get('compression_ratio')} averaged {sample.get('averaged', '-')}")
