@@ -52,7 +52,7 @@ class PlanView(APIView):
         return Response(plan_document(data))
 
 
-KINDS = get_args(ModelSpec.model_fields["kind"].annotation)
+KINDS = (*get_args(ModelSpec.model_fields["kind"].annotation), "user")  # user: a model run.prepare described
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._()/+-]{0,127}")
 FILTER_BOUNDS = {"layers": 100_000, "hidden": 10_000_000}
 GB = 1e9

@@ -86,8 +86,27 @@ class ResumedEvent(Event):
     load_s: NotRequired[Num]
 
 
+Dim = Annotated[int, Field(ge=1, le=10_000_000)]
+
+
+class ModelDescription(TypedDict):
+    """What run.prepare found in a user's model (trainyard/sdk/prepare.py `describe`): the knowledge
+    base's shape for it. Bounded: a job writes it."""
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
+    kind: Literal["user"]
+    layers: Dim
+    hidden: Dim
+    heads: NotRequired[Optional[Dim]]
+    seq_len: NotRequired[Optional[Dim]]
+    vocab: NotRequired[Optional[Dim]]
+    params: Annotated[int, Field(ge=1, le=10**13)]
+    params_per_block: NotRequired[Annotated[int, Field(ge=0, le=10**13)]]
+    blocks: NotRequired[Annotated[str, Field(max_length=200)]]
+
+
 class RankPlanEvent(Event):
     rank: Rank  # type: ignore[misc]
+    model: NotRequired[ModelDescription]
 
 
 class DroppedEvent(Event):

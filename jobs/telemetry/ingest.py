@@ -193,7 +193,7 @@ def telemetry_owners(job_ids: set[int], attempt_ids: set[int]) -> tuple[set[int]
     return jobs, owners
 
 
-RANK_PLAN_KEYS = ("strategy", "coords", "role", "param_bytes", "optim_bytes")
+RANK_PLAN_KEYS = ("strategy", "coords", "role", "param_bytes", "optim_bytes", "model")
 
 
 def _rank_plan(attempt_id: int, e: dict) -> None:

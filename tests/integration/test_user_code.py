@@ -131,8 +131,15 @@ def test_an_outside_model_trains_under_the_jobs_plan_with_every_ranks_role_on_th
     rows = assert_each_step_once(cluster, job["id"], steps, 2)
     assert all(r["bytes_sent"] > 0 and r["comm_s"] > 0 for r in rows)
     assert all(r["compression_ratio"] > 5 for r in rows if r["step"] > 5), [r["compression_ratio"] for r in rows]
+    assert all(r["tokens_per_s"] > 0 for r in rows)  # prepare saw the sequence length
     ranks = done["attempts"][0]["ranks"]
     assert [r["strategy"] for r in ranks] == ["ddp", "ddp"] and "replica 1 of 2" in ranks[1]["role"]
+    # its knowledge record has the shape run.prepare described, so the knowledge base can match it
+    record = cluster.wait_for(lambda: next((r for r in cluster.get("/api/v1/knowledge/?kind=user")["results"]
+                                            if r["job"] == job["id"]), None), 60, "the knowledge record")
+    assert record["model"] == {"kind": "user", "layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
+                               "params": 30080}, record
+    assert record["global_batch"] == 16 and record["measured"]["tokens_per_s"] > 0
 
 
 def test_an_outside_model_under_fsdp_killed_mid_run_resumes_with_every_step_once(cluster, bundles):

@@ -101,6 +101,33 @@ def find_blocks(model: nn.Module, name: str | None = None) -> tuple[str, list[nn
     return best
 
 
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "heads")
+
+
+def describe(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> dict | None:
+    """The model as the knowledge base records it: its blocks (count, parameters each), hidden size
+    and vocabulary (its largest embedding), attention heads where a block names them; the sequence
+    length is added at the first forward. None for a model without repeated blocks."""
+    if not blocks:
+        return None
+    params = sum(p.numel() for p in model.parameters())
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max(embeddings, key=lambda e: e.num_embeddings, default=None)
+    linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+    hidden = vocab.embedding_dim if vocab is not None else linears[0].in_features if linears else None
+    heads = None
+    for m in blocks[0].modules():
+        if isinstance(m, nn.MultiheadAttention):
+            heads = m.num_heads
+        value = next((getattr(m, a) for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        heads = heads or value
+    if not hidden:
+        return None
+    return {"kind": "user", "layers": len(blocks), "hidden": int(hidden), "heads": heads,
+            "vocab": vocab.num_embeddings if vocab is not None else None, "params": int(params),
+            "params_per_block": int(sum(p.numel() for p in blocks[0].parameters())), "blocks": blocks_name[:200]}
+
+
 def _recompute(block: nn.Module) -> None:
     """Run `block`'s forward under activation checkpointing (in training, with gradients)."""
     forward = block.forward
@@ -163,6 +190,7 @@ class Prepared:
             if wanted and not blocks_found:
                 raise ConfigError(f"run.prepare: {setting} the model's blocks, but it has no ModuleList/Sequential "
                                   f"of modules of one class: name them with prepare(..., blocks='layers')")
+        self.description = describe(model, self.blocks_name, blocks_found)  # before sharding
         if self.recompute:
             for b in blocks_found:
                 _recompute(b)
@@ -215,6 +243,10 @@ class Prepared:
             return
         self._open = True
         self._ref = self.clock.mark()
+        if self.description is not None and "seq_len" not in self.description:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.dim() >= 2 and 0 < first.shape[1] <= 10_000_000:
+                self.description["seq_len"] = int(first.shape[1])  # (batch, sequence, ...) inputs
         self._backward_end = self._optim_start = self._optim_end = None
         self.sync.begin_step(self.run.next_step())  # compression's step, local SGD's counters
 
@@ -287,7 +319,8 @@ class Prepared:
         self.run.event("rank_plan", rank=rank, node=self.run.node, strategy=strategy, mesh=self.mesh.describe(),
                        coords=self.mesh.coords(rank), role=role, param_bytes=param_bytes(self.inner),
                        optim_bytes=opt_bytes, recompute="full" if self.recompute else "none",
-                       shard_optimizer=self.shard)
+                       shard_optimizer=self.shard,
+                       **({"model": self.description} if self.description and rank == 0 else {}))
         _say(f"rank {rank} plan {strategy} mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
              f"grad_accum {self.accum} param_bytes {param_bytes(self.inner)} optim_bytes {opt_bytes}")
 

@@ -303,6 +303,9 @@ class Run:
                     raise TypeError(f"run.log: metric {name!r} must be a number, got {value!r}") from None
         if samples is not None and "samples_per_s" not in metrics:
             sample["samples_per_s"] = samples / sample["step_s"] if sample["step_s"] > 0 else None
+        seq_len = ((self._prepared.description or {}).get("seq_len") if self._prepared is not None else None)
+        if samples is not None and seq_len and "tokens_per_s" not in metrics and sample["step_s"] > 0:
+            sample["tokens_per_s"] = samples * seq_len / sample["step_s"]  # prepare saw the sequence length
         if "mem_bytes" not in sample:
             sample["mem_bytes"] = (torch.cuda.max_memory_allocated(self.device)
                                    if self.device.type == "cuda" else self._rss())

@@ -90,11 +90,14 @@ def plan_fields(spec: Mapping, plan: Mapping) -> dict:
             "recompute": str(pick("recompute", "none")), "schedule": str(pick("schedule", "1f1b"))}
 
 
-def extract(spec: Mapping, plan: Mapping, samples: Iterable[Mapping], *, device_name: str) -> dict | None:
+def extract(spec: Mapping, plan: Mapping, samples: Iterable[Mapping], *, device_name: str,
+            described: Mapping | None = None) -> dict | None:
     """The KnowledgeRecord fields one attempt gives (None when it has too few warm steps, or is a
     user-code job that reported no steps). `spec` is the job's stored JobSpec, `plan` its stored
     plan (its "planner" section: the predicted step_time_s / memory_gb_per_device of the plan
-    it runs, chosen by the planner or the user's own)."""
+    it runs, chosen by the planner or the user's own). `described`: for user code, the model as
+    run.prepare described it (kind "user", layers, hidden, heads, seq_len, vocab, params), so its
+    record has a shape the knowledge base can match."""
     m = measure(samples)
     if m is None:
         return None
@@ -108,6 +111,16 @@ def extract(spec: Mapping, plan: Mapping, samples: Iterable[Mapping], *, device_
            "predicted_step_time_s": _number(predicted.get("step_time_s")),
            "predicted_memory_gb": _number(predicted.get("memory_gb_per_device"))}
     model = spec.get("model")
+    if spec.get("entrypoint") and isinstance(described, Mapping) and described.get("seq_len"):
+        shape = {k: described.get(k) for k in SHAPE_FIELDS}
+        gb = int(train.get("global_batch", 1))
+        tokens = gb * int(shape["seq_len"])
+        params = int(described["params"])
+        fields = plan_fields(spec, plan)
+        flops = train_flops(params, tokens) * RECOMPUTE_FLOPS_FACTOR.get(fields["recompute"], 1.0)
+        return {**out, **shape, "params": params, "global_batch": gb, **fields,
+                "tokens_per_s": m.tokens_per_s_reported or tokens / m.step_time_s,
+                "tflops_per_device": flops / m.step_time_s / world / 1e12}
     if spec.get("entrypoint") or not isinstance(model, Mapping):
         # the user's own code: no model shape or plan the spec can see; its reported throughput if any
         return {**out, **dict.fromkeys(SHAPE_FIELDS), "params": None, "global_batch": None,

@@ -70,7 +70,9 @@ def _record(attempt: Attempt) -> KnowledgeRecord | None:
         return None
     job = attempt.job
     spec = job.spec or {}
-    fields = knowledge.extract(spec, job.plan or {}, attempt_steps(attempt),
+    described = next((p["model"] for p in (attempt.rank_plans or {}).values()
+                      if isinstance(p, dict) and isinstance(p.get("model"), dict)), None)  # run.prepare's
+    fields = knowledge.extract(spec, job.plan or {}, attempt_steps(attempt), described=described,
                                device_name=device_name(attempt, (spec.get("resources") or {}).get("device", "cpu")))
     if fields is None:
         return None

@@ -19,6 +19,10 @@ from tests.jobs.runs.test_services import start, submit
 GOOD = {"rank": 0, "step": 1, "ts": 1.0, "loss": 0.5, "attempt": 3, "averaged": True, "metrics": {"acc": 1}}
 
 
+MODEL = {"kind": "user", "layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64, "params": 30080,
+         "params_per_block": 12704, "blocks": "h"}
+
+
 def fields(kind, data):
     return {b"type": kind.encode(), b"data": data if isinstance(data, bytes) else json.dumps(data).encode()}
 
@@ -29,6 +33,7 @@ def fields(kind, data):
     ("event", {"kind": "rank_started", "attempt": 3, "rank": None, "pid": 7}),  # kinds the relay ignores pass
     ("log", {"attempt": 3, "rank": 1, "stream": "stderr", "lines": ["a", "b"], "node": "node-a"}),
     ("log", {"rank": 0, "lines": []}),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "strategy": "fsdp", "model": MODEL}),
 ])
 def test_what_the_writers_send_passes_the_schema(kind, data):
     assert entries.parse_entry(fields(kind, data)) == (kind, data)
@@ -54,6 +59,15 @@ def test_what_the_writers_send_passes_the_schema(kind, data):
     ("event", {"kind": "telemetry_dropped", "attempt": 3, "count": 1.5}, "count: Input should be a valid integer"),
     ("event", {"kind": "", "attempt": 3}, "kind: String should have at least 1 character"),
     ("event", [], "(root): Input should be a valid dictionary"),
+    # run.prepare's description of a user model goes into the knowledge base: bounded, no extras
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "model": {**MODEL, "layers": 0}},
+     "model.layers: Input should be greater than or equal to 1"),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "model": {**MODEL, "params": 10**14}},
+     "model.params: Input should be less than or equal to"),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "model": {**MODEL, "kind": "gpt"}},
+     "model.kind: Input should be 'user'"),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "model": {**MODEL, "note": "x" * 10**5}},
+     "model.note: Extra inputs are not permitted"),
 ])
 def test_malformed_entries_are_refused_with_the_reason(kind, data, reason):
     with pytest.raises(entries.EntryError) as err:

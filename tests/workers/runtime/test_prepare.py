@@ -172,6 +172,23 @@ def test_the_loader_resumes_mid_epoch_exactly_and_splits_each_global_batch_over_
     whole.close()
 
 
+def test_describe_finds_the_shape_the_knowledge_base_records():
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("own_model_train2", REPO / "examples" / "own_model" / "train.py")
+    example = importlib.util.module_from_spec(found)
+    found.loader.exec_module(example)
+    from trainyard.sdk.prepare import describe
+
+    model = example.MinGPT(n_layer=3, n_head=4, n_embd=32)
+    name, blocks = find_blocks(model)
+    d = describe(model, name, blocks)
+    assert d == {"kind": "user", "layers": 3, "hidden": 32, "heads": 4, "vocab": 64,
+                 "params": sum(p.numel() for p in model.parameters()),
+                 "params_per_block": sum(p.numel() for p in blocks[0].parameters()), "blocks": "h"}
+    assert describe(torch.nn.Linear(4, 4), "", []) is None
+
+
 def test_blocks_are_found_by_their_shape_or_their_name_and_batches_split_evenly():
     import importlib.util
 

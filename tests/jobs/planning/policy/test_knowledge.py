@@ -94,6 +94,22 @@ def test_extract_user_code_only_with_reported_steps_and_without_a_model():
     assert rec["step_time_s"] == 0.5 and rec["dp"] == 2 and rec["tokens_per_s"] == pytest.approx(400.0)
 
 
+def test_a_user_model_that_run_prepare_described_gets_its_shape_in_the_record():
+    spec = {**SPEC, "model": None, "entrypoint": {"script": "train.py"}, "parallel": {"fsdp": True}}
+    described = {"kind": "user", "layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64,
+                 "params": 30080, "params_per_block": 12704, "blocks": "h"}
+    rec = knowledge.extract(spec, {}, samples({s: [0.5, 0.5] for s in range(1, 9)}), device_name="cpu",
+                            described=described)
+    assert {k: rec[k] for k in knowledge.SHAPE_FIELDS} == {"kind": "user", "layers": 2, "hidden": 32, "heads": 2,
+                                                          "seq_len": 16, "vocab": 64}
+    assert rec["params"] == 30080 and rec["global_batch"] == 32 and rec["fsdp"] is True and rec["dp"] == 2
+    assert rec["tflops_per_device"] > 0
+    # without the sequence length (no forward seen) it stays a record without a shape
+    bare = knowledge.extract(spec, {}, samples({s: [0.5, 0.5] for s in range(1, 9)}), device_name="cpu",
+                             described={k: v for k, v in described.items() if k != "seq_len"})
+    assert bare["layers"] is None and bare["kind"] is None
+
+
 def test_relative_error():
     assert knowledge.relative_error(0.11, 0.10) == pytest.approx(0.1)
     assert knowledge.relative_error(None, 0.1) is None and knowledge.relative_error(1.0, None) is None
