@@ -173,6 +173,9 @@ def compression_byte_ratio(comm: Mapping, model: Mapping) -> float:
     if kind in ("fp16", "bf16"):
         return 0.5
     if kind == "powersgd":
+        if model.get("kind") == "user":  # run.prepare's description: priced as a transformer of its shape
+            model = {**model, "kind": "gpt", "vocab": model.get("vocab") or model["hidden"],
+                     "seq_len": model.get("seq_len") or 1}
         return powersgd_byte_ratio(model, int(comm.get("rank", 2)))
     if kind == "topk" and comm.get("ratio") != "auto":
         return min(1.0, 2 * float(comm["ratio"]))
@@ -232,9 +235,9 @@ def _after_compression(s: Shares, ratio: float, now: str, new: str) -> float:
     return s.step_s - s.exposed_comm_s + max(0.0, comm - hidden)
 
 
-def _comm_candidates(spec: dict, s: Shares) -> list[tuple[dict, float, str]]:
+def _comm_candidates(spec: dict, s: Shares, model: Mapping) -> list[tuple[dict, float, str]]:
     """(change, predicted step_s, why) for the communication-bound job's possible changes."""
-    comm, model = spec["comm"], spec["model"]
+    comm = spec["comm"]
     out = []
     if comm["sync"] == "allreduce":
         now = compression_byte_ratio(comm, model)
@@ -263,11 +266,12 @@ def _comm_candidates(spec: dict, s: Shares) -> list[tuple[dict, float, str]]:
     return [c for c in out if c[1] < s.step_s / (1 + MIN_GAIN)]
 
 
-def _comm_recommendation(spec: dict, s: Shares) -> dict:
-    valid = [c for c in _comm_candidates(spec, s) if _valid(spec, c[0])] if spec.get("model") else []
+def _comm_recommendation(spec: dict, s: Shares, model: Mapping | None = None) -> dict:
+    model = model or spec.get("model")
+    valid = [c for c in _comm_candidates(spec, s, model) if _valid(spec, c[0])] if model else []
     if not valid:
-        why = ("your script's own communication: try a DDP comm hook (bf16 or PowerSGD compression) "
-               "or fewer synchronisations" if spec.get("entrypoint") else
+        why = ("your script's own communication: train through run.prepare (the JobSpec's comm.compression "
+               "and comm.sync then apply) or register a DDP comm hook yourself" if spec.get("entrypoint") else
                "no compression or averaging change is valid for this plan (they need plain data "
                "parallelism, tp 1, pp 1, fsdp false): another plan with fewer data-parallel ranks "
                "across nodes would cut the traffic")
@@ -375,12 +379,14 @@ def _revert(spec: dict, s: Shares, results: list[Mapping]) -> dict | None:
 
 
 def profile(samples: Iterable[Mapping], spec: dict, previous: Mapping | None = None, *,
-            first_step: int = 0, results: Iterable[Mapping] = ()) -> dict:
+            first_step: int = 0, results: Iterable[Mapping] = (), model: Mapping | None = None) -> dict:
     """The attempt's profile: class, shares, the window, and the recommendation. `previous` is
     the attempt's last profile (for hysteresis); `first_step` the attempt's first step - 1;
     `results` the measured outcomes of the job's applied recommendations, oldest first ({before,
     after, step_s_before, step_s_after, measured_gain}): measurements overrule the model, so a
-    change that measured slower is reverted and one that did not pay is not offered again."""
+    change that measured slower is reverted and one that did not pay is not offered again.
+    `model`: a user-code job's model as run.prepare described it (its comm changes are then
+    offered as for a built-in job: prepare applies them)."""
     s = shares(samples, first_step=first_step)
     if s is None:
         has = "entrypoint" in spec and spec.get("entrypoint")
@@ -390,8 +396,8 @@ def profile(samples: Iterable[Mapping], spec: dict, previous: Mapping | None = N
                 "shares": None, "recommendation": None}
     results = list(results)
     cls = classify(s, (previous or {}).get("class"))
-    rec = _revert(spec, s, results) or {COMM: _comm_recommendation, INPUT: _input_recommendation}.get(
-        cls, _compute_recommendation)(spec, s)
+    rec = _revert(spec, s, results) or (_comm_recommendation(spec, s, model) if cls == COMM else
+                                        {INPUT: _input_recommendation}.get(cls, _compute_recommendation)(spec, s))
     tried = rec["change"] and rec["kind"] != "revert" and _tried(rec["change"], results)
     if tried:
         rec = _advice("none", f"{rec['text']}; but this change was applied before and measured "

@@ -36,8 +36,12 @@ def attempt_profile_update(attempt: Attempt, recent: list[dict]) -> bool:
     job = attempt.job
     before = attempt.profile or {}
     results = [e.data for e in job.events.filter(kind="recommendation_result").order_by("id")]
+    described = None
+    if job.spec.get("entrypoint"):  # run.prepare described the model: its comm changes can be applied
+        described = next((p["model"] for p in (attempt.rank_plans or {}).values()
+                          if isinstance(p, dict) and isinstance(p.get("model"), dict)), None)
     new = _round(profiling.profile(recent, job.spec, before, first_step=attempt.resumed_from_step or 0,
-                                   results=results))
+                                   results=results, model=described))
     if {k: v for k, v in before.items() if k not in ("updated_at", "at_step")} == new:
         return False
     new |= {"updated_at": timezone.now().isoformat(), "at_step": attempt.last_step}

@@ -103,7 +103,7 @@ BAD = [
     ("LD_PRELOAD", lambda b: entry_spec(b, env={"LD_PRELOAD": "/x.so"}), "env", "cannot be set"),
     ("a relative python", lambda b: entry_spec(b, python="venv/bin/python"), "python", "absolute path"),
     ("tensor parallel for user code", lambda b: entry_spec(b, parallel={"tp": 2, "dp": 1}), "parallel",
-     "plain data parallelism"),
+     "runs as data parallelism over its processes"),
     ("an oversized config", lambda b: entry_spec(b, config={"x": "y" * 70000}), "config", "the limit is 65536"),
     ("code without an entrypoint", lambda b: {"name": "x", "code": {"bundle": b}}, "code", "add entrypoint"),
 ]

@@ -247,3 +247,20 @@ def test_achieved_tflops_counts_the_rank_share_over_its_compute_time():
     p = prof.profile(_samples(comm=0.05, exposed=0.05), user)
     assert p["class"] == "communication" and p["recommendation"]["change"] is None
     assert "DDP comm hook" in p["recommendation"]["text"]
+
+
+def test_a_user_model_trained_through_run_prepare_gets_a_comm_change_it_can_apply():
+    user = parse_job_spec({"name": "u", "entrypoint": {"script": "/opt/train.py"}, "train": {"global_batch": 8},
+                           "resources": {"nodes": 2, "procs_per_node": 1}}).to_json()
+    rows = _samples(data=0.001, compute=0.025, comm=0.04, exposed=0.03, optim=0.004)
+    described = {"kind": "user", "layers": 2, "hidden": 256, "heads": 4, "seq_len": 64, "vocab": 256,
+                 "params": 2_000_000}
+    rec = prof.profile(rows, user, model=described)["recommendation"]
+    assert rec["kind"] == "compression" and rec["change"] == {"comm.compression": "powersgd"}
+    # priced as the built-in transformer of that shape
+    assert rec["predicted_step_s"] == pytest.approx(prof.profile(rows, _spec())["recommendation"]["predicted_step_s"])
+    assert prof.spec_with_change(user, rec["change"]).comm.compression == "powersgd"  # valid as a submit
+    without = prof.profile(rows, user)["recommendation"]  # no run.prepare: nothing the spec can change
+    assert without["change"] is None and "run.prepare" in without["text"]
+    bare = prof.profile(rows, user, model={k: v for k, v in described.items() if k not in ("vocab", "seq_len")})
+    assert bare["recommendation"]["change"]  # no vocabulary or sequence length seen: still priced
