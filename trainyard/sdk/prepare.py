@@ -245,8 +245,10 @@ class Prepared:
         self._ref = self.clock.mark()
         if self.description is not None and "seq_len" not in self.description:
             first = args[0] if args else None
-            if isinstance(first, torch.Tensor) and first.dim() >= 2 and 0 < first.shape[1] <= 10_000_000:
-                self.description["seq_len"] = int(first.shape[1])  # (batch, sequence, ...) inputs
+            tokens = isinstance(first, torch.Tensor) and (  # (batch, sequence) ids or (batch, sequence, hidden)
+                (first.dim() == 2 and not first.is_floating_point()) or (first.dim() == 3 and first.is_floating_point()))
+            if tokens and 0 < first.shape[1] <= 10_000_000:
+                self.description["seq_len"] = int(first.shape[1])  # not for images: no sequence there
         self._backward_end = self._optim_start = self._optim_end = None
         self.sync.begin_step(self.run.next_step())  # compression's step, local SGD's counters
 
