@@ -73,11 +73,10 @@ def reference(tmp_path_factory, redis_url) -> list[float]:
 @pytest.mark.parametrize("case", [
     {},
     {"train": {"grad_accum": 2}},
-    {"parallel": {"shard_optimizer": True}},
-    {"parallel": {"recompute": "full"}},
+    {"parallel": {"shard_optimizer": True, "recompute": "full"}},
     {"parallel": {"fsdp": True}},
     {"parallel": {"fsdp": True, "recompute": "full"}, "train": {"grad_accum": 2}},
-], ids=["dp", "grad_accum", "zero1", "recompute", "fsdp", "fsdp_recompute_accum"])
+], ids=["dp", "grad_accum", "zero1_recompute", "fsdp", "fsdp_recompute_accum"])
 def test_each_plan_trains_a_user_model_as_single_process_training_does(case, reference, redis_url, tmp_path):
     proc, cfg = _run(tmp_path, redis_url, nproc=2, job_id=50 + len(case) + 10 * len(str(case)), **case)
     assert proc.returncode == 0, proc.stdout + proc.stderr
