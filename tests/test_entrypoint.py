@@ -154,13 +154,14 @@ def test_a_python_without_torch_fails_before_torchrun_with_its_error(tmp_path):
     assert failure_class(str(exc.value))[:2] == ("user_error", False)
 
 
-@pytest.mark.parametrize("name", ["sdk_ddp", "plain"])
+@pytest.mark.parametrize("name", ["sdk_ddp", "plain", "own_model", "own_model/job-tp.yaml"])
 def test_the_examples_job_files_are_valid_entrypoint_specs(name):
     import yaml
 
     from trainyard.spec import parse_job_spec
 
-    data = yaml.safe_load((EXAMPLES / name / "job.yaml").read_text())
+    name, _, job = name.partition("/")
+    data = yaml.safe_load((EXAMPLES / name / (job or "job.yaml")).read_text())
     data["code"] = {"bundle": "sha256:" + "0" * 64}  # what `trainyard submit --code` adds
     spec = parse_job_spec(data)
     assert spec.user_code and spec.model is None and (EXAMPLES / name / spec.entrypoint.script).is_file()

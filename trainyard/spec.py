@@ -43,9 +43,10 @@ def _builtin(s: JobSpec) -> bool:
 
 _BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job (your own code)"
 # What run.prepare (trainyard/sdk/prepare.py) applies to an entrypoint job's own model today.
-_PREPARE_DP = ("run.prepare applies data parallelism to your model (DDP with comm.compression, comm.sync, "
-               "parallel.recompute and parallel.shard_optimizer, or parallel.fsdp; train.grad_accum through "
-               "run.micro_batches); tp, pp and parallel auto for your own model are not supported yet")
+_PREPARE_DP = ("run.prepare applies DDP with comm.compression, comm.sync, parallel.recompute and "
+               "parallel.shard_optimizer, parallel.fsdp, or parallel.tp (tp or dp x tp) to your model; "
+               "train.grad_accum through run.micro_batches; pp and parallel auto for your own model are not "
+               "supported yet")
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
@@ -94,9 +95,12 @@ RULES: tuple[Rule, ...] = (
     *(Rule("submit", f, lambda s, f=f: not s.user_code and getattr(s, f) not in (None, {}),
            lambda s, f=f: f"{f} applies to an entrypoint job (your own code); the built-in trainer "
                           f"does not use it") for f in ("config", "env", "python")),
-    Rule("submit", "parallel", lambda s: s.user_code and (s.plan.tp > 1 or s.plan.pp > 1),
-         lambda s: f"an entrypoint job runs as data parallelism over its processes (tp 1, pp 1): {_PREPARE_DP}; "
-                   f"a script that builds its own tp/pp mesh does so inside that world"),
+    Rule("submit", "parallel", lambda s: s.user_code and s.plan.pp > 1,
+         lambda s: f"an entrypoint job has no pipeline stages (pp 1): {_PREPARE_DP}; "
+                   f"a script that builds its own pipeline does so inside its world"),
+    Rule("submit", "parallel.shard_optimizer", lambda s: s.user_code and s.plan.tp > 1 and s.plan.shard_optimizer,
+         lambda s: "run.prepare's ZeRO-1 shards whole parameters over dp, not tensor-parallel shards: "
+                   "use shard_optimizer false with tp, or fsdp with tp 1"),
     Rule("submit", "train.balance", lambda s: s.user_code and s.train.balance != "none",
          lambda s: f"batch balancing {_BUILTIN_ONLY}: use none"),
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,

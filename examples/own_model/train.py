@@ -1,7 +1,9 @@
-"""Your own model on Trainyard's data plane: a minGPT-style GPT (its own attention, MLP and block
-list; nothing of Trainyard's model code) trained with `run.prepare`, `run.loader` and
-`run.micro_batches`. The JobSpec (job.yaml) says what plan to run: change comm.compression,
-comm.sync, train.grad_accum, parallel.shard_optimizer or parallel.recompute there, not here.
+"""Your own model on Trainyard's data plane: a minGPT-style GPT, or with config.arch "llama" a
+Llama-style one (q_proj ... down_proj, RMSNorm, SwiGLU, grouped-query attention), each with its
+own attention, MLP and block list and nothing of Trainyard's model code, trained with
+`run.prepare`, `run.loader` and `run.micro_batches`. The JobSpec says what plan to run (job.yaml:
+top-k compression and grad_accum; job-tp.yaml: tensor parallelism of the Llama-style model):
+change comm, train.grad_accum or parallel there, not here.
 
     trainyard submit examples/own_model/job.yaml --code examples/own_model --watch
     torchrun --nproc-per-node 2 train.py      # or standalone: plain DDP, no telemetry
@@ -68,6 +70,80 @@ class MinGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.q_proj = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape  # heads shaped by head_dim (-1): the layout tensor parallelism splits
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim), RMSNorm(dim)
+        self.self_attn, self.mlp = LlamaAttention(dim, n_heads, n_kv_heads), LlamaMLP(dim, 4 * dim)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab: int = 64, n_layer: int = 2, n_heads: int = 4, n_kv_heads: int = 2, dim: int = 32):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([LlamaBlock(dim, n_heads, n_kv_heads) for _ in range(n_layer)])
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build(config: dict) -> nn.Module:
+    """The model config.arch names: "mingpt" (the default) or "llama"."""
+    arch = config.get("arch", "mingpt")
+    if arch not in ("mingpt", "llama"):
+        raise ValueError(f"config.arch is {arch!r}: use mingpt or llama")
+    return Llama() if arch == "llama" else MinGPT()
+
+
 class Windows(torch.utils.data.Dataset):
     """Fixed random token windows (input, next tokens)."""
 
@@ -91,8 +167,9 @@ def main():
     run = trainyard.init()
     torch.manual_seed(0)
     with run.init_device():
-        model = MinGPT()
-    # the JobSpec's plan, applied: DDP with its comm hook (compression, local SGD), ZeRO-1, recompute
+        model = build(run.config)
+    # the JobSpec's plan, applied: DDP with its comm hook (compression, local SGD), ZeRO-1, recompute,
+    # FSDP, or tensor parallelism (by the module names: q_proj ... down_proj)
     model, opt = run.prepare(model, lambda params: torch.optim.AdamW(params, lr=run.config.get("lr", 1e-3)))
     loader = run.loader(Windows(), batch_size=None if run.spec else 8)  # None: train.global_batch / world
     start = run.restore({"model": model, "optim": opt, "data": loader})  # the loader resumes mid-epoch

@@ -166,6 +166,30 @@ def test_an_outside_model_under_fsdp_killed_mid_run_resumes_with_every_step_once
     assert [r["strategy"] for r in second["ranks"]] == ["fsdp", "fsdp"] and "shard 0 of 2" in second["ranks"][0]["role"]
 
 
+def test_an_outside_llama_under_tp_killed_mid_run_resumes_with_every_step_once(cluster, bundles):
+    """The example's Llama-style model (config.arch llama) under tp 2 on one node: run.prepare splits
+    q/k/v/o and gate/up/down by their names; a SIGKILLed rank resumes from the tp checkpoint."""
+    steps = 120
+    job = cluster.submit({"name": "own-tp", "code": {"bundle": bundles["own_model"]},
+                          "entrypoint": {"script": "train.py"}, "config": {"arch": "llama", "step_sleep_s": 0.05},
+                          "train": {"steps": steps, "global_batch": 16}, "parallel": {"dp": 1, "tp": 2},
+                          "resources": {"nodes": 1, "procs_per_node": 2}, "checkpoint": {"every_steps": 20}})
+    ckpt = cluster.wait_for(lambda: next((c for c in checkpoints(cluster, job["id"]) if c["step"] >= 20), None),
+                            180, "the first checkpoint", job_id=job["id"])
+    running = cluster.job(job["id"])
+    assert running["status"] == "RUNNING" and running["step"] < steps, running
+    victim = next(r for r in running["attempts"][0]["ranks"] if r["rank"] == 1)
+    psutil.Process(victim["pid"]).send_signal(signal.SIGKILL)
+    done = cluster.wait_status(job["id"], TERMINAL, 300)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    first, second = done["attempts"][:2]
+    assert first["outcome"] == "failed:signal" and second["resumed_from_step"] >= ckpt["step"], done
+    rows = assert_each_step_once(cluster, job["id"], steps, 2)
+    assert {r["attempt"] for r in rows if r["step"] > second["resumed_from_step"]} == {second["id"]}
+    assert [r["strategy"] for r in second["ranks"]] == ["tp", "tp"]
+    assert "tp rank 1 of 2" in second["ranks"][1]["role"] and "heads 2-3 of 4" in second["ranks"][1]["role"]
+
+
 def test_sdk_script_killed_mid_run_resumes_from_its_checkpoint_with_every_step_once(cluster, bundles):
     steps = 160
     job = cluster.submit(sdk_spec("sdk-kill", bundles["sdk_ddp"], steps, 20))

@@ -131,8 +131,10 @@ def test_user_code_fields_are_bounded_naming_the_field(spec, field, message):
 
 
 @pytest.mark.parametrize("spec, field, message", [
-    ({**MODULE, "parallel": {"tp": 2, "dp": 1}}, "parallel", "runs as data parallelism over its processes"),
-    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "tp, pp and parallel auto for your own model"),
+    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "has no pipeline stages (pp 1)"),
+    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "pp and parallel auto for your own model"),
+    ({**MODULE, "resources": {"nodes": 1, "procs_per_node": 4}, "parallel": {"tp": 2, "shard_optimizer": True}},
+     "parallel.shard_optimizer", "not tensor-parallel shards"),
     ({**MODULE, "parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression",
      "needs plain data parallelism"),
     ({**MODULE, "train": {"balance": "auto"}}, "train.balance", "feature of the built-in trainer"),
@@ -152,11 +154,12 @@ def test_user_code_restrictions_are_submit_rules_naming_the_field(spec, field, m
     {"comm": {"compression": "topk", "ratio": "auto"}}, {"comm": {"sync": "local_sgd", "period": 4}},
     {"train": {"grad_accum": 2, "global_batch": 8}}, {"parallel": {"shard_optimizer": True}},
     {"parallel": {"recompute": "full"}}, {"parallel": {"fsdp": True, "recompute": "full"}},
+    {"parallel": {"tp": 2}}, {"parallel": {"tp": 2, "dp": 1, "recompute": "full"}, "train": {"grad_accum": 2}},
 ])
 def test_run_prepare_makes_the_data_plane_available_to_user_code(extra):
-    """comm, grad_accum, recompute, ZeRO-1 and FSDP are applied by run.prepare (trainyard/sdk/prepare.py)."""
+    """comm, grad_accum, recompute, ZeRO-1, FSDP and tp are applied by run.prepare (trainyard/sdk/prepare.py)."""
     spec = parse_job_spec({"name": "x", **MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, **extra})
-    assert spec.user_code and spec.plan.tp == spec.plan.pp == 1
+    assert spec.user_code and spec.plan.pp == 1
 
 
 def test_user_code_grad_accum_must_divide_the_global_batch():
@@ -166,7 +169,7 @@ def test_user_code_grad_accum_must_divide_the_global_batch():
 
 
 def test_built_in_rules_do_not_repeat_the_user_code_message():
-    errors = errors_of({**MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, "parallel": {"tp": 2, "dp": 1},
+    errors = errors_of({**MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, "parallel": {"pp": 2, "dp": 1},
                         "comm": {"compression": "fp16"}, "train": {"balance": "auto"}})
     assert set(errors) == {"parallel", "comm.compression", "train.balance"}
     assert all(len(v) == 1 for v in errors.values()), errors  # no built-in "needs plain ddp" echo

@@ -19,6 +19,9 @@ What `prepare` does, from the JobSpec of the launch config (standalone: none of 
   and then the root over a 1-D mesh of the ranks: each rank holds 1/world of every parameter,
   gradient and optimizer state (its collectives are not metered: compute_s holds them). Parameter
   names stay the plain model's, so a DDP checkpoint resumes under FSDP and back (DCP reshards).
+- parallel.tp > 1 (tp, or dp x tp): tensorpar.py's Megatron-style plan by module-name patterns
+  (or the script's `tp_plan`), applied in place with DTensor; embeddings, norms and the head stay
+  replicated; under dp x tp the gradients are averaged over dp before the optimizer's step.
 - the optimizer from the user's factory; with parallel.shard_optimizer, ZeRO-1 of the same class
   and defaults over the data-parallel ranks (one parameter group); with comm.sync local_sgd or
   hierarchical, torch's PostLocalSGDOptimizer around it.
@@ -30,7 +33,7 @@ metric the script passes to `run.log` itself wins. After the first step each ran
 `rank_plan` event (strategy, mesh, role, bytes of parameters and optimizer state held).
 
 A job whose JobSpec asks for what only `prepare` applies (compression, model averaging,
-grad_accum > 1, recompute, shard_optimizer, fsdp) and whose script calls `run.log` without having
+grad_accum > 1, recompute, shard_optimizer, fsdp, tp) and whose script calls `run.log` without having
 called `prepare` fails at that first `run.log` with a ConfigError (a user error: no restart).
 """
 from __future__ import annotations
@@ -76,6 +79,8 @@ def needs_prepare(spec: JobSpec | None) -> list[str]:
         out.append("parallel.shard_optimizer")
     if p.fsdp:
         out.append("parallel.fsdp")
+    if p.tp > 1:
+        out.append(f"parallel.tp {p.tp}")
     return out
 
 
@@ -176,13 +181,14 @@ class Prepared:
     step's measurements."""
 
     def __init__(self, run: Any, model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer],
-                 *, blocks: str | None = None):
+                 *, blocks: str | None = None, tp_plan: dict | None = None):
         spec: JobSpec | None = run.spec
         self.run, self.accum = run, spec.train.grad_accum if spec else 1
         world = dist.get_world_size()
         p = spec.plan if spec else None
         self.fsdp = bool(p and p.fsdp)
-        self.mesh = Mesh.for_world(world, fsdp=self.fsdp)
+        self.mesh = Mesh.for_world(world, fsdp=self.fsdp, tp=p.tp if p else 1)
+        self.tensor: Any = None  # tensorpar.TensorParallel under tp
         self.blocks_name, blocks_found = find_blocks(model, blocks)
         self.recompute = bool(p and p.recompute == "full")
         for wanted, setting in ((self.recompute, "parallel.recompute full checkpoints"),
@@ -208,19 +214,7 @@ class Prepared:
                                periods=(c.periods.node, c.periods.global_) if c else (1, 2),
                                procs_per_node=spec.resources.procs_per_node if spec else 1,
                                event=run.event, say=_say if run.rank == 0 else (lambda line: None))
-        if self.fsdp:  # FSDP2: each block a unit, then the root (what is left: embeddings, head)
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            device_mesh = init_device_mesh(run.device.type, (world,), mesh_dim_names=("dp",))
-            for b in blocks_found:
-                fully_shard(b, mesh=device_mesh)
-            self.module = fully_shard(self.inner, mesh=device_mesh)
-        else:
-            self.module = DDP(self.inner, device_ids=[run.device.index] if run.device.type == "cuda" else None,
-                              gradient_as_bucket_view=True)
-            if self.sync.hook is not None:
-                self.module.register_comm_hook(self.sync.hook_state, self.sync.hook)
+        self.module = self._wrap(run, world, blocks_found, tp_plan)
         params = list(self.module.parameters())
         opt = make_optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -236,6 +230,32 @@ class Prepared:
         self._open = False
         self._ref = self._backward_end = self._optim_start = self._optim_end = None
         self._reported = False
+
+    def _wrap(self, run: Any, world: int, blocks: list[nn.Module], tp_plan: dict | None) -> nn.Module:
+        """The module the script trains: FSDP2 (each block a unit, then the root: what is left,
+        embeddings and head), the tp plan applied in place, or DDP with the comm hook."""
+        if self.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            device_mesh = init_device_mesh(run.device.type, (world,), mesh_dim_names=("dp",))
+            for b in blocks:
+                fully_shard(b, mesh=device_mesh)
+            return fully_shard(self.inner, mesh=device_mesh)
+        if self.mesh.tp > 1:
+            from .tensorpar import TensorParallel
+
+            names = {id(m): n for n, m in self.inner.named_modules()}
+            self.tensor = TensorParallel(self.inner, self.mesh, run.device, blocks=[names[id(b)] for b in blocks],
+                                         user_plan=tp_plan)
+            return self.tensor.module
+        if tp_plan is not None:
+            raise ConfigError("run.prepare: tp_plan applies under parallel.tp > 1; this job has tp 1")
+        module = DDP(self.inner, device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                     gradient_as_bucket_view=True)
+        if self.sync.hook is not None:
+            module.register_comm_hook(self.sync.hook_state, self.sync.hook)
+        return module
 
     # ---- the step's boundaries ------------------------------------------------------------
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
@@ -256,6 +276,8 @@ class Prepared:
         step = opt.step
 
         def measured_step(*args: Any, **kwargs: Any) -> Any:
+            if self.tensor is not None:  # dp x tp: the gradients averaged over dp first
+                self.tensor.average_over_dp(self.counter)
             self._backward_end = self.clock.mark()
             self.run.wait_for_staging()  # an async save's copy first (checkpoint blocking, not optim_s)
             self._optim_start = self.clock.mark()
@@ -275,6 +297,7 @@ class Prepared:
             last = i == len(parts) - 1
             if self.fsdp:  # FSDP's no_sync: unsharded gradients accumulate until the last
                 self.module.set_requires_gradient_sync(last)
+            if self.fsdp or self.tensor is not None:  # tp averages over dp at the optimizer's step
                 yield part
                 continue
             with contextlib.nullcontext() if last else self.module.no_sync():
@@ -297,6 +320,7 @@ class Prepared:
         out: dict[str, Any] = {"bytes_sent": comm.bytes_sent, "comm_s": comm_s + avg_s, "compute_s": compute_s}
         if self.fsdp:  # FSDP's all-gathers and reduce-scatters are not metered: compute_s holds them
             out = {"compute_s": clock.seconds(self._ref, backward_end)}
+        # under tp the dp average is metered (bytes_sent, comm_s); tp's own collectives are in compute_s
         if self._optim_start is not None and self._optim_end is not None:
             out["optim_s"] = max(0.0, clock.seconds(self._optim_start, self._optim_end) - avg_s)
         out.update(sync_fields)
@@ -309,10 +333,14 @@ class Prepared:
         from .optim import optim_bytes, param_bytes
 
         rank, dp = self.run.rank, self.mesh.dp
-        strategy = "fsdp" if self.fsdp else "ddp"
-        role = (f"shard {self.mesh.coords(rank)['dp']} of {dp}: 1/{dp} of every parameter, gradient and optimizer "
-                f"state (FSDP2 per block of {self.blocks_name}, then the root)" if self.fsdp
-                else f"replica {self.mesh.coords(rank)['dp']} of {dp}: the whole model")
+        strategy = "fsdp" if self.fsdp else "ddp" if self.tensor is None else "tp" if dp == 1 else "dp x tp"
+        if self.fsdp:
+            role = (f"shard {self.mesh.coords(rank)['dp']} of {dp}: 1/{dp} of every parameter, gradient and "
+                    f"optimizer state (FSDP2 per block of {self.blocks_name}, then the root)")
+        elif self.tensor is not None:
+            role = self.tensor.role(rank, (self.description or {}).get("heads"))
+        else:
+            role = f"replica {self.mesh.coords(rank)['dp']} of {dp}: the whole model"
         if self.shard:
             role += f"; optimizer state: its 1/{dp} share (ZeRO-1)"
         if self.recompute:

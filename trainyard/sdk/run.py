@@ -203,16 +203,19 @@ class Run:
         every rank holds the whole model, so nothing is built on the meta device)."""
         return self.device
 
-    def prepare(self, model: torch.nn.Module, make_optimizer: Any, *, blocks: str | None = None) -> tuple:
+    def prepare(self, model: torch.nn.Module, make_optimizer: Any, *, blocks: str | None = None,
+                tp_plan: dict | None = None) -> tuple:
         """The job's plan applied to `model` (trainyard/sdk/prepare.py): returns (module, optimizer)
         to train and checkpoint. `make_optimizer(params)` builds the optimizer over the parameters
         it is given; `blocks`: the name of the ModuleList of the model's blocks (found by itself
-        otherwise). Call it once, on every rank, after init and before restore."""
+        otherwise); `tp_plan`: {module-name pattern: "colwise" | "rowwise"} under parallel.tp, in
+        place of the default plan (tensorpar.py). Call it once, on every rank, after init and
+        before restore."""
         from .prepare import Prepared
 
         if self._prepared is not None:
             raise RuntimeError("run.prepare was called already: a run prepares one model")
-        self._prepared = Prepared(self, model, make_optimizer, blocks=blocks)
+        self._prepared = Prepared(self, model, make_optimizer, blocks=blocks, tp_plan=tp_plan)
         return self._prepared.module, self._prepared.opt
 
     def micro_batches(self, source: Any) -> Any:
@@ -229,19 +232,23 @@ class Run:
 
     def loader(self, dataset: Any, batch_size: int | None = None, *, shuffle: bool = True,
                collate: Any = None, prefetch: int = 2) -> Any:
-        """This rank's share of each global batch of `dataset` (trainyard/sdk/loader.py): by default
-        train.global_batch / world samples a step; `batch_size` sets this rank's share instead.
+        """This data-parallel rank's share of each global batch of `dataset` (loader.py): by default
+        train.global_batch / dp samples a step (one tp group's ranks take the same), or `batch_size`.
         Checkpoint it with the model (`run.restore({"data": loader, ...})`) to resume mid-epoch."""
+        from trainyard.mesh import Mesh
+
         from .loader import Loader
 
+        mesh = Mesh.for_world(self.world_size, tp=self.spec.plan.tp if self.spec else 1)
         if batch_size is None:
             if self.spec is None:
                 raise ValueError("run.loader: without a launch config (standalone) pass batch_size")
-            if self.spec.train.global_batch % self.world_size:
+            if self.spec.train.global_batch % mesh.dp:
                 raise ConfigError(f"run.loader: train.global_batch {self.spec.train.global_batch} does not split "
-                                  f"over {self.world_size} ranks: make it a multiple, or pass batch_size")
-            batch_size = self.spec.train.global_batch // self.world_size
-        loader = Loader(dataset, batch_size=batch_size, dp_rank=self.rank, dp=self.world_size, seed=self._seed,
+                                  f"over {mesh.dp} data-parallel ranks: make it a multiple, or pass batch_size")
+            batch_size = self.spec.train.global_batch // mesh.dp
+        loader = Loader(dataset, batch_size=batch_size, dp_rank=mesh.coords(self.rank)["dp"], dp=mesh.dp,
+                        seed=self._seed,
                         device=self.device, shuffle=shuffle, collate=collate, prefetch=prefetch)
         self._loaders.append(loader)
         return loader

@@ -1,5 +1,6 @@
 """A training script as a team outside Trainyard writes it: examples/own_model's minGPT-style model
-(its own attention, MLP and block list, nothing of workers/runtime) and dataset, and the SDK's
+or its Llama-style one (config.arch llama: q_proj ... down_proj), each with its own attention, MLP
+and block list and nothing of workers/runtime, and dataset, and the SDK's
 prepare / loader / micro_batches lines. config.mode "noprepare" skips prepare (the fail-fast
 test); config.resume_check prints the loader's position after restore."""
 import sys
@@ -10,14 +11,14 @@ import torch
 import trainyard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples" / "own_model"))
-from train import MinGPT, Windows, say  # noqa: E402  (the example's model and data)
+from train import Windows, build, say  # noqa: E402  (the example's model and data)
 
 
 def main():
     run = trainyard.init()
     torch.manual_seed(0)
     with run.init_device():
-        model = MinGPT()
+        model = build(run.config)
     if run.config.get("mode") == "noprepare":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
