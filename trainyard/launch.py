@@ -141,6 +141,9 @@ class Launch(_Message):
     proof_key: str = Field(pattern=r"^[0-9a-f]{64}$")
     rdzv_token: str = Field(pattern=r"^[0-9a-f]{32}$")
     spec: dict[str, Any] = Field(description="the job's validated JobSpec as stored")
+    planner: dict[str, Any] | None = Field(
+        None, description="a user-code job with parallel auto: the device facts and calibrated constants "
+                          "run.prepare plans its model with (jobs/planning/autoplan.py user_model_inputs)")
     resume: Resume | None = None
     collective_timeout_s: float | None = Field(
         None, gt=0, description="timeout of every process group the ranks create: under the hang "

@@ -45,8 +45,8 @@ _BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job 
 # What run.prepare (trainyard/sdk/prepare.py) applies to an entrypoint job's own model today.
 _PREPARE_DP = ("run.prepare applies DDP with comm.compression, comm.sync, parallel.recompute and "
                "parallel.shard_optimizer, parallel.fsdp, or parallel.tp (tp or dp x tp) to your model; "
-               "train.grad_accum through run.micro_batches; pp and parallel auto for your own model are not "
-               "supported yet")
+               "train.grad_accum through run.micro_batches, and plans it under parallel auto; pp for your own "
+               "model is not supported yet")
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the

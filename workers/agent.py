@@ -203,7 +203,7 @@ class Agent:
             "data_root": str(keys.data_root()),
             # The same function and environment variable the control plane's checkpoint_register checks against.
             "checkpoint_dir": str(checkpoint_dir),
-            "spec": msg.spec,
+            "spec": msg.spec, "planner": msg.planner,
             "resume": msg.resume.model_dump(mode="json") if msg.resume else None,
             "collective_timeout_s": msg.collective_timeout_s,
         }

@@ -147,7 +147,9 @@ def build(config: dict) -> nn.Module:
 class Windows(torch.utils.data.Dataset):
     """Fixed random token windows (input, next tokens)."""
 
-    def __init__(self, n: int = 96, block_size: int = 16, vocab: int = 64):
+    BLOCK = 16
+
+    def __init__(self, n: int = 96, block_size: int = BLOCK, vocab: int = 64):
         g = torch.Generator().manual_seed(1234)
         self.data = torch.randint(0, vocab, (n, block_size + 1), generator=g)
 
@@ -170,7 +172,9 @@ def main():
         model = build(run.config)
     # the JobSpec's plan, applied: DDP with its comm hook (compression, local SGD), ZeRO-1, recompute,
     # FSDP, or tensor parallelism (by the module names: q_proj ... down_proj)
-    model, opt = run.prepare(model, lambda params: torch.optim.AdamW(params, lr=run.config.get("lr", 1e-3)))
+    # seq_len: the tokens per sample, which parallel auto plans the model with
+    model, opt = run.prepare(model, lambda params: torch.optim.AdamW(params, lr=run.config.get("lr", 1e-3)),
+                             seq_len=Windows.BLOCK)
     loader = run.loader(Windows(), batch_size=None if run.spec else 8)  # None: train.global_batch / world
     start = run.restore({"model": model, "optim": opt, "data": loader})  # the loader resumes mid-epoch
     for step in range(start + 1, (run.steps or 50) + 1):

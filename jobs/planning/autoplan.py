@@ -27,9 +27,9 @@ from jobs.models import Node
 from jobs.planning.policy import knowledge
 from jobs.planning.constants import constants_for, peak_for
 from trainyard.plan.inputs import PlanInputError
+from trainyard.plan.choice import nothing_fits, runners_up
 from trainyard.plan.job import KIND_DEFAULTS, plan_for_job, spec_parallel
 
-RUNNERS_UP = 3
 # The knowledge base's correction of the model: the median of measured / predicted over the nearest
 # records that had a prediction, bounded (a handful of odd runs must not turn the model upside down).
 KNOWLEDGE_RECORDS = 5
@@ -53,32 +53,14 @@ def device_facts(kind: str) -> dict:
     return facts
 
 
-def label(p: dict) -> str:
-    """A plan in a few words: "dp 2 · tp 1 · pp 1 · micro-batch 8 · fsdp"."""
-    bits = [f"dp {p['dp']}", f"tp {p['tp']}", f"pp {p['pp']}", f"micro-batch {p['micro_batch']}"]
-    bits += ["fsdp"] if p.get("fsdp") else []
-    bits += ["ZeRO-1"] if p.get("shard_optimizer") else []
-    bits += [f"recompute {p['recompute']}"] if p.get("recompute", "none") != "none" else []
-    bits += [p["schedule"]] if p["pp"] > 1 else []
-    return " · ".join(bits)
-
-
-def _runners_up(plans: list[dict], rejected: list[dict], memory_gb: float) -> list[dict]:
-    best = plans[0]
-    out = [{"label": label(p), "step_time_s": p["step_time_s"],
-            "why": f"slower by {(p['step_time_s'] / best['step_time_s'] - 1) * 100:.1f}% "
-                   f"({p['step_time_s']:.4g} s vs {best['step_time_s']:.4g} s a step)"}
-           for p in plans[1:1 + RUNNERS_UP]]
-    if rejected:
-        miss = min(rejected, key=lambda r: r["memory_gb_per_device"])
-        out.append({"label": label(miss), "step_time_s": None, "why": _shortfall(miss, memory_gb)})
-    return out
-
-
-def _shortfall(miss: dict, memory_gb: float) -> str:
-    need = miss["memory_gb_per_device"]
-    return (f"does not fit: needs {need:.3g} GB per device, {need - memory_gb:.3g} GB more than the "
-            f"{memory_gb:.3g} GB a device has")
+def user_model_inputs(spec: JobSpec) -> dict:
+    """What run.prepare plans a user's own model with under `parallel: auto` (trainyard/sdk/
+    autoplan.py), carried to the ranks in each Launch: this cluster's device facts for the job's
+    device and the newest calibration's constants (the defaults when there is none)."""
+    facts = device_facts(spec.resources.device)
+    constants = constants_for(facts["name"])
+    return {"device": {**KIND_DEFAULTS.get(spec.resources.device, KIND_DEFAULTS["cuda"]), **facts},
+            "constants": constants.to_dict()}
 
 
 def plan_spec(spec: JobSpec) -> dict:
@@ -96,12 +78,9 @@ def plan_spec(spec: JobSpec) -> dict:
            "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None,
            "knowledge": learned}
     if plans:
-        out["runners_up"] = _runners_up(plans, rejected, memory_gb)
-    elif rejected:
-        miss = min(rejected, key=lambda r: r["memory_gb_per_device"])
-        out["shortfall"] = f"fits nowhere on this cluster: the closest plan ({label(miss)}) {_shortfall(miss, memory_gb)}"
+        out["runners_up"] = runners_up(plans, rejected, memory_gb)
     else:
-        out["shortfall"] = "no plan of the runtime's strategies splits this model over these processes"
+        out["shortfall"] = nothing_fits(rejected, memory_gb)
     if spec.parallel != "auto":
         out["spec_plan"] = _spec_plan(stored, {**stored["parallel"], "dp": spec.dp}, plans)
     return out

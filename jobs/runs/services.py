@@ -75,8 +75,11 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
         stored["parallel"]["dp"] = runs.dp
     plan = planner.describe(stored)
     plan["source"] = ("spec" if parsed.parallel != "auto" else
+                      "auto: planned by run.prepare on the ranks from the model's shape" if parsed.user_code else
                       "auto: data parallel over all processes (an MLP is not searched)" if auto is None else
                       f"auto: the planner's best of {auto['candidates']} plans ({auto['constants_source']})")
+    if parsed.parallel == "auto" and parsed.user_code:
+        plan["auto_inputs"] = autoplan.user_model_inputs(parsed)  # carried in each Launch
     if auto is not None:
         plan["auto"] = auto
         # what the planner expects of the plan the job runs (searched once)

@@ -104,9 +104,48 @@ class ModelDescription(TypedDict):
     blocks: NotRequired[Annotated[str, Field(max_length=200)]]
 
 
+Text = Annotated[str, Field(max_length=2000)]
+Seconds = Optional[Annotated[float, Field(ge=0, le=1e9)]]
+
+
+class ChosenPlan(TypedDict):
+    """The plan run.prepare's parallel auto chose (trainyard/sdk/autoplan.py CHOSEN)."""
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
+    dp: Dim
+    tp: Dim
+    pp: Dim
+    micro_batch: Dim
+    fsdp: bool
+    shard_optimizer: bool
+    recompute: Literal["none", "full"]
+    step_time_s: Annotated[float, Field(ge=0, le=1e9)]
+    memory_gb_per_device: Annotated[float, Field(ge=0, le=1e9)]
+    tflops_per_device: Annotated[float, Field(ge=0, le=1e9)]
+    explain: NotRequired[Text]
+
+
+class RunnerUp(TypedDict):
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
+    label: Annotated[str, Field(max_length=200)]
+    step_time_s: Seconds
+    why: Text
+
+
+class AutoChoice(TypedDict):
+    """parallel auto for a user's model: what rank 0 planned; the job page shows it."""
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
+    chosen: ChosenPlan
+    runners_up: Annotated[list[RunnerUp], Field(max_length=10)]
+    candidates: Annotated[int, Field(ge=1, le=10**7)]
+    searched: Annotated[int, Field(ge=1, le=10**7)]
+    constants_source: Annotated[str, Field(max_length=500)]
+    flops_per_step: Annotated[float, Field(ge=0, le=1e30)]
+
+
 class RankPlanEvent(Event):
     rank: Rank  # type: ignore[misc]
     model: NotRequired[ModelDescription]
+    auto: NotRequired[AutoChoice]
 
 
 class DroppedEvent(Event):

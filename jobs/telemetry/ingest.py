@@ -208,6 +208,21 @@ def _rank_plan(attempt_id: int, e: dict) -> None:
     plans = dict(attempt.rank_plans or {})
     plans[str(rank)] = {k: e[k] for k in RANK_PLAN_KEYS if k in e}
     Attempt.objects.filter(pk=attempt_id).update(rank_plans=plans)
+    if rank == 0 and isinstance(e.get("auto"), dict):
+        _auto_choice(attempt.job_id, e["auto"])
+
+
+def _auto_choice(job_id: int, auto: dict) -> None:
+    """parallel auto of a user's model: the plan rank 0's run.prepare chose (entries.py bounds it)
+    becomes the job's plan.auto, which the job page shows as for a built-in job planned at submit.
+    Only for a job that asked for it (its plan holds the planner's inputs)."""
+    job = Job.objects.select_for_update().filter(pk=job_id).first()
+    if job is None or "auto_inputs" not in (job.plan or {}):
+        return
+    plan = {**job.plan, "auto": {**auto, "device": job.plan["auto_inputs"].get("device", {})},
+            "source": f"auto: run.prepare's best of {auto['candidates']} plans for the model's shape "
+                      f"({auto['constants_source']})"}
+    Job.objects.filter(pk=job_id).update(plan=plan)
 
 
 def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:

@@ -190,6 +190,27 @@ def test_an_outside_llama_under_tp_killed_mid_run_resumes_with_every_step_once(c
     assert "tp rank 1 of 2" in second["ranks"][1]["role"] and "heads 2-3 of 4" in second["ranks"][1]["role"]
 
 
+def test_parallel_auto_plans_an_outside_model_on_its_ranks_and_the_job_shows_the_choice(cluster, bundles):
+    """`parallel: auto` for user code: the Launch carries the cluster's device facts and constants,
+    every rank plans the described Llama-style model alike and applies the plan; rank 0's choice
+    becomes the job's plan.auto (the job page's "Chosen by the planner")."""
+    steps = 20
+    job = cluster.submit({"name": "own-auto", "code": {"bundle": bundles["own_model"]},
+                          "entrypoint": {"script": "train.py"}, "config": {"arch": "llama", "seq_len": 16},
+                          "train": {"steps": steps, "global_batch": 16}, "parallel": "auto",
+                          "resources": {"nodes": 1, "procs_per_node": 2}, "checkpoint": {"every_steps": 10}})
+    assert job["spec"]["parallel"] == "auto" and "run.prepare" in job["plan"]["source"], job["plan"]
+    done = cluster.wait_status(job["id"], TERMINAL, 300)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    auto = done["plan"]["auto"]
+    chosen = auto["chosen"]
+    assert chosen["dp"] * chosen["tp"] == 2 and auto["candidates"] >= 2 and auto["runners_up"], auto
+    assert done["plan"]["source"].startswith("auto: run.prepare's best of")
+    want = "tp" if chosen["tp"] == 2 else "fsdp" if chosen["fsdp"] else "ddp"
+    assert [r["strategy"] for r in done["attempts"][0]["ranks"]] == [want, want]
+    assert_each_step_once(cluster, job["id"], steps, 2)
+
+
 def test_sdk_script_killed_mid_run_resumes_from_its_checkpoint_with_every_step_once(cluster, bundles):
     steps = 160
     job = cluster.submit(sdk_spec("sdk-kill", bundles["sdk_ddp"], steps, 20))

@@ -132,7 +132,7 @@ def test_user_code_fields_are_bounded_naming_the_field(spec, field, message):
 
 @pytest.mark.parametrize("spec, field, message", [
     ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "has no pipeline stages (pp 1)"),
-    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "pp and parallel auto for your own model"),
+    ({**MODULE, "parallel": {"pp": 2, "dp": 1}}, "parallel", "pp for your own model is not supported yet"),
     ({**MODULE, "resources": {"nodes": 1, "procs_per_node": 4}, "parallel": {"tp": 2, "shard_optimizer": True}},
      "parallel.shard_optimizer", "not tensor-parallel shards"),
     ({**MODULE, "parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression",

@@ -58,6 +58,8 @@ class LaunchConfig(BaseModel):
     collective_timeout_s: float | None = Field(None, gt=0)
     # The attempt's key for its checkpoint manifests' proof (trainyard.attemptauth); None: none.
     proof_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # parallel auto for a user's own model: the device facts and constants run.prepare plans with.
+    planner: dict[str, Any] | None = None
 
     @field_validator("resume", mode="before")
     @classmethod

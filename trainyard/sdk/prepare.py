@@ -81,6 +81,8 @@ def needs_prepare(spec: JobSpec | None) -> list[str]:
         out.append("parallel.fsdp")
     if p.tp > 1:
         out.append(f"parallel.tp {p.tp}")
+    if spec.parallel == "auto":
+        out.append("parallel auto")
     return out
 
 
@@ -181,22 +183,26 @@ class Prepared:
     step's measurements."""
 
     def __init__(self, run: Any, model: nn.Module, make_optimizer: Callable[[list], torch.optim.Optimizer],
-                 *, blocks: str | None = None, tp_plan: dict | None = None):
+                 *, blocks: str | None = None, tp_plan: dict | None = None, seq_len: int | None = None):
+        self.run = run
+        self.blocks_name, blocks_found = find_blocks(model, blocks)
+        self.description = describe(model, self.blocks_name, blocks_found)  # before sharding
+        self.auto: dict | None = None  # parallel auto: the planner's choice (autoplan.py)
+        if run.spec is not None and run.spec.parallel == "auto":
+            self._plan_auto(model, blocks_found, tp_plan, seq_len)
         spec: JobSpec | None = run.spec
-        self.run, self.accum = run, spec.train.grad_accum if spec else 1
+        self.accum = spec.train.grad_accum if spec else 1
         world = dist.get_world_size()
         p = spec.plan if spec else None
         self.fsdp = bool(p and p.fsdp)
         self.mesh = Mesh.for_world(world, fsdp=self.fsdp, tp=p.tp if p else 1)
         self.tensor: Any = None  # tensorpar.TensorParallel under tp
-        self.blocks_name, blocks_found = find_blocks(model, blocks)
         self.recompute = bool(p and p.recompute == "full")
         for wanted, setting in ((self.recompute, "parallel.recompute full checkpoints"),
                                 (self.fsdp, "parallel.fsdp shards")):
             if wanted and not blocks_found:
                 raise ConfigError(f"run.prepare: {setting} the model's blocks, but it has no ModuleList/Sequential "
                                   f"of modules of one class: name them with prepare(..., blocks='layers')")
-        self.description = describe(model, self.blocks_name, blocks_found)  # before sharding
         if self.recompute:
             for b in blocks_found:
                 _recompute(b)
@@ -230,6 +236,45 @@ class Prepared:
         self._open = False
         self._ref = self._backward_end = self._optim_start = self._optim_end = None
         self._reported = False
+
+    def _plan_auto(self, model: nn.Module, blocks: list[nn.Module], tp_plan: dict | None, seq_len: Any) -> None:
+        """parallel auto: plan the described model (autoplan.py) and make the plan the run's spec."""
+        from trainyard.plan.choice import label
+
+        from .autoplan import plan_user_model
+        from .tensorpar import plan_styles
+
+        run = self.run
+        if self.description is None:
+            raise ConfigError("run.prepare: parallel auto plans your model from its blocks, but it has no "
+                              "ModuleList/Sequential of modules of one class: name them with blocks='layers', "
+                              "or give the job a parallel section")
+        seq_len = seq_len if seq_len is not None else run.config.get("seq_len")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= 10_000_000:
+            raise ConfigError(f"run.prepare: parallel auto plans your model from its shape, which needs the tokens "
+                              f"per sample: pass run.prepare(..., seq_len=N) (got {seq_len!r})")
+        if run._loaders:
+            raise ConfigError("run.prepare: under parallel auto call run.loader after run.prepare (the plan "
+                              "chosen decides each rank's share of the batch)")
+        self.description["seq_len"] = seq_len
+        names = {id(m): n for n, m in model.named_modules()}
+        block_names = [names[id(b)] for b in blocks]
+
+        def tp_ok(tp: int) -> bool:
+            try:
+                plan_styles(model, tp, block_names, tp_plan)
+            except ConfigError:
+                return False
+            return True
+
+        resolved, self.auto = plan_user_model(run.spec, self.description,
+                                              run.launch.planner if run.launch else None, tp_ok)
+        run.spec, run.grad_accum = resolved, resolved.train.grad_accum
+        chosen = self.auto["chosen"]
+        if run.rank == 0:
+            _say(f"parallel auto: {label(chosen)}, grad_accum {resolved.train.grad_accum}, predicted "
+                 f"{chosen['step_time_s']:.4g} s a step, best of {self.auto['candidates']} plans "
+                 f"({self.auto['constants_source']})")
 
     def _wrap(self, run: Any, world: int, blocks: list[nn.Module], tp_plan: dict | None) -> nn.Module:
         """The module the script trains: FSDP2 (each block a unit, then the root: what is left,
@@ -350,7 +395,8 @@ class Prepared:
                        coords=self.mesh.coords(rank), role=role, param_bytes=param_bytes(self.inner),
                        optim_bytes=opt_bytes, recompute="full" if self.recompute else "none",
                        shard_optimizer=self.shard,
-                       **({"model": self.description} if self.description and rank == 0 else {}))
+                       **({"model": self.description} if self.description and rank == 0 else {}),
+                       **({"auto": self.auto} if self.auto and rank == 0 else {}))
         _say(f"rank {rank} plan {strategy} mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
              f"grad_accum {self.accum} param_bytes {param_bytes(self.inner)} optim_bytes {opt_bytes}")
 

@@ -204,18 +204,18 @@ class Run:
         return self.device
 
     def prepare(self, model: torch.nn.Module, make_optimizer: Any, *, blocks: str | None = None,
-                tp_plan: dict | None = None) -> tuple:
+                tp_plan: dict | None = None, seq_len: int | None = None) -> tuple:
         """The job's plan applied to `model` (trainyard/sdk/prepare.py): returns (module, optimizer)
         to train and checkpoint. `make_optimizer(params)` builds the optimizer over the parameters
         it is given; `blocks`: the name of the ModuleList of the model's blocks (found by itself
         otherwise); `tp_plan`: {module-name pattern: "colwise" | "rowwise"} under parallel.tp, in
-        place of the default plan (tensorpar.py). Call it once, on every rank, after init and
-        before restore."""
+        place of the default plan (tensorpar.py); `seq_len`: tokens per sample, for parallel auto
+        (autoplan.py). Call it once, on every rank, after init and before loader and restore."""
         from .prepare import Prepared
 
         if self._prepared is not None:
             raise RuntimeError("run.prepare was called already: a run prepares one model")
-        self._prepared = Prepared(self, model, make_optimizer, blocks=blocks, tp_plan=tp_plan)
+        self._prepared = Prepared(self, model, make_optimizer, blocks=blocks, tp_plan=tp_plan, seq_len=seq_len)
         return self._prepared.module, self._prepared.opt
 
     def micro_batches(self, source: Any) -> Any:

@@ -54,3 +54,42 @@ def test_the_submit_form_offers_the_strategies_and_explains_an_impossible_one(us
     r = client.post("/jobs/new/", {"spec": '{"name": "y", "parallel": {"tp": 2, "dp": 1}, '
                                            '"resources": {"nodes": 1, "procs_per_node": 2}}'})
     assert r.status_code == 302 and Job.objects.get().plan["strategy"] == "tp 2"
+
+
+AUTO = {"chosen": {"dp": 1, "tp": 2, "pp": 1, "micro_batch": 8, "fsdp": False, "shard_optimizer": False,
+                   "recompute": "none", "step_time_s": 0.0118, "memory_gb_per_device": 0.001, "tflops_per_device": 0.01,
+                   "explain": "tp 2 splits the heads"},
+        "runners_up": [{"label": "dp 2 · tp 1 · pp 1 · micro-batch 4", "step_time_s": 0.0121,
+                        "why": "slower by 2.5% (0.0121 s vs 0.0118 s a step)"}],
+        "candidates": 5, "searched": 6, "constants_source": "default (cpu)", "flops_per_step": 1.0e9}
+
+
+def test_a_user_models_parallel_auto_is_planned_by_its_ranks_and_shown_on_the_page(user, nodes, sent, client,
+                                                                                   django_capture_on_commit_callbacks):
+    """The Launch carries the planner's inputs (this cluster's device facts, the constants); what rank
+    0's run.prepare chose comes back in its rank_plan and becomes the job's plan.auto, as for a
+    built-in job planned at submit. A job that did not ask for auto cannot write one."""
+    user_job = submit(user, model=None, data=None, entrypoint={"script": "/opt/train.py"}, parallel="auto",
+                      resources={"nodes": 1, "procs_per_node": 2})
+    assert user_job.spec["parallel"] == "auto" and "run.prepare" in user_job.plan["source"]
+    inputs = user_job.plan["auto_inputs"]
+    assert inputs["device"]["name"] == "cpu" and inputs["constants"]["matmul_eff"]
+    with django_capture_on_commit_callbacks(execute=True):
+        attempt = start(user_job)
+    launches = [c[2] for c in sent if c[0] == "launch"]
+    assert launches and all(p["planner"] == inputs for p in launches)
+    plain = submit(user, model=None, data=None, entrypoint={"script": "/opt/train.py"},
+                   resources={"nodes": 1, "procs_per_node": 2})
+    plain_attempt = start(plain)
+    services.telemetry_ingest([], events=[{"kind": "rank_plan", "rank": 0, "attempt": a.pk, "strategy": "tp",
+                                           "role": "tp rank 0 of 2", "auto": AUTO}
+                                          for a in (attempt, plain_attempt)])
+    user_job.refresh_from_db()
+    plain.refresh_from_db()
+    assert user_job.plan["auto"]["chosen"]["tp"] == 2 and user_job.plan["auto"]["device"]["name"] == "cpu"
+    assert user_job.plan["source"].startswith("auto: run.prepare's best of 5 plans")
+    assert "auto" not in plain.plan and "auto" not in (attempt.rank_plans or {}).get("0", {})
+    client.force_login(user)
+    page = client.get(f"/jobs/{user_job.pk}/").content.decode()
+    assert "Chosen by the planner" in page and "tp 2 splits the heads" in page
+    assert "slower by 2.5%" in page

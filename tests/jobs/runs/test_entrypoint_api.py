@@ -102,8 +102,8 @@ BAD = [
     ("a Trainyard env name", lambda b: entry_spec(b, env={"TRAINYARD_RUN_CONFIG": "/x"}), "env", "cannot be set"),
     ("LD_PRELOAD", lambda b: entry_spec(b, env={"LD_PRELOAD": "/x.so"}), "env", "cannot be set"),
     ("a relative python", lambda b: entry_spec(b, python="venv/bin/python"), "python", "absolute path"),
-    ("tensor parallel for user code", lambda b: entry_spec(b, parallel={"tp": 2, "dp": 1}), "parallel",
-     "runs as data parallelism over its processes"),
+    ("pipeline parallel for user code", lambda b: entry_spec(b, parallel={"pp": 2, "dp": 1}), "parallel",
+     "has no pipeline stages"),
     ("an oversized config", lambda b: entry_spec(b, config={"x": "y" * 70000}), "config", "the limit is 65536"),
     ("code without an entrypoint", lambda b: {"name": "x", "code": {"bundle": b}}, "code", "add entrypoint"),
 ]

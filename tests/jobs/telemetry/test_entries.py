@@ -23,6 +23,14 @@ MODEL = {"kind": "user", "layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "
          "params_per_block": 12704, "blocks": "h"}
 
 
+AUTO = {"chosen": {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 4, "fsdp": False, "shard_optimizer": True,
+                   "recompute": "none", "step_time_s": 0.0115, "memory_gb_per_device": 0.0007,
+                   "tflops_per_device": 0.01, "explain": "dp 2 with ZeRO-1"},
+        "runners_up": [{"label": "dp 2", "step_time_s": 0.0116, "why": "slower by 0.4%"},
+                       {"label": "dp 1 · tp 2", "step_time_s": None, "why": "does not fit"}],
+        "candidates": 4, "searched": 5, "constants_source": "default", "flops_per_step": 1.5e9}
+
+
 def fields(kind, data):
     return {b"type": kind.encode(), b"data": data if isinstance(data, bytes) else json.dumps(data).encode()}
 
@@ -34,6 +42,7 @@ def fields(kind, data):
     ("log", {"attempt": 3, "rank": 1, "stream": "stderr", "lines": ["a", "b"], "node": "node-a"}),
     ("log", {"rank": 0, "lines": []}),
     ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "strategy": "fsdp", "model": MODEL}),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "strategy": "tp", "auto": AUTO}),
 ])
 def test_what_the_writers_send_passes_the_schema(kind, data):
     assert entries.parse_entry(fields(kind, data)) == (kind, data)
@@ -68,6 +77,14 @@ def test_what_the_writers_send_passes_the_schema(kind, data):
      "model.kind: Input should be 'user'"),
     ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "model": {**MODEL, "note": "x" * 10**5}},
      "model.note: Extra inputs are not permitted"),
+    # parallel auto's choice becomes the job's plan.auto: bounded too
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "auto": {**AUTO, "runners_up": AUTO["runners_up"] * 11}},
+     "auto.runners_up: List should have at most 10 items"),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0, "auto": {**AUTO, "chosen": {**AUTO["chosen"], "x": 1}}},
+     "auto.chosen.x: Extra inputs are not permitted"),
+    ("event", {"kind": "rank_plan", "attempt": 3, "rank": 0,
+               "auto": {**AUTO, "chosen": {**AUTO["chosen"], "explain": "x" * 5000}}},
+     "auto.chosen.explain: String should have at most 2000 characters"),
 ])
 def test_malformed_entries_are_refused_with_the_reason(kind, data, reason):
     with pytest.raises(entries.EntryError) as err:

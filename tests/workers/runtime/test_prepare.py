@@ -26,12 +26,13 @@ LINE = re.compile(r"^user rank (\d+) step (\d+) loss (\S+) bytes (\S+) ratio (\S
 
 
 def _run(tmp: Path, url: str, *, nproc: int, job_id: int, steps: int = STEPS, resume: dict | None = None,
-         comm: dict | None = None, parallel: dict | None = None, train: dict | None = None, **config):
+         comm: dict | None = None, parallel: dict | str | None = None, train: dict | None = None, **config):
     cfg = make_launch_config(tmp, url, model=None, data=None, entrypoint={"script": str(SCRIPT)},
                              train={"steps": steps, "global_batch": BATCH, "seed": 5, **(train or {})},
                              checkpoint={"every_steps": 5}, config=config,
                              resources={"nodes": 1, "procs_per_node": nproc},
-                             parallel={"dp": nproc, **(parallel or {})}, **({"comm": comm} if comm else {}))
+                             parallel=parallel if parallel == "auto" else {"dp": nproc, **(parallel or {})},
+                             **({"comm": comm} if comm else {}))
     cfg.update(job_id=job_id, stream=f"trainyard:job:{job_id}", checkpoint_dir=str(tmp / "ckpt"), resume=resume)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
            RUN_CONFIG_ENV: str(write_launch_config(tmp, cfg))}

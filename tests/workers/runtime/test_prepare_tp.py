@@ -81,6 +81,33 @@ def test_a_model_tp_cannot_split_fails_at_prepare_naming_the_module(redis_url, t
     assert "step 1 loss" not in proc.stdout
 
 
+@pytest.mark.procs
+def test_parallel_auto_plans_a_user_model_on_the_ranks_and_applies_the_plan(llama_reference, redis_url, tmp_path):  # noqa: F811
+    """Every rank plans the described model with the same inputs (the defaults here: no planner in
+    the launch config), applies the best plan and trains as single-process training does."""
+    proc, cfg = _run(tmp_path, redis_url, nproc=2, job_id=77, parallel="auto", arch="llama", seq_len=16)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _mean_losses(proc.stdout) == pytest.approx(llama_reference, rel=1e-5)
+    said = [line for line in proc.stdout.splitlines() if line.startswith("parallel auto: ")]
+    assert len(said) == 1 and "predicted" in said[0] and "best of" in said[0], said
+    _, events, _ = read_stream(redis_url, cfg["stream"])
+    plans = {e["rank"]: e for e in events if e["kind"] == "rank_plan"}
+    auto = plans[0]["auto"]
+    chosen = auto["chosen"]
+    assert chosen["dp"] * chosen["tp"] == 2 and chosen["pp"] == 1 and auto["candidates"] >= 2
+    assert plans[0]["model"]["seq_len"] == 16 and "auto" not in plans[1]
+    want = "tp" if chosen["tp"] == 2 else "fsdp" if chosen["fsdp"] else "ddp"
+    assert plans[0]["strategy"] == want and all(p["strategy"] == want for p in plans.values())
+    assert all(r["why"] for r in auto["runners_up"])
+
+
+@pytest.mark.procs
+def test_parallel_auto_without_the_sequence_length_fails_fast_saying_so(redis_url, tmp_path):  # noqa: F811
+    proc, _ = _run(tmp_path, redis_url, nproc=2, job_id=78, parallel="auto", arch="llama")
+    assert proc.returncode != 0
+    assert "parallel auto plans your model from its shape, which needs the tokens per sample" in proc.stdout + proc.stderr
+
+
 def _blocks(model: nn.Module) -> list[str]:
     name, _ = find_blocks(model)
     return [f"{name}.{i}" for i in range(len(model.get_submodule(name)))]
