@@ -84,6 +84,7 @@ bench: venv deps
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sdk_overhead.py
 	$(BIN)/python bench/prepare.py
+	$(BIN)/python bench/auto_user.py
 	$(BIN)/python bench/sandbox.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/telemetry.py $(BENCH_ARGS)

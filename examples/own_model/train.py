@@ -141,7 +141,7 @@ def build(config: dict) -> nn.Module:
     arch = config.get("arch", "mingpt")
     if arch not in ("mingpt", "llama"):
         raise ValueError(f"config.arch is {arch!r}: use mingpt or llama")
-    return Llama() if arch == "llama" else MinGPT()
+    return Llama(dim=config.get("width", 32)) if arch == "llama" else MinGPT()
 
 
 class Windows(torch.utils.data.Dataset):

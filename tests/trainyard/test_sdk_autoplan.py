@@ -3,7 +3,7 @@ description with the control plane's planner (no processes, no torch)."""
 import pytest
 
 from trainyard.plan.constants import DEFAULT_CPU
-from trainyard.sdk.autoplan import plan_user_model
+from trainyard.sdk.autoplan import by_preference, plan_user_model
 from trainyard.sdk.config import ConfigError
 from trainyard.spec import parse_job_spec
 
@@ -21,7 +21,7 @@ def test_the_best_runnable_plan_becomes_the_spec_and_the_choice_says_why_the_oth
     assert resolved.parallel != "auto" and resolved.plan.tp == c["tp"] and resolved.dp == c["dp"]
     assert resolved.train.grad_accum == 8 // c["dp"] // c["micro_batch"] and c["pp"] == 1
     assert auto["candidates"] >= 3 and auto["constants_source"] == DEFAULT_CPU.source
-    assert all("slower by" in r["why"] for r in auto["runners_up"])
+    assert all("slower by" in r["why"] or "a tie, and it has more moving parts" in r["why"] for r in auto["runners_up"])
     assert plan_user_model(spec(), LLAMA, None, lambda tp: True)[1] == auto  # every rank plans the same
 
 
@@ -45,3 +45,17 @@ def test_a_model_that_fits_nowhere_fails_naming_the_closest_plan():
     huge = {**LLAMA, "layers": 200, "hidden": 16384, "heads": 128, "params": 10**12}
     with pytest.raises(ConfigError, match=r"parallel auto: fits nowhere on this cluster: the closest plan \(dp"):
         plan_user_model(spec(), huge, None, lambda tp: True)
+
+
+def _row(t, **kw):
+    return {"dp": 2, "tp": 1, "pp": 1, "micro_batch": 8, "fsdp": False, "shard_optimizer": False, "recompute": "none",
+            "step_time_s": t, **kw}
+
+
+def test_predictions_within_the_models_error_are_a_tie_broken_toward_fewer_moving_parts():
+    zero, plain, fsdp = _row(1.000, shard_optimizer=True), _row(1.004), _row(0.999, fsdp=True)
+    assert by_preference([fsdp, zero, plain])[0] is plain  # all within 3%: plain DDP
+    far = _row(1.2)
+    assert by_preference([zero, far])[0] is zero  # 20% slower is no tie
+    small = _row(1.01, micro_batch=4)
+    assert by_preference([small, plain])[0] is plain  # whole micro-batches before grad_accum
