@@ -145,12 +145,13 @@ def test_an_outside_model_trains_under_the_jobs_plan_with_every_ranks_role_on_th
     assert record["global_batch"] == 16 and record["measured"]["tokens_per_s"] > 0
 
 
-def test_an_outside_model_under_fsdp_killed_mid_run_resumes_with_every_step_once(cluster, bundles):
-    steps = 120
-    job = cluster.submit({"name": "own-fsdp", "code": {"bundle": bundles["own_model"]},
-                          "entrypoint": {"script": "train.py"}, "config": {"step_sleep_s": 0.05},
-                          "train": {"steps": steps, "global_batch": 16}, "parallel": {"fsdp": True},
-                          "resources": {"nodes": 2, "procs_per_node": 1}, "checkpoint": {"every_steps": 20}})
+def kill_rank_1_mid_run(cluster: Cluster, bundle: str, name: str, *, config: dict, parallel: dict,
+                        resources: dict, steps: int = 120) -> dict:
+    """The example's model under `parallel`, rank 1 SIGKILLed after the first checkpoint: the job
+    resumes from it and trains every step once; returns the second attempt."""
+    job = cluster.submit({"name": name, "code": {"bundle": bundle}, "entrypoint": {"script": "train.py"},
+                          "config": {**config, "step_sleep_s": 0.05}, "train": {"steps": steps, "global_batch": 16},
+                          "parallel": parallel, "resources": resources, "checkpoint": {"every_steps": 20}})
     ckpt = cluster.wait_for(lambda: next((c for c in checkpoints(cluster, job["id"]) if c["step"] >= 20), None),
                             180, "the first checkpoint", job_id=job["id"])
     running = cluster.job(job["id"])
@@ -163,29 +164,20 @@ def test_an_outside_model_under_fsdp_killed_mid_run_resumes_with_every_step_once
     assert first["outcome"] == "failed:signal" and second["resumed_from_step"] >= ckpt["step"], done
     rows = assert_each_step_once(cluster, job["id"], steps, 2)
     assert {r["attempt"] for r in rows if r["step"] > second["resumed_from_step"]} == {second["id"]}
+    return second
+
+
+def test_an_outside_model_under_fsdp_killed_mid_run_resumes_with_every_step_once(cluster, bundles):
+    second = kill_rank_1_mid_run(cluster, bundles["own_model"], "own-fsdp", config={}, parallel={"fsdp": True},
+                                 resources={"nodes": 2, "procs_per_node": 1})
     assert [r["strategy"] for r in second["ranks"]] == ["fsdp", "fsdp"] and "shard 0 of 2" in second["ranks"][0]["role"]
 
 
 def test_an_outside_llama_under_tp_killed_mid_run_resumes_with_every_step_once(cluster, bundles):
     """The example's Llama-style model (config.arch llama) under tp 2 on one node: run.prepare splits
     q/k/v/o and gate/up/down by their names; a SIGKILLed rank resumes from the tp checkpoint."""
-    steps = 120
-    job = cluster.submit({"name": "own-tp", "code": {"bundle": bundles["own_model"]},
-                          "entrypoint": {"script": "train.py"}, "config": {"arch": "llama", "step_sleep_s": 0.05},
-                          "train": {"steps": steps, "global_batch": 16}, "parallel": {"dp": 1, "tp": 2},
-                          "resources": {"nodes": 1, "procs_per_node": 2}, "checkpoint": {"every_steps": 20}})
-    ckpt = cluster.wait_for(lambda: next((c for c in checkpoints(cluster, job["id"]) if c["step"] >= 20), None),
-                            180, "the first checkpoint", job_id=job["id"])
-    running = cluster.job(job["id"])
-    assert running["status"] == "RUNNING" and running["step"] < steps, running
-    victim = next(r for r in running["attempts"][0]["ranks"] if r["rank"] == 1)
-    psutil.Process(victim["pid"]).send_signal(signal.SIGKILL)
-    done = cluster.wait_status(job["id"], TERMINAL, 300)
-    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
-    first, second = done["attempts"][:2]
-    assert first["outcome"] == "failed:signal" and second["resumed_from_step"] >= ckpt["step"], done
-    rows = assert_each_step_once(cluster, job["id"], steps, 2)
-    assert {r["attempt"] for r in rows if r["step"] > second["resumed_from_step"]} == {second["id"]}
+    second = kill_rank_1_mid_run(cluster, bundles["own_model"], "own-tp", config={"arch": "llama"},
+                                 parallel={"dp": 1, "tp": 2}, resources={"nodes": 1, "procs_per_node": 2})
     assert [r["strategy"] for r in second["ranks"]] == ["tp", "tp"]
     assert "tp rank 1 of 2" in second["ranks"][1]["role"] and "heads 2-3 of 4" in second["ranks"][1]["role"]
 
