@@ -67,21 +67,36 @@ def _tie(runner: dict, pick: dict) -> dict:
     return runner
 
 
-def request(spec: JobSpec, description: dict, inputs: dict | None) -> dict:
-    """The planner request for the described model on the job's resources."""
-    res, kind = spec.resources, spec.resources.device
+def _request(description: dict, *, nodes: int, per_node: int, kind: str, global_batch: int,
+             inputs: dict | None) -> dict:
     facts = {**KIND_DEFAULTS.get(kind, KIND_DEFAULTS["cuda"]), **((inputs or {}).get("device") or {})}
     return {
         "model": {"layers": description["layers"], "hidden": description["hidden"],
                   "heads": description.get("heads") or 1, "seq_len": description["seq_len"],
                   "vocab": description.get("vocab") or 1},
-        "cluster": {"nodes": res.nodes, "devices_per_node": res.procs_per_node,
+        "cluster": {"nodes": nodes, "devices_per_node": per_node,
                     "device": {"name": str(facts.get("name", kind)), "memory_gb": float(facts["memory_gb"]),
                                "peak_tflops": float(facts["peak_tflops"])},
                     "intra_node_gbs": float(facts["intra_node_gbs"]), "inter_node_gbs": float(facts["inter_node_gbs"])},
-        "global_batch": spec.train.global_batch,
+        "global_batch": global_batch,
         "precision": "fp32" if kind == "cpu" else "bf16",
     }
+
+
+def request(spec: JobSpec, description: dict, inputs: dict | None) -> dict:
+    """The planner request for the described model on the job's resources."""
+    res = spec.resources
+    return _request(description, nodes=res.nodes, per_node=res.procs_per_node, kind=res.device,
+                    global_batch=spec.train.global_batch, inputs=inputs)
+
+
+def standalone_request(description: dict, *, world: int, device: str, global_batch: int) -> dict:
+    """A standalone run's model as a `trainyard plan` request (POST /api/v1/plan/): this machine's
+    world as one node with the default device facts, to be edited to the cluster it will run on;
+    pp fixed at 1 (run.prepare has no pipeline stages)."""
+    kind = "cpu" if device == "cpu" else "cuda"
+    return {**_request(description, nodes=1, per_node=world, kind=kind, global_batch=global_batch, inputs=None),
+            "fix": {"pp": 1}}
 
 
 def plan_user_model(spec: JobSpec, description: dict, inputs: dict | None,

@@ -314,8 +314,23 @@ class Prepared:
                 (first.dim() == 2 and not first.is_floating_point()) or (first.dim() == 3 and first.is_floating_point()))
             if tokens and 0 < first.shape[1] <= 10_000_000:
                 self.description["seq_len"] = int(first.shape[1])  # not for images: no sequence there
+                if self.run.spec is None and self.run.rank == 0:  # standalone: what `trainyard plan` takes
+                    self._say_plan_request(int(first.shape[0]) * dist.get_world_size())
         self._backward_end = self._optim_start = self._optim_end = None
         self.sync.begin_step(self.run.next_step())  # compression's step, local SGD's counters
+
+    def _say_plan_request(self, global_batch: int) -> None:
+        """Standalone: print the planner request for this model (autoplan.standalone_request), so
+        its plan on a cluster can be seen before submitting (`trainyard plan FILE`)."""
+        import json
+
+        from .autoplan import standalone_request
+
+        req = standalone_request(self.description, world=dist.get_world_size(), device=self.run.device.type,
+                                 global_batch=global_batch)
+        _say("run.prepare: the plan of this model on a cluster, before submitting: save the next line, set its "
+             "cluster, then `trainyard plan FILE`")
+        _say("trainyard plan request: " + json.dumps(req, sort_keys=True))
 
     def _wrap_step(self, opt: torch.optim.Optimizer) -> None:
         step = opt.step

@@ -156,3 +156,28 @@ def test_a_user_tp_plan_replaces_the_default_and_tp_needs_prepare():
     spec = parse_job_spec({"name": "x", "entrypoint": {"module": "m"}, "parallel": {"tp": 2},
                            "resources": {"nodes": 1, "procs_per_node": 2}})
     assert needs_prepare(spec) == ["parallel.tp 2"]
+
+
+@pytest.mark.procs
+def test_a_standalone_run_prints_the_request_trainyard_plan_takes(tmp_path):
+    """Before submitting: the script run by itself (no launch config) prints its model as a planner
+    request, which the planner (the one behind `trainyard plan`) accepts as it is."""
+    import json
+    import subprocess
+    import sys
+
+    from trainyard.plan.search import plan_dict
+
+    from .test_prepare import SCRIPT
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPT)], cwd=tmp_path, env=env, text=True, capture_output=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("trainyard plan request: ")]
+    assert len(lines) == 1, proc.stdout[-2000:]  # rank 0, once
+    req = json.loads(lines[0].removeprefix("trainyard plan request: "))
+    assert req["model"] == {"layers": 2, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 64}  # the example's minGPT
+    assert req["cluster"]["devices_per_node"] == 2 and req["global_batch"] == 16 and req["fix"] == {"pp": 1}
+    plans = plan_dict(req)["plans"]
+    assert plans and all(p["pp"] == 1 for p in plans)
