@@ -75,6 +75,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):  # what run.prepare calls after building on the meta device
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 

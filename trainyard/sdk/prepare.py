@@ -54,6 +54,7 @@ from trainyard.mesh import Mesh
 
 from .comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError
+from .metainit import materialise, on_meta, save_buffers, uninitialisable
 from .optim import ZeroOptimizer, state_optimizer
 from .sync import build_sync
 
@@ -206,7 +207,8 @@ class Prepared:
         if self.recompute:
             for b in blocks_found:
                 _recompute(b)
-        self.inner = model.to(run.device)
+        self.meta_init = self._meta_buffers(model)  # built under run.init_device: parameters on meta
+        self.inner = model if self.meta_init is not None else model.to(run.device)
         self.clock = CudaClock(run.device) if run.device.type == "cuda" else CpuClock()
         self.counter = CommCounter(self.clock)
         c = spec.comm if spec else None
@@ -221,6 +223,8 @@ class Prepared:
                                procs_per_node=spec.resources.procs_per_node if spec else 1,
                                event=run.event, say=_say if run.rank == 0 else (lambda line: None))
         self.module = self._wrap(run, world, blocks_found, tp_plan)
+        if self.meta_init is not None:  # this rank's shards only, allocated and initialised
+            self.meta_init = materialise(self.inner, run.device, self.meta_init)
         params = list(self.module.parameters())
         opt = make_optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -236,6 +240,21 @@ class Prepared:
         self._open = False
         self._ref = self._backward_end = self._optim_start = self._optim_end = None
         self._reported = False
+
+    def _meta_buffers(self, model: nn.Module) -> dict | None:
+        """The buffers to restore after materialising, when the model's parameters are on meta."""
+        if not on_meta(model):
+            return None
+        if not (self.fsdp or self.mesh.tp > 1):
+            raise ConfigError("run.prepare: the model's parameters are on the meta device, but this plan keeps the "
+                              "whole model on every rank: build it on run.device (run.init_device() does so "
+                              "unless the plan is fsdp or tp)")
+        missing = uninitialisable(model)
+        if missing:
+            raise ConfigError(f"run.prepare: the model was built on the meta device (run.init_device), but nothing "
+                              f"would initialise the parameters of {', '.join(missing[:5])}: give those modules a "
+                              f"reset_parameters() or the model an init_weights(), or build it outside init_device")
+        return save_buffers(model)
 
     def _plan_auto(self, model: nn.Module, blocks: list[nn.Module], tp_plan: dict | None, seq_len: Any) -> None:
         """parallel auto: plan the described model (autoplan.py) and make the plan the run's spec."""
@@ -405,6 +424,8 @@ class Prepared:
             role += f"; optimizer state: its 1/{dp} share (ZeRO-1)"
         if self.recompute:
             role += f"; activations recomputed in backward ({self.blocks_name})"
+        if isinstance(self.meta_init, str):
+            role += f"; built on the meta device, this shard initialised by {self.meta_init}"
         opt_bytes = optim_bytes(self.state_opt)
         self.run.event("rank_plan", rank=rank, node=self.run.node, strategy=strategy, mesh=self.mesh.describe(),
                        coords=self.mesh.coords(rank), role=role, param_bytes=param_bytes(self.inner),

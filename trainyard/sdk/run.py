@@ -26,6 +26,7 @@ from . import groups
 from .checkpoint import Checkpointer
 from .config import RUN_CONFIG_ENV, ConfigError, LaunchConfig, load_launch_config, resume_inside
 from .layout import latest_checkpoint, resume_manifest
+from .metainit import init_context
 from .preempt import PREEMPTED_EXIT_CODE
 from .reporter import Reporter
 from .stacks import install_stack_dump
@@ -199,9 +200,8 @@ class Run:
 
     # ---- the job's plan applied to the script's model (prepare.py, loader.py) ----------------
     def init_device(self) -> Any:
-        """A context to build the model in: on this rank's device (under plain data parallelism
-        every rank holds the whole model, so nothing is built on the meta device)."""
-        return self.device
+        """A context to build the model in: meta parameters under fsdp or tp (metainit.py), else the device."""
+        return init_context(self.spec, self.device)
 
     def prepare(self, model: torch.nn.Module, make_optimizer: Any, *, blocks: str | None = None,
                 tp_plan: dict | None = None, seq_len: int | None = None) -> tuple:

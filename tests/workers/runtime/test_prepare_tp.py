@@ -6,8 +6,10 @@ mean of the ranks' per-step losses is single-process training's on the same glob
 split (minGPT's fused c_attn) fails at prepare naming the module. The plan's refusals are unit
 tests below (no processes)."""
 import importlib.util
+import math
 
 import pytest
+import torch
 from torch import nn
 
 from tests.conftest import REPO
@@ -106,6 +108,51 @@ def test_parallel_auto_without_the_sequence_length_fails_fast_saying_so(redis_ur
     proc, _ = _run(tmp_path, redis_url, nproc=2, job_id=78, parallel="auto", arch="llama")
     assert proc.returncode != 0
     assert "parallel auto plans your model from its shape, which needs the tokens per sample" in proc.stdout + proc.stderr
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("parallel, arch", [({"fsdp": True}, "mingpt"), ({"dp": 1, "tp": 2}, "llama")],
+                         ids=["fsdp", "tp"])
+def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard(parallel, arch, redis_url, tmp_path):  # noqa: F811
+    """run.init_device under fsdp / tp: parameters on meta (no memory), run.prepare shards them and
+    allocates and initialises only this rank's shards (each module's reset_parameters); buffers
+    (minGPT's causal mask) are the ones built at construction. It trains from a fresh init."""
+    proc, cfg = _run(tmp_path, redis_url, nproc=2, job_id=79 + len(arch), parallel=parallel, arch=arch, meta=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = _mean_losses(proc.stdout)
+    assert abs(losses[0] - math.log(64)) < 0.5 and losses[-1] < losses[0], losses  # vocab 64: a fresh init
+    _, events, _ = read_stream(redis_url, cfg["stream"])
+    plans = {e["rank"]: e for e in events if e["kind"] == "rank_plan"}
+    assert all("built on the meta device, this shard initialised by each module's reset_parameters()" in p["role"]
+               for p in plans.values()), plans
+
+
+def test_meta_parameters_under_plain_dp_are_refused_and_init_device_is_the_device_there():
+    from trainyard.sdk.metainit import init_context, on_meta, params_on_meta
+    from trainyard.spec import parse_job_spec
+
+    base = {"name": "x", "entrypoint": {"module": "m"}, "resources": {"nodes": 1, "procs_per_node": 2}}
+    cpu = torch.device("cpu")
+    assert init_context(parse_job_spec(base), cpu) == cpu and init_context(None, cpu) == cpu
+    assert init_context(parse_job_spec({**base, "parallel": "auto"}), cpu) == cpu  # the plan is not known yet
+    with init_context(parse_job_spec({**base, "parallel": {"fsdp": True}}), cpu):
+        model = example.MinGPT()
+    assert on_meta(model) and all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())  # the causal mask is real
+    with params_on_meta():
+        pass
+    assert not on_meta(nn.Linear(2, 2))  # the patch is gone after the context
+    from trainyard.sdk.metainit import uninitialisable
+
+    class Scale(nn.Module):  # a parameter nothing would initialise after materialising
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+    model = nn.Sequential(nn.Linear(4, 4), Scale())
+    assert uninitialisable(model) == ["1 (Scale)"] and uninitialisable(example.Llama()) == []
+    model.init_weights = lambda: None  # the model's own init covers everything
+    assert uninitialisable(model) == []
 
 
 def _blocks(model: nn.Module) -> list[str]:

@@ -2,7 +2,8 @@
 or its Llama-style one (config.arch llama: q_proj ... down_proj), each with its own attention, MLP
 and block list and nothing of workers/runtime, and dataset, and the SDK's
 prepare / loader / micro_batches lines. config.mode "noprepare" skips prepare (the fail-fast
-test); config.resume_check prints the loader's position after restore."""
+test); config.resume_check prints the loader's position after restore; config.meta builds the model
+through run.init_device."""
 import sys
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from train import Windows, build, say  # noqa: E402  (the example's model and da
 def main():
     run = trainyard.init()
     torch.manual_seed(0)
-    with run.init_device():
+    # config.meta: build through run.init_device (meta parameters under fsdp or tp, initialised after
+    # sharding: not the single-process init, which the loss-equality tests compare against)
+    with run.init_device() if run.config.get("meta") else run.device:
         model = build(run.config)
     if run.config.get("mode") == "noprepare":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
