@@ -92,7 +92,9 @@ def test_sigkill_of_a_rank_restarts_from_the_checkpoint_and_finishes(cluster):
     first, second = done["attempts"][:2]
     assert first["outcome"] == "failed:signal" and first["failure"]["rank"] == 1, first
     assert second["resumed_from_step"] >= ckpt["step"] and second["resumed_from"] is not None
-    assert done["step"] == steps and done["restarts"] == 1 and len(done["attempts"]) == 2
+    assert done["step"] == steps and done["restarts"] == 1 and len(done["attempts"]) == 2, (
+        [(a["number"], a["outcome"], a["failure"]) for a in done["attempts"]],
+        [(e["kind"], e["message"]) for e in events(cluster, job["id"])])
     assert_each_step_once(cluster, job["id"], steps)
     kinds = [e["kind"] for e in events(cluster, job["id"])]
     assert "restart" in kinds and kinds.count("attempt_started") == 2 and kinds[-1] == "succeeded"

@@ -24,6 +24,17 @@ def _foreign(attempt_id: int, node_name: str, what: str) -> bool:
     return True
 
 
+def _locked(attempt_id: int) -> Attempt:
+    """The attempt, its row locked until the transaction ends, taken after the reporting node's own
+    allocation was written (allocation, then attempt: the order nodes_check locks them in). Two
+    nodes' reports of one attempt then judge "every node has reported" one after the other, the
+    second seeing the first's committed allocation. Without it, on PostgreSQL (read committed) two
+    reports handled at once each saw the other's allocation unchanged: an attempt whose ranks all
+    started stayed STARTING until its launch timed out, and one whose nodes all exited stayed
+    RUNNING until the hang detector stopped it (SQLite serialises the writers, so never there)."""
+    return Attempt.objects.select_for_update(of=("self",)).select_related("job").get(pk=attempt_id)
+
+
 def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None:
     """A node reports the ranks it started (rank, local_rank, pid); once every node did, the
     attempt and its job are RUNNING."""
@@ -37,7 +48,7 @@ def attempt_ranks(attempt_id: int, *, node_name: str, ranks: list[dict]) -> None
         Allocation.objects.filter(pk=alloc.pk).update(
             ranks=sorted(({"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid} for r in infos),
                          key=lambda r: r["rank"]))
-        attempt = alloc.attempt
+        attempt = _locked(alloc.attempt_id)
         waiting = Allocation.objects.filter(attempt=attempt, ranks=[]).exists()
         if waiting:
             return
@@ -65,7 +76,7 @@ def attempt_node_exit(attempt_id: int, *, node_name: str, result: dict) -> None:
             _foreign(attempt_id, node_name, "exit report")
             return  # duplicate report, or the node was already written off as lost
         Allocation.objects.filter(pk=alloc.pk).update(active=False, result=result, ended_at=timezone.now())
-        attempt = alloc.attempt
+        attempt = _locked(alloc.attempt_id)
         failed = report.exit_code != 0 and not report.stopped
         if failed and attempt.status != Attempt.Status.ENDED and not attempt.stop_reason:
             attempt_stop(attempt, reason="failure")
