@@ -10,7 +10,7 @@ in proportion to its work, like a device of half the speed. A GPT where compute 
 all-reduce against ~150-300 ms of forward+backward; 64 samples so that one sample is ~5% of the
 slow rank's share, not 10%) trains on synthetic tokens:
   equal     train.balance=none: 32 + 32 samples; the fast rank waits for the slow one
-  balanced  train.balance=auto: shares follow the measured speeds (balance.py)
+  balanced  train.balance=auto: shares follow the measured speeds (trainyard/sdk/balance.py)
 Throughput = global_batch / median step interval of rank 0's end-of-step stamps (`ts`), over the
 steps after --warmup (the balancer's warm-up and first re-split included in the excluded part).
 `wall_samples_per_s` is the same over the elapsed time. The ideal is the sum of the two ranks'

@@ -154,7 +154,8 @@ def test_a_python_without_torch_fails_before_torchrun_with_its_error(tmp_path):
     assert failure_class(str(exc.value))[:2] == ("user_error", False)
 
 
-@pytest.mark.parametrize("name", ["sdk_ddp", "plain", "own_model", "own_model/job-tp.yaml"])
+@pytest.mark.parametrize("name", ["sdk_ddp", "plain", "own_model", "own_model/job-tp.yaml",
+                                  "own_model/job-balance.yaml"])
 def test_the_examples_job_files_are_valid_entrypoint_specs(name):
     import yaml
 

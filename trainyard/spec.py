@@ -41,12 +41,11 @@ def _builtin(s: JobSpec) -> bool:
     return s.model is not None and s.data is not None
 
 
-_BUILTIN_ONLY = "is a feature of the built-in trainer, not of an entrypoint job (your own code)"
 # What run.prepare (trainyard/sdk/prepare.py) applies to an entrypoint job's own model today.
 _PREPARE_DP = ("run.prepare applies DDP with comm.compression, comm.sync, parallel.recompute and "
                "parallel.shard_optimizer, parallel.fsdp, or parallel.tp (tp or dp x tp) to your model; "
-               "train.grad_accum through run.micro_batches, and plans it under parallel auto; pp for your own "
-               "model is not supported yet")
+               "train.grad_accum through run.micro_batches, train.balance through run.loader, and plans it under "
+               "parallel auto; pp for your own model is not supported yet")
 
 
 # Every cross-field rule of the JobSpec, in evaluation order (which decides the order of the
@@ -101,8 +100,6 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "parallel.shard_optimizer", lambda s: s.user_code and s.plan.tp > 1 and s.plan.shard_optimizer,
          lambda s: "run.prepare's ZeRO-1 shards whole parameters over dp, not tensor-parallel shards: "
                    "use shard_optimizer false with tp, or fsdp with tp 1"),
-    Rule("submit", "train.balance", lambda s: s.user_code and s.train.balance != "none",
-         lambda s: f"batch balancing {_BUILTIN_ONLY}: use none"),
     Rule("submit", "parallel.tp", lambda s: _builtin(s) and s.model.kind == "gpt" and s.model.heads % s.plan.tp,
          lambda s: f"tp ({s.plan.tp}) must divide model.heads ({s.model.heads}): each tensor-parallel "
                    f"rank computes whole attention heads"),
@@ -171,7 +168,7 @@ RULES: tuple[Rule, ...] = (
                    f"of the node period ({s.comm.periods.node}) and larger than it"),
     Rule("submit", "comm.ratio", lambda s: s.comm.ratio == "auto" and s.comm.compression != "topk",
          lambda s: "ratio auto chooses the top-k ratio: it needs compression topk"),
-    Rule("submit", "train.balance", lambda s: _builtin(s) and s.train.balance == "auto" and not s.plain_ddp,
+    Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and not s.plain_ddp,
          lambda s: "balancing splits the batch between data-parallel replicas: it "
                    "needs plain data parallelism (tp 1, pp 1, fsdp false)"),
     Rule("submit", "train.balance", lambda s: s.train.balance == "auto" and s.comm.sync != "allreduce",

@@ -186,6 +186,8 @@ def main():
             loss = model(x, y) / run.grad_accum
             loss.backward()
             total += loss.item()
+            if run.rank == run.config.get("slow_rank"):  # a slower device, to watch train.balance at work
+                time.sleep(run.config.get("slow_s", 0.01) * len(x))
         opt.step()
         opt.zero_grad()
         time.sleep(run.config.get("step_sleep_s", 0))  # to watch it on the job page

@@ -152,6 +152,15 @@ class DroppedEvent(Event):
     count: Count
 
 
+class RebalancedEvent(Event):
+    """train.balance auto (trainyard/sdk/balance.py): rank 0's new split of the global batch."""
+    step: Count
+    counts: Annotated[list[Count], Field(min_length=1, max_length=4096)]
+    previous: Annotated[list[Count], Field(min_length=1, max_length=4096)]
+    shares: Annotated[list[Annotated[float, Field(ge=0, le=1)]], Field(max_length=4096)]
+    speeds: Annotated[list[Annotated[float, Field(ge=0, le=1e12)]], Field(max_length=4096)]
+
+
 class Log(TypedDict):
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     attempt: NotRequired[Optional[Id]]
@@ -164,7 +173,8 @@ class Log(TypedDict):
 _SAMPLES = TypeAdapter(Annotated[list[Sample], Field(max_length=MAX_SAMPLES)])
 _EVENT = TypeAdapter(Event)
 _EVENTS = {"checkpoint": TypeAdapter(CheckpointEvent), "resumed": TypeAdapter(ResumedEvent),
-           "rank_plan": TypeAdapter(RankPlanEvent), "telemetry_dropped": TypeAdapter(DroppedEvent)}
+           "rank_plan": TypeAdapter(RankPlanEvent), "telemetry_dropped": TypeAdapter(DroppedEvent),
+           "rebalanced": TypeAdapter(RebalancedEvent)}
 _LOG = TypeAdapter(Log)
 KINDS = ("metrics", "event", "log")
 

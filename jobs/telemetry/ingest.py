@@ -8,7 +8,8 @@ dropped (counted in one warning per batch) and the sample itself is kept. The sa
 place, so the copy the relay then fans out to the browsers carries exactly what was stored.
 
 Runtime events: `checkpoint` (registered), `resumed` (a timeline entry), `rank_plan` (what each
-rank holds under the plan) and `telemetry_dropped` (samples lost while Redis was away).
+rank holds under the plan), `rebalanced` (train.balance's new split of the batch, a timeline entry)
+and `telemetry_dropped` (samples lost while Redis was away).
 """
 from __future__ import annotations
 
@@ -237,6 +238,13 @@ def _runtime_event(job_id: int, attempt_id: int, e: dict) -> None:
                step=e.get("step"), load_s=load_s, path=e.get("path"))
     elif kind == "rank_plan":
         _rank_plan(attempt_id, e)
+    elif kind == "rebalanced":
+        counts, previous = e["counts"], e["previous"]
+        shares = ", ".join(f"rank {r} {c}" for r, c in enumerate(counts))
+        job_event(Job.objects.get(pk=job_id), "rebalanced",
+                  f"batch split by measured speed from step {e['step'] + 1}: {shares} samples "
+                  f"(was {'/'.join(map(str, previous))})", attempt=Attempt(pk=attempt_id),
+                  step=e["step"], counts=counts, previous=previous, shares=e["shares"], speeds=e["speeds"])
     elif kind == "telemetry_dropped":
         JobEvent.objects.create(job_id=job_id, attempt_id=attempt_id, kind=kind,
                                 message=f"rank {e.get('rank')} dropped {e.get('count')} telemetry samples "

@@ -203,6 +203,28 @@ def test_parallel_auto_plans_an_outside_model_on_its_ranks_and_the_job_shows_the
     assert_each_step_once(cluster, job["id"], steps, 2)
 
 
+def test_an_outside_model_under_balance_gives_the_slowed_rank_a_smaller_share(cluster, bundles):
+    """train.balance auto for user code (examples/own_model/job-balance.yaml): rank 1 on node-b
+    sleeps 10 ms per sample; after the warm-up run.loader hands it fewer samples of each global
+    batch, the samples carry each rank's share (always summing to 1), and the split is on the
+    job's timeline."""
+    steps = 24
+    job = cluster.submit({"name": "own-balance", "code": {"bundle": bundles["own_model"]},
+                          "entrypoint": {"script": "train.py"}, "config": {"slow_rank": 1, "slow_s": 0.01},
+                          "train": {"steps": steps, "global_batch": 32, "balance": "auto"},
+                          "resources": {"nodes": 2, "procs_per_node": 1}, "checkpoint": {"every_steps": 12}})
+    done = cluster.wait_status(job["id"], TERMINAL, 300)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    rows = assert_each_step_once(cluster, job["id"], steps, 2)
+    share = {(r["rank"], r["step"]): r["share"] for r in rows}
+    assert all(share[(0, s)] + share[(1, s)] == pytest.approx(1.0) for s in range(1, steps + 1))
+    assert share[(1, 1)] == 0.5 and share[(1, steps)] < 0.4, share
+    events = cluster.get(f"/api/v1/jobs/{job['id']}/events/?page_size=500")["results"]
+    split = next(e for e in events if e["kind"] == "rebalanced")
+    assert split["data"]["step"] == 6 and split["data"]["counts"][1] < 16, split
+    assert split["message"].startswith("batch split by measured speed from step 7: rank 0 ")
+
+
 def test_sdk_script_killed_mid_run_resumes_from_its_checkpoint_with_every_step_once(cluster, bundles):
     steps = 160
     job = cluster.submit(sdk_spec("sdk-kill", bundles["sdk_ddp"], steps, 20))

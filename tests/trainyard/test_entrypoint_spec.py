@@ -137,7 +137,8 @@ def test_user_code_fields_are_bounded_naming_the_field(spec, field, message):
      "parallel.shard_optimizer", "not tensor-parallel shards"),
     ({**MODULE, "parallel": {"fsdp": True}, "comm": {"compression": "fp16"}}, "comm.compression",
      "needs plain data parallelism"),
-    ({**MODULE, "train": {"balance": "auto"}}, "train.balance", "feature of the built-in trainer"),
+    ({**MODULE, "parallel": {"fsdp": True}, "train": {"balance": "auto"}}, "train.balance",
+     "needs plain data parallelism"),
     ({"code": {"bundle": BUNDLE}}, "code", "add entrypoint"),
     ({"config": {"lr": 1}}, "config", "applies to an entrypoint job"),
     ({"env": {"HF_HOME": "/x"}}, "env", "applies to an entrypoint job"),
@@ -155,9 +156,10 @@ def test_user_code_restrictions_are_submit_rules_naming_the_field(spec, field, m
     {"train": {"grad_accum": 2, "global_batch": 8}}, {"parallel": {"shard_optimizer": True}},
     {"parallel": {"recompute": "full"}}, {"parallel": {"fsdp": True, "recompute": "full"}},
     {"parallel": {"tp": 2}}, {"parallel": {"tp": 2, "dp": 1, "recompute": "full"}, "train": {"grad_accum": 2}},
+    {"train": {"balance": "auto"}}, {"train": {"balance": "auto", "grad_accum": 2, "global_batch": 8}},
 ])
 def test_run_prepare_makes_the_data_plane_available_to_user_code(extra):
-    """comm, grad_accum, recompute, ZeRO-1, FSDP and tp are applied by run.prepare (trainyard/sdk/prepare.py)."""
+    """comm, grad_accum, recompute, ZeRO-1, FSDP, tp and balance are applied by run.prepare (trainyard/sdk/prepare.py)."""
     spec = parse_job_spec({"name": "x", **MODULE, "resources": {"nodes": 1, "procs_per_node": 2}, **extra})
     assert spec.user_code and spec.plan.pp == 1
 

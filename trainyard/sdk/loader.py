@@ -9,6 +9,10 @@ checkpoints and resumes exactly.
 - Share: data-parallel rank r of dp takes positions [r x b, (r + 1) x b) of the global batch,
   b = G / dp. Single-process training with batch G sees the same samples per step: under DDP's
   gradient averaging the same update (tests/workers/runtime/test_prepare.py).
+- Balance (train.balance auto, trainyard/sdk/balance.py through run.prepare): `set_slice(offset,
+  n)` makes this rank's share positions [offset, offset + n) of each global batch from the next
+  batch it hands out (prefetched ones are read again); `batch_size` is the current share. The
+  ranks' slices tile the global batch, so the samples of a step are the same whatever the split.
 - Prefetch: the next `prefetch` batches are read and collated in one background thread; on
   CUDA each is pinned and copied to the rank's device without blocking.
 - Position: `state_dict()` is {"consumed": batches handed out, "global_batch", "seed"};
@@ -48,6 +52,8 @@ class Loader:
         self.collate = collate or default_collate
         self.prefetch = max(1, prefetch)
         self.consumed = 0
+        self.offset = dp_rank * batch_size  # this rank's slice of each global batch (set_slice)
+        self.balanced = False  # set_slice was called: the shares follow train.balance
         self._orders: dict[int, torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: dict[int, Future] = {}
@@ -73,8 +79,19 @@ class Loader:
         """The dataset indices of this rank's share of global batch `pos` (counted over epochs)."""
         epoch, i = divmod(pos, self.per_epoch)
         order = self._order(epoch)
-        start = i * self.global_batch + self.dp_rank * self.batch_size
+        start = i * self.global_batch + self.offset
         return order[start:start + self.batch_size].tolist()
+
+    def set_slice(self, offset: int, n: int) -> None:
+        """From the next batch on, this rank's share is positions [offset, offset + n) of each
+        global batch (train.balance auto); batches prefetched for the old share are dropped."""
+        if not (0 <= offset and 1 <= n and offset + n <= self.global_batch):
+            raise ValueError(f"run.loader: slice [{offset}, {offset + n}) is not inside a global batch of "
+                             f"{self.global_batch}")
+        self.balanced = True
+        if (offset, n) != (self.offset, self.batch_size):
+            self._drop_ahead()
+            self.offset, self.batch_size = offset, n
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:

@@ -32,8 +32,15 @@ optimizer's step ends it, and `run.log` closes it with the step's bytes and phas
 metric the script passes to `run.log` itself wins. After the first step each rank reports its
 `rank_plan` event (strategy, mesh, role, bytes of parameters and optimizer state held).
 
+train.balance auto (plain DDP): the ranks take shares of each global batch proportional to
+their measured compute speed (trainyard/sdk/balance.py, the trainer's code): `run.loader` hands
+each rank its current share, and each parameter's gradient is scaled by world x n_i / N before
+DDP averages it, so the update is the whole global batch's mean whatever the split (each rank
+still reports its own mean loss, and its `share`). The speeds are exchanged in `run.log` (a gloo
+all-gather): every rank logs every step, as telemetry already asks.
+
 A job whose JobSpec asks for what only `prepare` applies (compression, model averaging,
-grad_accum > 1, recompute, shard_optimizer, fsdp, tp) and whose script calls `run.log` without having
+grad_accum > 1, recompute, shard_optimizer, fsdp, tp, balance) and whose script calls `run.log` without having
 called `prepare` fails at that first `run.log` with a ConfigError (a user error: no restart).
 """
 from __future__ import annotations
@@ -84,6 +91,8 @@ def needs_prepare(spec: JobSpec | None) -> list[str]:
         out.append(f"parallel.tp {p.tp}")
     if spec.parallel == "auto":
         out.append("parallel auto")
+    if spec.train.balance != "none":
+        out.append(f"train.balance {spec.train.balance}")
     return out
 
 
@@ -237,9 +246,22 @@ class Prepared:
         self.state_opt = state_optimizer(self.opt)
         self._wrap_step(self.opt)
         self.module.register_forward_pre_hook(self._forward_starts)
+        self.balance = self._start_balance(spec, world) if spec and spec.train.balance == "auto" else None
         self._open = False
         self._ref = self._backward_end = self._optim_start = self._optim_end = None
         self._reported = False
+
+    def _start_balance(self, spec: JobSpec, world: int) -> Any:
+        """train.balance auto: the trainer's Balance (a gloo group: every rank calls prepare), its
+        slices handed to the run's loaders, and each gradient weighted by this rank's share."""
+        from .balance import Balance
+
+        balance = Balance.start(world, self.run.rank, spec.train.global_batch, self.accum,
+                                _Slices(self.run, spec.train.global_batch), self.run, _say if self.run.rank == 0 else (lambda line: None))
+        for p in self.inner.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g: g if balance.weight == 1.0 else g * balance.weight)
+        return balance
 
     def _meta_buffers(self, model: nn.Module) -> dict | None:
         """The buffers to restore after materialising, when the model's parameters are on meta."""
@@ -403,6 +425,13 @@ class Prepared:
         if self._optim_start is not None and self._optim_end is not None:
             out["optim_s"] = max(0.0, clock.seconds(self._optim_start, self._optim_end) - avg_s)
         out.update(sync_fields)
+        if self.balance is not None:
+            if not any(loader.balanced for loader in self.run._loaders):
+                raise ConfigError("train.balance auto resizes each rank's share of the batch through run.loader, "
+                                  "but this script's data does not come from run.loader: use run.loader(dataset), "
+                                  "or train.balance none")
+            out["share"] = self.balance.share  # this step's; a new split applies from the next
+            self.balance.after_step(step, out["compute_s"])
         if not self._reported:
             self._reported = True
             self.report_plan()
@@ -435,6 +464,22 @@ class Prepared:
                        **({"auto": self.auto} if self.auto and rank == 0 else {}))
         _say(f"rank {rank} plan {strategy} mesh {self.mesh.shape} comm {self.compression.kind} sync {self.sync.name} "
              f"grad_accum {self.accum} param_bytes {param_bytes(self.inner)} optim_bytes {opt_bytes}")
+
+
+class _Slices:
+    """Balance's data side for run.loader: the current split, applied to every loader of the run
+    (those made before prepare and after)."""
+
+    def __init__(self, run: Any, total: int):
+        self.run, self.total = run, total
+
+    def set_slice(self, offset: int, n: int) -> None:
+        for loader in self.run._loaders:
+            if loader.global_batch != self.total:
+                raise ConfigError(f"run.loader: under train.balance auto a loader's batch is the rank's share of "
+                                  f"train.global_batch ({self.total}), but this one's global batch is "
+                                  f"{loader.global_batch}: leave batch_size out")
+            loader.set_slice(offset, n)
 
 
 def _say(line: str) -> None:

@@ -240,6 +240,10 @@ class Run:
         from .loader import Loader
 
         mesh = Mesh.for_world(self.world_size, tp=self.spec.plan.tp if self.spec else 1)
+        balance = self._prepared.balance if self._prepared is not None else None
+        if balance is not None and batch_size not in (None, balance.total // mesh.dp):
+            raise ConfigError(f"run.loader: under train.balance auto each rank's share of the global batch "
+                              f"({balance.total}) follows its speed: leave batch_size out (got {batch_size})")
         if batch_size is None:
             if self.spec is None:
                 raise ValueError("run.loader: without a launch config (standalone) pass batch_size")
@@ -251,6 +255,8 @@ class Run:
                         seed=self._seed,
                         device=self.device, shuffle=shuffle, collate=collate, prefetch=prefetch)
         self._loaders.append(loader)
+        if balance is not None:  # the split now (loaders made before prepare got it from Balance)
+            loader.set_slice(balance.offset, balance.n)
         return loader
 
     def event(self, kind: str, **fields: Any) -> None:

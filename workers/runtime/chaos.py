@@ -18,7 +18,7 @@ Where the effects land in the telemetry: the slow sleep sits between fetching th
 forward pass, so it is in the slow rank's compute_s; its peers wait for it inside their gradient
 all-reduces, which is exposed comm (in their comm_s and step_s, not their compute_s).
 
-The slow knob (a test aid for load balancing, balance.py): a factor f >= 1 that makes a rank's
+The slow knob (a test aid for load balancing, trainyard/sdk/balance.py): a factor f >= 1 that makes a rank's
 compute take f times as long *in proportion to its work*, like a slower device. Before its
 forward pass the rank sleeps (f - 1) x n x its own compute time per sample in the previous step
 (forward+backward wall time minus the exposed wait for peers' gradients, minus that step's

@@ -12,7 +12,7 @@ A resumed run starts `start_batch` batches in (epoch start_batch // batches per 
 epoch's index order cut after the batches already consumed), so step k gets the same batch
 whether or not the run was interrupted before it.
 
-With train.balance=auto (balance.py) ranks take unequal, changing shares of each step's global
+With train.balance=auto (trainyard/sdk/balance.py) ranks take unequal, changing shares of each step's global
 batch: every rank walks the same global batch order (`global_batches`) and gathers only its own
 contiguous slice (`SliceBatches`); an equal split gives exactly the samples above.
 

@@ -32,7 +32,7 @@ device idled through them (the previous step ended synchronised, so a step start
   scales with the rank's work) shows its sleep in compute_s;
   its peers wait for it in their all-reduces, which lands in their comm_s, not their compute_s.
 samples_per_s / tokens_per_s are this rank's (per-rank batch / step_s); the job's throughput
-is their sum over ranks. With train.balance=auto (balance.py) the per-rank batch is this step's
+is their sum over ranks. With train.balance=auto (trainyard/sdk/balance.py) the per-rank batch is this step's
 share of the global batch, and each sample also carries "share" (that share / global_batch).
 bytes_sent is what this rank handed to gradient collectives (compressed or not, see comm.py).
 mem_bytes: process RSS on CPU; torch.cuda.max_memory_allocated (peak so far) on CUDA, where the
@@ -77,7 +77,7 @@ from trainyard.sdk.run import DistEnv, Preempted, Run, init_process_group, write
 from trainyard.sdk.run import say as _say
 from trainyard.spec import TrainSpec
 
-from .balance import Balance
+from trainyard.sdk.balance import Balance
 from .chaos import Chaos, SlowKnob
 from trainyard.sdk.comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig

@@ -2,6 +2,7 @@
 are applied or dead-lettered (Relay.sort/apply against the database, no Redis), and the on-disk
 checks before a checkpoint counts (checkpoint_verify, resume_checkpoint)."""
 import json
+import re
 
 import pytest
 from django.db import OperationalError
@@ -282,3 +283,23 @@ def test_the_control_plane_never_resumes_from_outside_the_jobs_checkpoint_direct
     assert point is not None and point.step == 10
     bad.refresh_from_db()
     assert bad.deleted_at is not None  # written off, never handed to a launch
+
+
+@pytest.mark.django_db
+def test_a_rebalanced_event_is_checked_and_goes_on_the_jobs_timeline(user, nodes):
+    """train.balance auto's new split (trainyard/sdk/balance.py, rank 0): a typed event, then a job event."""
+    job = submit(user)
+    attempt = start(job)
+    good = {"kind": "rebalanced", "attempt": attempt.pk, "rank": 0, "step": 6, "counts": [12, 4],
+            "previous": [8, 8], "shares": [0.75, 0.25], "speeds": [1500.0, 510.5]}
+    kind, data = entries.parse_entry({b"type": b"event", b"data": json.dumps(good).encode()})
+    assert kind == "event" and data == good
+    for bad, why in (({**good, "shares": [1.5, 0.25]}, "shares.0: Input should be less than or equal to 1"),
+                     ({**good, "counts": ["12", 4]}, "counts.0: Input should be a valid integer"),
+                     ({**good, "counts": [1] * 5000}, "counts: List should have at most 4096 items")):
+        with pytest.raises(entries.EntryError, match=re.escape(why)):
+            entries.parse_entry({b"type": b"event", b"data": json.dumps(bad).encode()})
+    services.telemetry_ingest([], events=[good])
+    event = JobEvent.objects.get(job=job, kind="rebalanced")
+    assert event.message == "batch split by measured speed from step 7: rank 0 12, rank 1 4 samples (was 8/8)"
+    assert event.data["counts"] == [12, 4] and event.data["speeds"] == [1500.0, 510.5]

@@ -19,7 +19,7 @@ import torch
 
 from tests.conftest import REPO, free_port
 from trainyard.spec import SpecError, parse_job_spec
-from workers.runtime.balance import Balance, Balancer, apportion, offsets
+from trainyard.sdk.balance import Balance, Balancer, apportion, offsets
 from workers.runtime.chaos import Chaos, SlowKnob
 from trainyard.sdk.checkpoint import final_name
 from trainyard.spec import DataSpec, ModelSpec

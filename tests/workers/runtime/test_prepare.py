@@ -22,7 +22,7 @@ from .conftest import make_launch_config, read_stream, write_launch_config
 SCRIPT = REPO / "tests" / "workers" / "runtime" / "user_model_script.py"
 FULL_PARAM_BYTES = 4 * 30_080  # the example MinGPT's parameters (vocab 64, 2 blocks of width 32), fp32
 STEPS, BATCH = 6, 8
-LINE = re.compile(r"^user rank (\d+) step (\d+) loss (\S+) bytes (\S+) ratio (\S+) averaged (\S+)$", re.MULTILINE)
+LINE = re.compile(r"^user rank (\d+) step (\d+) loss (\S+) bytes (\S+) ratio (\S+) averaged (\S+) share (\S+)$", re.MULTILINE)
 
 
 def _run(tmp: Path, url: str, *, nproc: int, job_id: int, steps: int = STEPS, resume: dict | None = None,
@@ -141,6 +141,35 @@ def test_a_resumed_user_run_continues_the_loader_mid_epoch_exactly(first_plan, t
     assert "user rank 0 resumed at 5 consumed 5" in second.stdout
     losses = _losses(first.stdout) | _losses(second.stdout)
     assert [sum(v) / len(v) for _, v in sorted(losses.items())] == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.procs
+def test_balance_gives_a_slow_rank_a_smaller_share_and_keeps_the_single_process_update(redis_url, tmp_path):
+    """train.balance auto through run.loader: rank 1 sleeps 20 ms per sample, so after the warm-up
+    (1 + 5 measured steps) it gets fewer samples of each global batch of 8; weighting each rank's
+    gradient by its share keeps every step the whole batch's update: the share-weighted mean of
+    the ranks' losses is single-process training's, step by step (fp32)."""
+    steps = 12
+    for d in ("single", "balanced", "mismatch"):
+        (tmp_path / d).mkdir()
+    single, _ = _run(tmp_path / "single", redis_url, nproc=1, job_id=70, steps=steps)
+    assert single.returncode == 0, single.stdout + single.stderr
+    proc, cfg = _run(tmp_path / "balanced", redis_url, nproc=2, job_id=71, steps=steps, train={"balance": "auto"},
+                     slow_rank=1, slow_s=0.02)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {(int(m[1]), int(m[2])): (float(m[3]), float(m[7])) for m in LINE.finditer(proc.stdout)}
+    weighted = [sum(loss * share for (r, s), (loss, share) in rows.items() if s == step)
+                for step in range(1, steps + 1)]
+    assert weighted == pytest.approx(_mean_losses(single.stdout), rel=1e-5)
+    assert all(rows[(r, s)][1] == 0.5 for r in (0, 1) for s in range(1, 7))  # warm-up: equal
+    assert rows[(1, steps)][1] < 0.5 < rows[(0, steps)][1], rows
+    samples, events, _ = read_stream(redis_url, cfg["stream"])
+    rebalanced = [e for e in events if e["kind"] == "rebalanced"]
+    assert rebalanced and rebalanced[0]["step"] == 6 and rebalanced[0]["counts"][1] < 4, rebalanced
+    assert all("share" in s for s in samples)
+    refused, _ = _run(tmp_path / "mismatch", redis_url, nproc=2, job_id=72, steps=2, train={"balance": "auto"},
+                      mode="noprepare")
+    assert refused.returncode != 0 and "train.balance auto" in refused.stdout + refused.stderr
 
 
 @pytest.mark.procs

@@ -3,8 +3,10 @@ or its Llama-style one (config.arch llama: q_proj ... down_proj), each with its 
 and block list and nothing of workers/runtime, and dataset, and the SDK's
 prepare / loader / micro_batches lines. config.mode "noprepare" skips prepare (the fail-fast
 test); config.resume_check prints the loader's position after restore; config.meta builds the model
-through run.init_device."""
+through run.init_device; config.slow_rank / slow_s make that rank sleep slow_s per sample of each
+micro-batch after its backward (a slower device: the train.balance test)."""
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,11 +38,14 @@ def main():
             loss = model(x, y) / run.grad_accum
             loss.backward()
             total += loss.item()
+            if run.rank == run.config.get("slow_rank"):
+                time.sleep(run.config["slow_s"] * len(x))
         opt.step()
         opt.zero_grad()
         sample = run.log(step, loss=total, samples=loader.batch_size)
         say(f"user rank {run.rank} step {step} loss {total!r} bytes {sample.get('bytes_sent')} "
-            f"ratio {sample.get('compression_ratio')} averaged {sample.get('averaged', '-')}")
+            f"ratio {sample.get('compression_ratio')} averaged {sample.get('averaged', '-')} "
+            f"share {sample.get('share', '-')}")
         if run.should_checkpoint(step):
             run.checkpoint(step, {"model": model, "optim": opt, "data": loader})
     run.finish()
