@@ -4,10 +4,13 @@ The model is examples/own_model/train.py's minGPT-style GPT (its own attention,
 MLP and block list), 2 gloo ranks on the CPU under `torchrun --standalone`, one thread per rank,
 fixed random token windows, AdamW.
 
-1. Overhead: the script wiring DDP itself (`DDP(model)`, plain AdamW, no SDK) against the same
-   loop through `run.prepare` + `run.loader` + `run.micro_batches` + `run.log` (telemetry into a
-   redis-server started here). Runs alternate hand, prepare, hand, ... so drift on a shared
-   machine hits both alike; throughput = global batch / rank 0's median step interval after
+1. Overhead, for DDP and for FSDP2: the script wiring the plan itself (`DDP(model)`, or
+   `fully_shard` on each block and then the root, plain AdamW, its own slice of each global
+   batch) against the same loop through `run.prepare` + `run.loader` + `run.micro_batches`. Both
+   report every step with `run.log` (telemetry into a redis-server started here), so the ratio is
+   what prepare itself costs; `bare` (hand-wired DDP without the SDK at all) is measured alongside,
+   so telemetry's own cost shows too. Runs alternate hand, prepare, bare, hand, ... so drift on a
+   shared machine hits all alike; throughput = global batch / rank 0's median step interval after
    --warmup. Target (issue 23): prepare / hand >= 0.98.
 2. Bytes on the wire: through prepare with comm.compression none, topk (ratio 0.01, error
    feedback) and powersgd (rank 4), each after the same 5 dense steps: bytes each rank sent over
@@ -34,7 +37,8 @@ from overhead import REPO, start_redis  # noqa: E402  (bench/ helpers)
 WORLD, BATCH, TARGET = 2, 16, 0.98  # BATCH: the global batch
 
 
-def launch_config(work: Path, name: str, redis_url: str, steps: int, width: int, comm: dict) -> Path:
+def launch_config(work: Path, name: str, redis_url: str, steps: int, width: int, comm: dict,
+                  parallel: dict | None = None) -> Path:
     run_dir = work / name
     run_dir.mkdir()
     cfg = {"job_id": 1, "attempt_id": len(list(work.iterdir())), "node": "bench", "run_dir": str(run_dir),
@@ -43,21 +47,30 @@ def launch_config(work: Path, name: str, redis_url: str, steps: int, width: int,
            "spec": {"name": "prepare-bench", "entrypoint": {"script": str(Path(__file__).resolve())},
                     "train": {"steps": steps, "global_batch": BATCH, "seed": 1},
                     "resources": {"nodes": 1, "procs_per_node": WORLD, "device": "cpu"},
-                    "checkpoint": {"every_steps": 1_000_000}, "comm": comm, "config": {"width": width}}}
+                    "checkpoint": {"every_steps": 1_000_000}, "comm": comm, "config": {"width": width},
+                    **({"parallel": {"dp": WORLD, **parallel}} if parallel else {})}}
     path = run_dir / "config.json"
     path.write_text(json.dumps(cfg))
     return path
 
 
-def side(args, work: Path, name: str, redis_url: str, *, prepare: bool, comm: dict | None = None) -> dict:
+def side(args, work: Path, name: str, redis_url: str, *, mode: str, fsdp: bool = False,
+         comm: dict | None = None) -> dict:
+    """mode: "prepare" (run.prepare applies the plan), "hand" (the script wires it, the SDK
+    reports), "bare" (hand-wired DDP, no SDK)."""
     out = work / f"{name}.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("TRAINYARD_RUN_CONFIG", None)
-    if prepare:
-        env["TRAINYARD_RUN_CONFIG"] = str(launch_config(work, name, redis_url, args.steps, args.width, comm or {}))
+    if mode != "bare":
+        parallel = {"fsdp": True} if fsdp and mode == "prepare" else {}
+        env["TRAINYARD_RUN_CONFIG"] = str(launch_config(work, name, redis_url, args.steps, args.width, comm or {},
+                                                        parallel))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-            __file__, "--role", "worker", "--out", str(out), "--steps", str(args.steps), "--width", str(args.width)]
-    subprocess.run(argv + (["--prepare"] if prepare else []), env=env, check=True, capture_output=True, timeout=900)
+            __file__, "--role", "worker", "--out", str(out), "--steps", str(args.steps), "--width", str(args.width),
+            "--mode", mode] + (["--fsdp"] if fsdp else [])
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     stamps = result["stamps"][args.warmup:]
     result["samples_per_s"] = BATCH / statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
@@ -76,7 +89,7 @@ def worker(args) -> None:
     model = MinGPT(n_embd=args.width, n_layer=2, n_head=4)
     data = Windows(n=BATCH * 64)
     stamps, losses, sent = [], [], 0
-    if args.prepare:
+    if args.mode == "prepare":
         import trainyard
 
         run = trainyard.init()
@@ -91,16 +104,31 @@ def worker(args) -> None:
             opt.step()
             opt.zero_grad()
             sample = run.log(step, loss=total, samples=loader.batch_size)
-            sent += sample["bytes_sent"]
+            sent += sample.get("bytes_sent") or 0
             losses.append(total)
             stamps.append(time.perf_counter())
         run.finish()
-    else:  # what a script does by hand: DDP, AdamW, its own sharding of the batch
+    else:  # what a script does by hand: DDP or FSDP2, AdamW, its own sharding of the batch
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        run = None
+        if args.mode == "hand":
+            import trainyard
+
+            run = trainyard.init()  # the SDK's process group and telemetry, nothing of prepare
+        else:
+            dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = DDP(model)
+        if args.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.h:
+                fully_shard(block, mesh=mesh)
+            model = fully_shard(model, mesh=mesh)
+        else:
+            model = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         share = BATCH // world
         g = torch.Generator().manual_seed(1)
@@ -114,8 +142,13 @@ def worker(args) -> None:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+            if run is not None:
+                run.log(step, loss=losses[-1], samples=share)
             stamps.append(time.perf_counter())
-        dist.destroy_process_group()
+        if run is not None:
+            run.finish()
+        else:
+            dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps({"stamps": stamps, "losses": losses, "bytes_sent": sent}))
 
@@ -128,7 +161,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--role", default="main")
     ap.add_argument("--out")
-    ap.add_argument("--prepare", action="store_true")
+    ap.add_argument("--mode", choices=("prepare", "hand", "bare"), default="prepare")
+    ap.add_argument("--fsdp", action="store_true")
     args = ap.parse_args()
     if args.role == "worker":
         worker(args)
@@ -138,15 +172,24 @@ def main() -> None:
         work = Path(tmp)
         redis, redis_url = start_redis(work)
         try:
-            pairs = []
-            for i in range(args.pairs):
-                hand = side(args, work, f"hand-{i}", redis_url, prepare=False)["samples_per_s"]
-                prep = side(args, work, f"prepare-{i}", redis_url, prepare=True)["samples_per_s"]
-                pairs.append({"hand_samples_per_s": round(hand, 2), "prepare_samples_per_s": round(prep, 2),
-                              "ratio": round(prep / hand, 3)})
+            overhead = {}
+            for plan in ("ddp", "fsdp"):
+                rounds = []
+                for i in range(args.pairs):
+                    got = {mode: side(args, work, f"{plan}-{mode}-{i}", redis_url, mode=mode,
+                                      fsdp=plan == "fsdp")["samples_per_s"]
+                           for mode in (("hand", "prepare", "bare") if plan == "ddp" else ("hand", "prepare"))}
+                    rounds.append({f"{m}_samples_per_s": round(v, 2) for m, v in got.items()}
+                                  | {"ratio": round(got["prepare"] / got["hand"], 3)}
+                                  | ({"telemetry_ratio": round(got["hand"] / got["bare"], 3)} if "bare" in got else {}))
+                ratio = statistics.median(r["ratio"] for r in rounds)
+                overhead[plan] = {"ratio_median": ratio, "target": TARGET, "target_met": ratio >= TARGET,
+                                  "rounds": rounds}
+                if plan == "ddp":
+                    overhead[plan]["telemetry_ratio_median"] = statistics.median(r["telemetry_ratio"] for r in rounds)
             comm = {}
             for kind, extra in (("none", {}), ("topk", {"ratio": 0.01}), ("powersgd", {"rank": 4})):
-                r = side(args, work, f"comm-{kind}", redis_url, prepare=True,
+                r = side(args, work, f"comm-{kind}", redis_url, mode="prepare",
                          comm={"compression": kind, "start_step": 5, **extra})
                 comm[kind] = {"bytes_sent": r["bytes_sent"], "final_loss": statistics.mean(r["losses"][-10:])}
             for kind in ("topk", "powersgd"):
@@ -155,10 +198,8 @@ def main() -> None:
         finally:
             redis.terminate()
             redis.wait(10)
-    ratio = statistics.median(p["ratio"] for p in pairs)
     print(json.dumps({"bench": "prepare", "world": WORLD, "global_batch": BATCH, "width": args.width,
-                      "steps": args.steps, "overhead": {"ratio_median": ratio, "target": TARGET,
-                                                        "target_met": ratio >= TARGET, "pairs": pairs},
+                      "steps": args.steps, "overhead": overhead,
                       "compression": comm, "wall_s": round(time.time() - t0, 1)}, indent=1))
 
 

@@ -14,7 +14,12 @@ checkpoints and resumes exactly.
   batch it hands out (prefetched ones are read again); `batch_size` is the current share. The
   ranks' slices tile the global batch, so the samples of a step are the same whatever the split.
 - Prefetch: the next `prefetch` batches are read and collated in one background thread; on
-  CUDA each is pinned and copied to the rank's device without blocking.
+  CUDA each is pinned and copied to the rank's device without blocking. On the CPU a thread only
+  pays where reading a batch takes a while: the first INLINE_PROBE batches are read in the
+  caller and timed, and if their median is under INLINE_S the loader goes on reading in the
+  caller (`mode` "inline"; an in-memory dataset: the hand-off to a thread and its contention for
+  the GIL cost more than the read, 5% of a 16 ms step in bench/prepare.py), else in the thread
+  (`mode` "thread"). prefetch=0 always reads in the caller.
 - Position: `state_dict()` is {"consumed": batches handed out, "global_batch", "seed"};
   `run.restore({"data": loader, ...})` puts it back, and the next batch is the one an
   uninterrupted run would have seen next (mid-epoch too). A position saved under another
@@ -22,11 +27,17 @@ checkpoints and resumes exactly.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 from torch.utils.data import default_collate
+
+
+INLINE_PROBE = 3  # batches read in the caller and timed before a CPU loader picks its mode
+INLINE_S = 0.002  # a CPU batch read faster than this (median) stays in the caller
 
 
 class Loader:
@@ -50,7 +61,10 @@ class Loader:
                              f"({batch_size} x {dp} data-parallel ranks = {self.global_batch})")
         self.n, self.seed, self.shuffle, self.device = n, seed, shuffle, device
         self.collate = collate or default_collate
-        self.prefetch = max(1, prefetch)
+        self.prefetch = max(0, prefetch)
+        # "probe" (CPU: timing the first reads), "inline" or "thread" (loader.py's docstring)
+        self.mode = "inline" if self.prefetch == 0 else "thread" if device.type == "cuda" else "probe"
+        self._probe_s: list[float] = []
         self.consumed = 0
         self.offset = dp_rank * batch_size  # this rank's slice of each global batch (set_slice)
         self.balanced = False  # set_slice was called: the shares follow train.balance
@@ -66,6 +80,15 @@ class Loader:
         return self
 
     def __next__(self) -> Any:
+        if self.mode != "thread":
+            t0 = time.perf_counter()
+            batch = self._load(self.consumed)
+            if self.mode == "probe":
+                self._probe_s.append(time.perf_counter() - t0)
+                if len(self._probe_s) == INLINE_PROBE:
+                    self.mode = "inline" if statistics.median(self._probe_s) < INLINE_S else "thread"
+            self.consumed += 1
+            return batch
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainyard-loader")
         for pos in range(self.consumed, self.consumed + self.prefetch + 1):

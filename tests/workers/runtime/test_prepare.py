@@ -239,3 +239,28 @@ def test_blocks_are_found_by_their_shape_or_their_name_and_batches_split_evenly(
     assert [p[0].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError, match="does not split into train.grad_accum = 3"):
         split(x, 3)
+
+
+def test_a_cpu_loader_reads_in_the_caller_unless_reading_takes_a_while_and_hands_out_the_same_batches():
+    """loader.py: on the CPU the first 3 reads are timed; an in-memory dataset stays inline (a
+    thread's hand-off costs more than the read), a slow one moves to the prefetch thread."""
+    import time as _time
+
+    class Slow(list):
+        def __getitem__(self, i):
+            _time.sleep(0.002)
+            return list.__getitem__(self, i)
+
+    data = [torch.tensor([i]) for i in range(24)]
+
+    def batches(dataset, **kw) -> tuple[list, str]:
+        loader = Loader(dataset, batch_size=4, dp_rank=0, dp=1, seed=3, device=torch.device("cpu"), **kw)
+        out = [next(loader).flatten().tolist() for _ in range(8)]
+        loader.close()
+        return out, loader.mode
+
+    fast, fast_mode = batches(data)
+    slow, slow_mode = batches(Slow(data))
+    never, never_mode = batches(data, prefetch=0)
+    assert (fast_mode, slow_mode, never_mode) == ("inline", "thread", "inline")
+    assert fast == slow == never and sorted(sum(fast[:6], [])) == list(range(24))
