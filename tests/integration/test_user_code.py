@@ -145,6 +145,33 @@ def test_an_outside_model_trains_under_the_jobs_plan_with_every_ranks_role_on_th
     assert record["global_batch"] == 16 and record["measured"]["tokens_per_s"] > 0
 
 
+# The plans not exercised by another test here, each an entrypoint job of examples/own_model
+# through the cluster: (config, parallel, comm, resources, each rank's strategy, a phrase of rank 1's role).
+MORE_PLANS = {
+    "local-sgd": ({}, {}, {"sync": "local_sgd", "period": 4, "start_step": 4}, (2, 1), "ddp", "replica 1 of 2"),
+    "zero1-recompute": ({}, {"shard_optimizer": True, "recompute": "full"}, {}, (2, 1), "ddp", "ZeRO-1"),
+    "dp-x-tp": ({"arch": "llama"}, {"dp": 2, "tp": 2}, {}, (2, 2), "dp x tp", "tp rank 1 of 2"),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE_PLANS))
+def test_an_outside_model_trains_under_more_plans_through_the_cluster(name, cluster, bundles):
+    config, parallel, comm, (nodes, procs), strategy, role = MORE_PLANS[name]
+    steps = 16
+    job = cluster.submit({"name": f"own-{name}", "code": {"bundle": bundles["own_model"]},
+                          "entrypoint": {"script": "train.py"}, "config": config,
+                          "train": {"steps": steps, "global_batch": 16}, "parallel": parallel, "comm": comm,
+                          "resources": {"nodes": nodes, "procs_per_node": procs}, "checkpoint": {"every_steps": 8}})
+    done = cluster.wait_status(job["id"], TERMINAL, 300)
+    assert done["status"] == "SUCCEEDED", (done, cluster.logs())
+    rows = assert_each_step_once(cluster, job["id"], steps, nodes * procs)
+    ranks = done["attempts"][0]["ranks"]
+    assert [r["strategy"] for r in ranks] == [strategy] * (nodes * procs) and role in ranks[1]["role"], ranks
+    if comm.get("sync") == "local_sgd":  # after step 4 the replicas average every 4 steps, sending nothing between
+        sent = {r["step"]: r["bytes_sent"] for r in rows if r["rank"] == 0}
+        assert [s for s in range(5, steps + 1) if sent[s] > 0] == [5, 9, 13], sent
+
+
 def kill_rank_1_mid_run(cluster: Cluster, bundle: str, name: str, *, config: dict, parallel: dict,
                         resources: dict, steps: int = 120) -> dict:
     """The example's model under `parallel`, rank 1 SIGKILLed after the first checkpoint: the job
