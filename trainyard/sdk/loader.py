@@ -157,6 +157,34 @@ class Loader:
             self._pool = None
 
 
+def for_run(run: Any, dataset: Any, batch_size: int | None, **options: Any) -> Loader:
+    """`run.loader`'s Loader: this rank's dp coordinate and share of train.global_batch (or
+    `batch_size`); under train.balance auto the share the balancer decided (loaders made before
+    prepare got it from the Balance)."""
+    from trainyard.mesh import Mesh
+
+    from .config import ConfigError
+
+    spec = run.spec
+    mesh = Mesh.for_world(run.world_size, tp=spec.plan.tp if spec else 1)
+    balance = run._prepared.balance if run._prepared is not None else None
+    if balance is not None and batch_size not in (None, balance.total // mesh.dp):
+        raise ConfigError(f"run.loader: under train.balance auto each rank's share of the global batch "
+                          f"({balance.total}) follows its speed: leave batch_size out (got {batch_size})")
+    if batch_size is None:
+        if spec is None:
+            raise ValueError("run.loader: without a launch config (standalone) pass batch_size")
+        if spec.train.global_batch % mesh.dp:
+            raise ConfigError(f"run.loader: train.global_batch {spec.train.global_batch} does not split "
+                              f"over {mesh.dp} data-parallel ranks: make it a multiple, or pass batch_size")
+        batch_size = spec.train.global_batch // mesh.dp
+    loader = Loader(dataset, batch_size=batch_size, dp_rank=mesh.coords(run.rank)["dp"], dp=mesh.dp,
+                    seed=run._seed, device=run.device, **options)
+    if balance is not None:
+        loader.set_slice(balance.offset, balance.n)
+    return loader
+
+
 def _to(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)

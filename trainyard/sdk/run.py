@@ -235,28 +235,10 @@ class Run:
         """This data-parallel rank's share of each global batch of `dataset` (loader.py): by default
         train.global_batch / dp samples a step (one tp group's ranks take the same), or `batch_size`.
         Checkpoint it with the model (`run.restore({"data": loader, ...})`) to resume mid-epoch."""
-        from trainyard.mesh import Mesh
+        from .loader import for_run
 
-        from .loader import Loader
-
-        mesh = Mesh.for_world(self.world_size, tp=self.spec.plan.tp if self.spec else 1)
-        balance = self._prepared.balance if self._prepared is not None else None
-        if balance is not None and batch_size not in (None, balance.total // mesh.dp):
-            raise ConfigError(f"run.loader: under train.balance auto each rank's share of the global batch "
-                              f"({balance.total}) follows its speed: leave batch_size out (got {batch_size})")
-        if batch_size is None:
-            if self.spec is None:
-                raise ValueError("run.loader: without a launch config (standalone) pass batch_size")
-            if self.spec.train.global_batch % mesh.dp:
-                raise ConfigError(f"run.loader: train.global_batch {self.spec.train.global_batch} does not split "
-                                  f"over {mesh.dp} data-parallel ranks: make it a multiple, or pass batch_size")
-            batch_size = self.spec.train.global_batch // mesh.dp
-        loader = Loader(dataset, batch_size=batch_size, dp_rank=mesh.coords(self.rank)["dp"], dp=mesh.dp,
-                        seed=self._seed,
-                        device=self.device, shuffle=shuffle, collate=collate, prefetch=prefetch)
+        loader = for_run(self, dataset, batch_size, shuffle=shuffle, collate=collate, prefetch=prefetch)
         self._loaders.append(loader)
-        if balance is not None:  # the split now (loaders made before prepare got it from Balance)
-            loader.set_slice(balance.offset, balance.n)
         return loader
 
     def event(self, kind: str, **fields: Any) -> None:
