@@ -41,15 +41,12 @@ test: venv test-deps
 test-integration: venv test-deps
 	$(PYTEST) -q tests/integration
 
-# The control-plane suite and the integration tests that pass on PostgreSQL today (chaos, API fuzz,
-# the control path's demo job, duplicate launch and relay SIGKILL) on a real PostgreSQL server
-# (Debian's postgresql, started by tests/postgres.py in a temporary directory on a free port,
-# stopped at the end). Not yet green there (issue 16 s2, open): test_control_path's cancel, node
-# lost, user error and tp/pp tests and test_live's slow-client test time out waiting for a job.
+# The control-plane suite and the integration tests of the control plane's own behaviour (chaos, API
+# fuzz, every control-path test, the live dashboard) on a real PostgreSQL server (Debian's postgresql,
+# started by tests/postgres.py in a temporary directory on a free port, stopped at the end).
 # `make test-postgres PG_TESTS="tests/jobs tests/integration"` runs everything.
-PG_CONTROL_PATH := $(addprefix tests/integration/test_control_path.py::,test_demo_job_runs_on_both_agents_and_succeeds \
-	test_duplicate_launch_and_agent_restart_start_the_job_once test_relay_sigkill_mid_run_loses_and_duplicates_nothing)
-PG_TESTS ?= tests/jobs tests/integration/test_chaos.py tests/integration/test_api_fuzz.py $(PG_CONTROL_PATH)
+PG_TESTS ?= tests/jobs tests/integration/test_chaos.py tests/integration/test_api_fuzz.py \
+	tests/integration/test_control_path.py tests/integration/test_live.py
 # The straggler test judges step-time ratios on a timer; it is not about the database (it runs on
 # SQLite in `make test`) and timed out once on PostgreSQL on a loaded 2-core machine.
 PG_DESELECT ?= --deselect tests/integration/test_chaos.py::test_a_slowed_rank_is_flagged_as_straggler_and_cleared_when_it_recovers
