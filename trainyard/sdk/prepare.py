@@ -256,8 +256,9 @@ class Prepared:
         slices handed to the run's loaders, and each gradient weighted by this rank's share."""
         from .balance import Balance
 
+        say = _say if self.run.rank == 0 else (lambda line: None)
         balance = Balance.start(world, self.run.rank, spec.train.global_batch, self.accum,
-                                _Slices(self.run, spec.train.global_batch), self.run, _say if self.run.rank == 0 else (lambda line: None))
+                                _Slices(self.run, spec.train.global_batch), self.run, say)
         for p in self.inner.parameters():
             if p.requires_grad:
                 p.register_hook(lambda g: g if balance.weight == 1.0 else g * balance.weight)
@@ -426,7 +427,7 @@ class Prepared:
             out["optim_s"] = max(0.0, clock.seconds(self._optim_start, self._optim_end) - avg_s)
         out.update(sync_fields)
         if self.balance is not None:
-            if not any(loader.balanced for loader in self.run._loaders):
+            if not self._reported and not any(loader.balanced for loader in self.run._loaders):  # once
                 raise ConfigError("train.balance auto resizes each rank's share of the batch through run.loader, "
                                   "but this script's data does not come from run.loader: use run.loader(dataset), "
                                   "or train.balance none")
