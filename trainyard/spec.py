@@ -11,16 +11,16 @@ paths ("model.hidden") to messages, which the API returns as HTTP 400 verbatim.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
                       field_validator, model_validator)
 
 from .mesh import param_count
 from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
 from .spec_parallel import MAX_STEPS, CommSpec, ParallelSpec
+from .spec_resources import MAX_LABELS as MAX_LABELS, ResourcesSpec
 from .textdoc import DocError, load_text
 from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
@@ -34,6 +34,16 @@ UINT16_IDS = 65536  # a data.kind tokens file holds uint16 ids
 # classes are defined) -------------------------------------------------------------------------
 def _per_replica_batch(s: JobSpec) -> int:
     return s.train.global_batch // max(1, s.dp)
+
+
+def _dp_at(s: JobSpec, nodes: int) -> int:
+    return nodes * s.resources.procs_per_node // (s.plan.tp * s.plan.pp)
+
+
+def _elastic_batch_break(s: JobSpec) -> int | None:
+    # The first node count in the elastic range at which the global batch does not split evenly.
+    return next((k for k in s.resources.node_counts
+                 if s.train.global_batch % max(1, _dp_at(s, k) * s.train.grad_accum)), None)
 
 
 def _builtin(s: JobSpec) -> bool:
@@ -82,6 +92,14 @@ RULES: tuple[Rule, ...] = (
          and s.train.global_batch % (s.dp * s.train.grad_accum),
          lambda s: f"global_batch ({s.train.global_batch}) must be divisible "
                    f"by dp x grad_accum = {s.dp * s.train.grad_accum}"),
+    # Elastic: dp follows the node count, and the global batch must split at every count.
+    Rule("spec", "parallel.dp", lambda s: s.resources.elastic and s.plan.dp is not None,
+         lambda s: "an elastic job's dp follows its node count: leave parallel.dp unset (it is "
+                   "nodes x procs_per_node / (tp x pp) on whatever count the job runs)"),
+    Rule("spec", "train.global_batch", lambda s: s.resources.elastic and _elastic_batch_break(s) is not None,
+         lambda s: f"an elastic job keeps its global batch on every node count: global_batch "
+                   f"({s.train.global_batch}) must be divisible by dp x grad_accum at each; on "
+                   f"{_elastic_batch_break(s)} nodes that is {_dp_at(s, _elastic_batch_break(s)) * s.train.grad_accum}"),
     Rule("spec", "model.vocab", lambda s: _builtin(s) and s.data.kind == "demo" and s.model.vocab < BYTE_VOCAB,
          lambda s: f"the demo corpus uses byte tokens: vocab must be at least {BYTE_VOCAB}"),
     Rule("spec", "train.warmup_steps", lambda s: s.train.warmup_steps > s.train.steps,
@@ -157,8 +175,8 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "comm.compression", lambda s: s.comm.sync != "allreduce" and s.comm.compression != "none",
          lambda s: f"compression applies to every-step gradient all-reduce; with "
                    f"comm.sync {s.comm.sync} use compression none"),
-    Rule("submit", "comm.sync",
-         lambda s: s.comm.sync == "hierarchical" and (s.resources.nodes < 2 or s.resources.procs_per_node < 2),
+    Rule("submit", "comm.sync", lambda s: s.comm.sync == "hierarchical" and (
+        (s.resources.min_nodes or s.resources.nodes) < 2 or s.resources.procs_per_node < 2),
          lambda s: "hierarchical averaging needs several nodes with several ranks each "
                    f"(resources {s.resources.nodes} x {s.resources.procs_per_node}); use local_sgd"),
     Rule("submit", "comm.periods.global",
@@ -260,50 +278,6 @@ class TrainSpec(_Strict):
                                                                  "data-parallel ranks by their measured speed")
 
 
-MAX_LABELS = 16
-MAX_GPU_MEMORY_GB = 4096
-_LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
-
-
-def _check_labels(labels: dict[str, str]) -> dict[str, str]:
-    # The charset of an agent's --labels (key=value pairs split on "," and "="), kept to what
-    # reads unambiguously in "no READY node has labels gpu=a100": 1-63 characters each.
-    if len(labels) > MAX_LABELS:
-        raise ValueError(f"at most {MAX_LABELS} labels, got {len(labels)}")
-    for key, value in labels.items():
-        if not _LABEL_KEY.fullmatch(key):
-            raise ValueError(f"label {key[:70]!r}: a key is 1-63 letters, digits, '.', '_', '-' or '/', "
-                             f"starting and ending with a letter or digit")
-        if not _LABEL_VALUE.fullmatch(value):
-            raise ValueError(f"label {key}: value {value[:70]!r} must be 1-63 letters, digits, '.', '_' or '-', "
-                             f"starting and ending with a letter or digit")
-    return labels
-
-
-NodeLabels = Annotated[dict[str, str], AfterValidator(_check_labels)]
-
-
-class ResourcesSpec(_Strict):
-    """What the job occupies: nodes x processes per node, on one kind of device."""
-
-    nodes: int = Field(2, ge=1, le=4096, description="machines the job spans (a gang: all or none start)")
-    procs_per_node: int = Field(1, ge=1, le=64, description="training processes (ranks) per node")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="cuda: one GPU per process, only on nodes whose "
-                                                              "agent reports GPUs")
-    gpu_memory_gb: float | None = Field(None, gt=0, le=MAX_GPU_MEMORY_GB,
-                                        description="cuda: only GPUs with at least this much memory each "
-                                                    "(GB = 1e9 bytes); null: any")
-    labels: NodeLabels = Field(default_factory=dict, description="node selector: run only on nodes carrying "
-                                                                 "every one of these labels (the agents' --labels), "
-                                                                 "e.g. {gpu: a100, rack: r2}")
-
-    @property
-    def world_size(self) -> int:
-        """Processes in the job: nodes x procs_per_node."""
-        return self.nodes * self.procs_per_node
-
-
 class CheckpointSpec(_Strict):
     """When the runtime saves, and how many complete checkpoints the control plane keeps."""
 
@@ -351,6 +325,10 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(CheckpointSpec(), description="saving and retention")
     priority: Literal["low", "normal", "high"] = Field("normal", description="queue order among runnable jobs")
     max_restarts: int = Field(3, ge=0, le=100, description="attempts after the first before the job fails")
+    adapt: Literal["advise", "auto"] = Field("advise", description="advise: profiles and OOMs suggest plan "
+                                            "changes; auto: the control plane applies them itself (re-plan on "
+                                            "OOM, keep a bottleneck fix only if the step got faster)")
+    adapt_max: int = Field(3, ge=0, le=100, description="adapt auto: the most automatic plan changes per job")
     hang_timeout_s: Union[Literal["auto"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
         "auto", description="seconds without a step before an attempt counts as hung; auto: from its "
                             "own step times")
@@ -396,6 +374,16 @@ class JobSpec(_Strict):
         """Plain data parallelism (tp 1, pp 1, fsdp false): what comm hooks and model averaging need."""
         p = self.plan
         return p.tp == 1 and p.pp == 1 and not p.fsdp
+
+    def at_nodes(self, nodes: int) -> "JobSpec":
+        """This spec on `nodes` nodes (an elastic job's attempt world), min_nodes kept at most it;
+        dp follows. SpecError when the count is outside the range or a rule refuses it."""
+        r = self.resources
+        if not (r.min_nodes or r.nodes) <= nodes <= r.nodes:
+            raise SpecError({"resources.nodes": [f"{nodes} nodes is outside [{r.min_nodes or r.nodes}, {r.nodes}]"]})
+        data = self.to_json()
+        return parse_job_spec({**data, "resources": {**data["resources"], "nodes": nodes,
+                                                     "min_nodes": min(r.min_nodes or nodes, nodes)}})
 
     def to_json(self) -> dict:
         """Full spec with every default filled in, in the user-facing key names."""

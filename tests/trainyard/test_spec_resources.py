@@ -50,3 +50,45 @@ def test_gpu_memory_is_bounded_and_only_for_cuda():
 def test_the_runtime_reads_a_spec_with_labels():
     stored = parse_job_spec({"name": "x", "resources": {"labels": {"gpu": "a100"}}}).to_json()
     assert validate_job_spec(stored).resources.labels == {"gpu": "a100"}
+
+
+# ---- elastic node counts and adapt (the adaptive issue's pinned spec) ----------------------------
+def test_elastic_nodes_range_is_stored_as_nodes_and_min_nodes():
+    spec = parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}}})
+    assert spec.to_json()["resources"]["nodes"] == 2 and spec.to_json()["resources"]["min_nodes"] == 1
+    assert spec.resources.elastic and list(spec.resources.node_counts) == [1, 2]
+    assert spec.adapt == "advise" and spec.adapt_max == 3
+    one = spec.at_nodes(1)
+    assert one.resources.nodes == 1 and one.dp == 1 and one.train.global_batch == spec.train.global_batch
+    # the stored form parses back to the same spec
+    assert parse_job_spec(spec.to_json()).to_json() == spec.to_json()
+
+
+@pytest.mark.parametrize("resources,field,text", [
+    ({"nodes": {"min": 3, "max": 2}}, "resources", "min (3) must not exceed max (2)"),
+    ({"nodes": {"min": 1}}, "resources", "nodes is a number or {min: M, max: N}"),
+    ({"nodes": {"min": 1, "max": 2, "step": 1}}, "resources", "unknown keys: step"),
+    ({"nodes": {"min": 1, "max": 2}, "min_nodes": 1}, "resources", "give the elastic range once"),
+    # 20 splits over 2 and 4 ranks but not over 3
+    ({"nodes": {"min": 2, "max": 4}}, "train.global_batch", "on 3 nodes that is 3"),
+])
+def test_elastic_nodes_refused(resources, field, text):
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "e", "resources": resources, "train": {"global_batch": 20}})
+    assert any(text in m for m in e.value.errors[field]), e.value.errors
+
+
+def test_elastic_job_must_leave_dp_to_the_node_count():
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}}, "parallel": {"dp": 2}})
+    assert "leave parallel.dp unset" in e.value.errors["parallel.dp"][0]
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}}}).at_nodes(3)
+    assert "outside [1, 2]" in e.value.errors["resources.nodes"][0]
+
+
+def test_adapt_is_advise_or_auto():
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "a", "adapt": "always"})
+    assert "adapt" in e.value.errors
+    assert parse_job_spec({"name": "a", "adapt": "auto", "adapt_max": 0}).adapt_max == 0
