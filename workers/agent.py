@@ -26,7 +26,7 @@ from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK,
                               Launch, NodeExit, RankFailure, RankInfo, RanksReport)
 
 from .celery_app import REDIS_URL, app, configure_node
-from .launch_spec import InterfaceError
+from .launch_spec import InterfaceError, warm_ranks
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, check_python_runs, prepare
 from .gpus import GpuMonitor, NvmlUnavailable
@@ -211,7 +211,8 @@ class Agent:
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
             nnodes=msg.nnodes, nproc=msg.nproc, slots=tuple(msg.slots),
             device=msg.device, rdzv_host=msg.rdzv_host, rdzv_port=port, local_addr=self.address,
-            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, gpu_ids=gpu_ids, **user_code)
+            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, gpu_ids=gpu_ids,
+            warm=warm_ranks(), **user_code)
         return self._start(req, cbs, plan, msg.rdzv_host, port)
 
     def _start(self, req: LaunchRequest, cbs: dict, plan: sandbox.SandboxPlan, rdzv_host: str, port: int) -> bool:
