@@ -13,7 +13,8 @@ Breakdown of the kill, from the job's timeline and the run directories:
   exits, the control plane stops the other node and classifies the failure)
 - scheduling: attempt ended -> the next attempt placed (a tick runs on every attempt end)
 - launcher_start: placed -> torchrun's rendezvous done on node-a (its per-rank log directory appears:
-  Celery delivery, procwrap, bwrap, the launcher's Python + imports, the rendezvous)
+  Celery delivery, then procwrap, bwrap, the launcher's Python + imports and the rendezvous; with a
+  standby only the hand-over and the rendezvous)
 - rank_start: rendezvous done -> the rank wrote its ranks/<lr>.json (a fresh interpreter importing
   torch and the runtime, or a fork of the warm launcher)
 - to_first_step: the rank's start -> the first new step (data, process group, model, checkpoint
@@ -21,8 +22,11 @@ Breakdown of the kill, from the job's timeline and the run directories:
 
 Sides: `before` runs every rank as a fresh interpreter under plain torchrun (TRAINYARD_WARM_RANKS=0,
 the code path before this issue); `after` forks the built-in runtime's ranks from a launcher that
-imported it before the rendezvous (workers/warmrun.py). The lazy import of the pipeline (pp only)
-is in both sides. `--sides before|after` runs one side only; `--no-sandbox` runs both unsandboxed.
+imported it before the rendezvous (workers/warmrun.py, with torch's rendezvous polls capped at 50 ms),
+and a restart on the same nodes runs in the standby launcher the agent started for it while the
+failed attempt trained (workers/standby.py). The lazy import of the pipeline (pp only) is in both
+sides. A node loss restarts on the other node, where no standby of the job waits: it shows the warm
+launcher alone. `--sides before|after` runs one side only; `--no-sandbox` runs both unsandboxed.
 """
 from __future__ import annotations
 
@@ -92,9 +96,10 @@ def kill_case(c: Cluster, log=print) -> dict:
     second, first_new = _next_attempt(c, job["id"])
     events = _events(c, job["id"])
     ended, placed = _at(events, "attempt_ended", first), _at(events, "attempt_started", second["id"])
-    run = f"agents/node-a/attempt-{second['id']}"
-    rdzv_done = _mtime(f"{run}/logs/*/attempt_0", c)
-    rank_up = _mtime(f"{run}/ranks/0.json", c)
+    # torchrun's per-attempt log directory, in the attempt's run directory or in the standby it ran in
+    logs = sorted(c.dir.glob(f"agents/node-a/*/logs/attempt-{second['id']}_*"))
+    rdzv_done = _mtime(f"{logs[0].relative_to(c.dir)}/attempt_0", c) if logs else None
+    rank_up = _mtime(f"{logs[0].parent.parent.relative_to(c.dir)}/ranks/0.json", c) if logs else None
     resumed = next((e for e in events if e["kind"] == "resumed" and e["attempt"] == second["id"]), None)
     _cancel(c, job["id"])
     total = first_new - t_kill
