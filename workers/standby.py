@@ -48,6 +48,7 @@ log = logging.getLogger("trainyard.agent.standby")
 STANDBY_TTL_S = 60.0
 STANDBY_IDS = 4096  # the top of the agent's id range: the standbys' uids
 STANDBY_NICE = 10  # its imports yield the CPU to the attempt training beside it; 0 again at hand-over
+STANDBY_DELAY_S = 3.0  # after the attempt's ranks are up: their first steps (the resumed run's) go first
 
 
 @dataclass
@@ -211,12 +212,17 @@ class Standbys:
             self._by_job[req.job_id] = Standby(req.job_id, fits(req), run_dir, plan, wrap)
         log.info("standby for job %s started (%s)", req.job_id, run_dir)
 
-    def ranks_up(self, attempt_id: int) -> None:
-        """An attempt's ranks are up here: start (in a thread) a standby for its job's next attempt."""
-        with self._lock:
-            req, plan = self._launched.get(attempt_id, (None, None))
-        if req is not None:
-            threading.Thread(target=self.start, args=(req, plan), daemon=True, name=f"standby-job-{req.job_id}").start()
+    def ranks_up(self, attempt_id: int, delay_s: float = STANDBY_DELAY_S) -> None:
+        """An attempt's ranks are up here: in delay_s, if it still runs here, start (in a thread) a
+        standby for its job's next attempt."""
+        def later() -> None:
+            time.sleep(delay_s)
+            with self._lock:
+                req, plan = self._launched.get(attempt_id, (None, None))
+            if req is not None:
+                self.start(req, plan)
+
+        threading.Thread(target=later, daemon=True, name=f"standby-for-{attempt_id}").start()
 
     def forget(self, attempt_id: int) -> None:
         with self._lock:
