@@ -1,21 +1,36 @@
-"""Recovery time after a rank is SIGKILLed, on a real single-machine Trainyard (the integration
-tests' Cluster: redis, daphne, Celery control worker + beat, relay, two node agents), for the demo
-model. Breakdown from the job's own timeline:
+"""Recovery time after a rank is SIGKILLed and after a node is lost, on a real single-machine
+Trainyard (the integration tests' Cluster: redis, daphne, Celery control worker + beat, relay, two
+sandboxed node agents), for the demo model, before and after issue 24's fast paths, side by side.
 
-- detection: SIGKILL -> the attempt ended (torchrun notices the dead worker, stops its peers, the
-  agents report the exits, the control plane classifies the failure)
+- kill: SIGKILL rank 1 of a 2-node job (1 rank per node) -> the first completed step of the next
+  attempt (its first metrics sample's timestamp, taken by the rank when the step finished).
+- node_loss: a 1-node job (2 ranks) whose node's agent and processes are killed; from the moment
+  the control plane declares the node lost (the attempt's `fenced` event, written in that
+  transaction) -> the first completed step of the next attempt, on the other node.
+
+Breakdown of the kill, from the job's timeline and the run directories:
+- detection: SIGKILL -> the attempt ended (torchrun notices the dead worker, the agents report the
+  exits, the control plane stops the other node and classifies the failure)
 - scheduling: attempt ended -> the next attempt placed (a tick runs on every attempt end)
-- process_start: placed -> every rank registered (Celery delivery, torchrun, Python + torch import)
-- checkpoint_load: the runtime's own load time of the checkpoint (rank 0)
-- to_first_step: ranks registered -> the first new step's sample (rendezvous, model build, load, step)
+- launcher_start: placed -> torchrun's rendezvous done on node-a (its per-rank log directory appears:
+  Celery delivery, then procwrap, bwrap, the launcher's Python + imports and the rendezvous; with a
+  standby only the hand-over and the rendezvous)
+- rank_start: rendezvous done -> the rank wrote its ranks/<lr>.json (a fresh interpreter importing
+  torch and the runtime, or a fork of the warm launcher)
+- to_first_step: the rank's start -> the first new step (data, process group, model, checkpoint
+  load, one step); checkpoint_load is the runtime's own load time (rank 0)
 
-The baseline, side by side: the same job's cold start (submit -> first step) on the same cluster.
-Run twice, side by side (issue 21): with the job sandbox (workers/sandbox.py, the default) and
-with TRAINYARD_INSECURE_NO_SANDBOX=1, so the output says what the sandbox adds to a recovery
-(`--sandbox on|off` runs one side only).
+Sides: `before` runs every rank as a fresh interpreter under plain torchrun (TRAINYARD_WARM_RANKS=0,
+the code path before this issue); `after` forks the built-in runtime's ranks from a launcher that
+imported it before the rendezvous (workers/warmrun.py, with torch's rendezvous polls capped at 50 ms),
+and a restart on the same nodes runs in the standby launcher the agent started for it while the
+failed attempt trained (workers/standby.py). The lazy import of the pipeline (pp only) is in both
+sides. A node loss restarts on the other node, where no standby of the job waits: it shows the warm
+launcher alone. `--sides before|after` runs one side only; `--no-sandbox` runs both unsandboxed.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -28,10 +43,12 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.integration.cluster import Cluster  # noqa: E402
+from tests.integration.cluster import Cluster, attempt_processes  # noqa: E402
 
 SPEC = {"name": "bench-recovery", "train": {"steps": 100000}, "checkpoint": {"every_steps": 20, "keep": 2},
         "max_restarts": 3}
+NODE_SPEC = dict(SPEC, name="bench-node-loss", resources={"nodes": 1, "procs_per_node": 2})
+TARGET_KILL_S, TARGET_NODE_LOSS_S = 5.0, 10.0
 
 
 def _ts(iso: str) -> float:
@@ -43,70 +60,137 @@ def _first_sample_ts(c: Cluster, job_id: int, attempt_id: int) -> float | None:
     return rows[0]["ts"] if rows else None
 
 
-def measure(log=print, sandboxed: bool = True) -> dict:
+def _events(c: Cluster, job_id: int) -> list[dict]:
+    return c.get(f"/api/v1/jobs/{job_id}/events/?page_size=500")["results"]
+
+
+def _at(events: list[dict], kind: str, attempt: int) -> float:
+    return _ts(next(e for e in events if e["kind"] == kind and e["attempt"] == attempt)["created_at"])
+
+
+def _mtime(pattern: str, c: Cluster) -> float | None:
+    found = sorted(c.dir.glob(pattern))
+    return found[0].stat().st_mtime if found else None
+
+
+def _next_attempt(c: Cluster, job_id: int) -> tuple[dict, float]:
+    second = c.wait_for(lambda: len((j := c.job(job_id))["attempts"]) > 1 and j["attempts"][1], 120,
+                        "the next attempt")
+    first_new = c.wait_for(lambda: _first_sample_ts(c, job_id, second["id"]), 180, "the first new step")
+    return c.job(job_id)["attempts"][1], first_new  # with its ranks
+
+
+def _cancel(c: Cluster, job_id: int) -> None:
+    c.request("POST", f"/api/v1/jobs/{job_id}/cancel/")
+    c.wait_status(job_id, {"CANCELLED", "FAILED", "SUCCEEDED"}, 60)
+
+
+def kill_case(c: Cluster, log=print) -> dict:
+    job = c.submit(SPEC)
+    first = c.wait_running_ranks(job["id"], 2, 180)["attempts"][0]["id"]
+    c.wait_for(lambda: c.get(f"/api/v1/jobs/{job['id']}/checkpoints/")["count"] > 0, 300, "a checkpoint")
+    victim = next(r for r in c.job(job["id"])["attempts"][0]["ranks"] if r["rank"] == 1)
+    log(f"killing rank 1 (pid {victim['pid']}) of job {job['id']}")
+    t_kill = time.time()
+    psutil.Process(victim["pid"]).send_signal(signal.SIGKILL)
+    second, first_new = _next_attempt(c, job["id"])
+    events = _events(c, job["id"])
+    ended, placed = _at(events, "attempt_ended", first), _at(events, "attempt_started", second["id"])
+    # torchrun's per-attempt log directory, in the attempt's run directory or in the standby it ran in
+    logs = sorted(c.dir.glob(f"agents/node-a/*/logs/attempt-{second['id']}_*"))
+    rdzv_done = _mtime(f"{logs[0].relative_to(c.dir)}/attempt_0", c) if logs else None
+    rank_up = _mtime(f"{logs[0].parent.parent.relative_to(c.dir)}/ranks/0.json", c) if logs else None
+    resumed = next((e for e in events if e["kind"] == "resumed" and e["attempt"] == second["id"]), None)
+    _cancel(c, job["id"])
+    total = first_new - t_kill
+    return {
+        "kill_to_first_resumed_step_s": round(total, 2),
+        "breakdown_s": {"detection": round(ended - t_kill, 2), "scheduling": round(placed - ended, 2),
+                        "launcher_start": rdzv_done and round(rdzv_done - placed, 2),
+                        "rank_start": rdzv_done and rank_up and round(rank_up - rdzv_done, 2),
+                        "to_first_step": rank_up and round(first_new - rank_up, 2),
+                        "checkpoint_load": resumed and round(resumed["data"].get("load_s") or 0, 2)},
+        "resumed_from_step": second["resumed_from_step"],
+        "same_nodes": {r["node"] for r in second["ranks"]} == {"node-a", "node-b"},
+    }
+
+
+def node_loss_case(c: Cluster, log=print) -> dict:
+    job = c.submit(NODE_SPEC)
+    running = c.wait_running_ranks(job["id"], 2, 180)
+    first = running["attempts"][0]
+    node = first["ranks"][0]["node"]
+    c.wait_for(lambda: c.get(f"/api/v1/jobs/{job['id']}/checkpoints/")["count"] > 0, 300, "a checkpoint")
+    log(f"killing {node} (its agent and the processes of attempt {first['id']})")
+    c.kill_proc(node)  # the machine dies: its agent and everything it started
+    for p in attempt_processes(first["id"]):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    second, first_new = _next_attempt(c, job["id"])
+    events = _events(c, job["id"])
+    declared = _at(events, "fenced", first["id"])
+    placed = _at(events, "attempt_started", second["id"])
+    _cancel(c, job["id"])
+    c.start_proc(node)
+    total = first_new - declared
+    return {"node_loss_to_first_resumed_step_s": round(total, 2),
+            "breakdown_s": {"declared_to_placed": round(placed - declared, 2),
+                            "placed_to_first_step": round(first_new - placed, 2)},
+            "lost_node": node, "resumed_on": sorted({r["node"] for r in second["ranks"]})}
+
+
+def measure(log=print, sandboxed: bool = True, fast: bool = True, node_loss: bool = False) -> dict:
+    """One side on a fresh cluster: the kill (and, with node_loss, the node loss) case."""
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
         c = Cluster(Path(tmp))
+        c.env["TRAINYARD_WARM_RANKS"] = "1" if fast else "0"
         if not sandboxed:
             c.env["TRAINYARD_INSECURE_NO_SANDBOX"] = "1"
         try:
             c.start()
-            t_submit = time.time()
-            job = c.submit(SPEC)
-            running = c.wait_running_ranks(job["id"], 2, 180)
-            first = running["attempts"][0]["id"]
-            cold_first = c.wait_for(lambda: _first_sample_ts(c, job["id"], first), 180, "the first step")
-            c.wait_for(lambda: c.get(f"/api/v1/jobs/{job['id']}/checkpoints/")["count"] > 0, 300, "a checkpoint")
-            victim = next(r for r in c.job(job["id"])["attempts"][0]["ranks"] if r["rank"] == 1)
-            log(f"killing rank 1 (pid {victim['pid']}) of job {job['id']}")
-            t_kill = time.time()
-            psutil.Process(victim["pid"]).send_signal(signal.SIGKILL)
-            second = c.wait_for(lambda: len((j := c.job(job["id"]))["attempts"]) > 1 and j["attempts"][1], 120,
-                                "the next attempt")
-            first_new = c.wait_for(lambda: _first_sample_ts(c, job["id"], second["id"]), 180, "the first new step")
-            events = c.get(f"/api/v1/jobs/{job['id']}/events/?page_size=500")["results"]
-
-            def at(kind: str, attempt: int) -> dict:
-                return next(e for e in events if e["kind"] == kind and e["attempt"] == attempt)
-
-            ended = _ts(at("attempt_ended", first)["created_at"])
-            placed = _ts(at("attempt_started", second["id"])["created_at"])
-            ranks_up = _ts(at("running", second["id"])["created_at"])
-            resumed = next((e for e in events if e["kind"] == "resumed" and e["attempt"] == second["id"]), None)
-            c.request("POST", f"/api/v1/jobs/{job['id']}/cancel/")
-            c.wait_status(job["id"], {"CANCELLED", "FAILED", "SUCCEEDED"}, 60)
+            t0 = time.time()
+            job = c.submit(dict(SPEC, name="bench-cold", train={"steps": 3}))
+            c.wait_status(job["id"], {"SUCCEEDED"}, 180)
+            out = {"model": "demo gpt (spec defaults), gloo, CPU", "sandboxed": sandboxed,
+                   "warm_ranks": fast, "cold_job_3_steps_s": round(time.time() - t0, 2), "kill": kill_case(c, log)}
+            if node_loss:
+                out["node_loss"] = node_loss_case(c, log)
+            return out
         finally:
             c.stop()
-    total = first_new - t_kill
-    cold = cold_first - t_submit
-    return {
-        "model": "demo gpt (spec defaults), 2 ranks x 1 proc, gloo, CPU", "sandboxed": sandboxed,
-        "kill_to_first_new_step_s": round(total, 2),
-        "breakdown_s": {"detection": round(ended - t_kill, 2), "scheduling": round(placed - ended, 2),
-                        "process_start": round(ranks_up - placed, 2),
-                        "checkpoint_load": resumed and resumed["data"].get("load_s"),
-                        "to_first_step": round(first_new - ranks_up, 2)},
-        "resumed_from_step": second["resumed_from_step"],
-        "baseline_cold_start_s": round(cold, 2),
-        "ratio_to_cold_start": round(total / cold, 3),
-        "target_s": 15.0, "target_met": total < 15.0,
-    }
 
 
-if __name__ == "__main__":
+def main() -> None:
     import argparse
     import json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sandbox", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--sides", choices=["both", "before", "after"], default="both")
+    ap.add_argument("--no-sandbox", action="store_true")
+    ap.add_argument("--no-node-loss", action="store_true", help="the kill case only")
     args = ap.parse_args()
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    sides = {"on": [True], "off": [False], "both": [False, True]}[args.sandbox]
-    out = {("sandbox" if s else "no_sandbox"): measure(log=log, sandboxed=s) for s in sides}
-    if len(out) == 2:
-        a, b = out["sandbox"], out["no_sandbox"]
-        out["sandbox_added_s"] = {
-            "kill_to_first_new_step": round(a["kill_to_first_new_step_s"] - b["kill_to_first_new_step_s"], 2),
-            "process_start": round(a["breakdown_s"]["process_start"] - b["breakdown_s"]["process_start"], 2),
-            "cold_start": round(a["baseline_cold_start_s"] - b["baseline_cold_start_s"], 2)}
-        out["ratio_sandbox_to_no_sandbox"] = round(a["kill_to_first_new_step_s"] / b["kill_to_first_new_step_s"], 3)
+    sides = {"before": [False], "after": [True], "both": [False, True]}[args.sides]
+    out: dict = {"machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start"}
+    for fast in sides:
+        out["after" if fast else "before"] = measure(log=log, sandboxed=not args.no_sandbox, fast=fast,
+                                                     node_loss=not args.no_node_loss)
+    side = out.get("after") or out["before"]
+    out["target"] = {"kill_s": TARGET_KILL_S, "node_loss_s": TARGET_NODE_LOSS_S,
+                     "kill_met": side["kill"]["kill_to_first_resumed_step_s"] < TARGET_KILL_S}
+    if "node_loss" in side:
+        out["target"]["node_loss_met"] = side["node_loss"]["node_loss_to_first_resumed_step_s"] < TARGET_NODE_LOSS_S
+    if len(sides) == 2:
+        b, a = out["before"], out["after"]
+        out["side_by_side"] = {"kill_to_first_resumed_step_s": [b["kill"]["kill_to_first_resumed_step_s"],
+                                                                a["kill"]["kill_to_first_resumed_step_s"]]}
+        if "node_loss" in a:
+            out["side_by_side"]["node_loss_to_first_resumed_step_s"] = [
+                b["node_loss"]["node_loss_to_first_resumed_step_s"], a["node_loss"]["node_loss_to_first_resumed_step_s"]]
     print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

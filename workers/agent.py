@@ -26,11 +26,11 @@ from trainyard.launch import (COMMAND_MAX_AGE_S, HEARTBEAT_TASK, NODE_EXIT_TASK,
                               Launch, NodeExit, RankFailure, RankInfo, RanksReport)
 
 from .celery_app import REDIS_URL, app, configure_node
-from .launch_spec import InterfaceError
+from .launch_spec import InterfaceError, warm_ranks
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, check_python_runs, prepare
 from .gpus import GpuMonitor, NvmlUnavailable
-from . import sandbox
+from . import sandbox, standby
 from .launch_spec import CHAOS_VAR
 
 log = logging.getLogger("trainyard.agent")
@@ -86,6 +86,7 @@ class Agent:
         self._registry_lock = threading.Lock()
         self._stop = threading.Event()
         self.cores_per_slot = max(1, (os.cpu_count() or 1) // slots)
+        self.standbys = standby.Standbys(run_base, self.sandbox_cfg)
 
     # ---------------------------------------------------------------- helpers
     def report(self, task: str, body: dict, **options) -> None:
@@ -130,6 +131,8 @@ class Agent:
         def on_ranks(ranks: list[dict]) -> None:
             infos = [RankInfo.model_validate(r).model_dump(mode="json") for r in ranks]
             self.report(RANKS_TASK, RanksReport(attempt_id=attempt_id, ranks=infos).model_dump(mode="json"))
+            if not self._stop.is_set():  # its ranks are up: the next attempt's launcher can import now
+                self.standbys.ranks_up(attempt_id)
 
         def on_log(rank: int, which: str, lines: list[str]) -> None:
             try:
@@ -141,6 +144,7 @@ class Agent:
         def on_exit(result: dict) -> None:
             with self._registry_lock:
                 self.supervisors.pop(attempt_id, None)
+            self.standbys.forget(attempt_id)
             client.close()
             report = NodeExit.model_validate(dict(result, node=self.name))
             self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
@@ -211,8 +215,26 @@ class Agent:
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,
             nnodes=msg.nnodes, nproc=msg.nproc, slots=tuple(msg.slots),
             device=msg.device, rdzv_host=msg.rdzv_host, rdzv_port=port, local_addr=self.address,
-            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, gpu_ids=gpu_ids, **user_code)
+            config=config, run_dir=str(run_dir), cores_per_slot=self.cores_per_slot, gpu_ids=gpu_ids,
+            warm=warm_ranks(), **user_code)
+        if req.warm and not req.user_code:
+            sb = self.standbys.take(req, plan)
+            if sb is not None:
+                return self._hand_over(sb, req, cbs)
         return self._start(req, cbs, plan, msg.rdzv_host, port)
+
+    def _hand_over(self, sb: standby.Standby, req: LaunchRequest, cbs: dict) -> bool:
+        """Run the attempt in the job's standby launcher: already imported, it only rendezvouses."""
+        with self._lock(req.attempt_id):
+            sup = standby.launch_in(sb, req, cbs, self.run_dir(req.attempt_id) / "launched")
+            if sup is None:
+                self.standbys.discard(sb)
+                return False
+            with self._registry_lock:
+                self.supervisors[req.attempt_id] = sup
+        log.info("launched attempt %s (job %s) on %s in its standby %s", req.attempt_id, req.job_id, self.name,
+                 sb.run_dir)
+        return True
 
     def _start(self, req: LaunchRequest, cbs: dict, plan: sandbox.SandboxPlan, rdzv_host: str, port: int) -> bool:
         attempt_id = req.attempt_id
@@ -319,6 +341,7 @@ class Agent:
     def stop_all(self) -> None:
         """Graceful agent shutdown (Ctrl-C under `make run`): stop every attempt running here, in parallel."""
         self._stop.set()
+        self.standbys.stop_all()
         with self._registry_lock:
             sups = list(self.supervisors.values())
         threads = [threading.Thread(target=s.stop, daemon=True) for s in sups]
@@ -333,6 +356,9 @@ class Agent:
                 self.report(HEARTBEAT_TASK, self.heartbeat_payload().model_dump(mode="json"), expires=10)
             except Exception as exc:  # Redis down: keep trying, the supervisors keep running
                 log.warning("heartbeat failed: %s", exc)
+            with self._registry_lock:
+                jobs = {sup.req.job_id for sup in self.supervisors.values()}
+            self.standbys.expire(jobs)
             self._stop.wait(HEARTBEAT_S)
 
 
@@ -421,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_node(args.name)  # before anything connects: its own unacked keys, no declarations
     AGENT = Agent(args.name, args.address, args.slots, _labels(args.labels), args.device,
                   Path(args.run_dir).resolve() / args.name, gpus, credential, sandbox_cfg=sandbox_config())
+    AGENT.standbys.clean_leftovers()
     AGENT.adopt_running()
     from celery.signals import worker_shutting_down
 

@@ -30,6 +30,8 @@ MONITOR_INTERVAL_S = 0.1  # torchrun's own worker check
 # After one local rank fails, torchrun SIGTERMs its local peers and SIGKILLs them after this;
 # its 30 s default would hold the node's slots for half a minute after every failure.
 SHUTDOWN_TIMEOUT_S = 5
+# "0": every rank of the built-in runtime starts as a fresh interpreter (benchmarks' baseline).
+WARM_VAR = "TRAINYARD_WARM_RANKS"
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:\[\]]([A-Za-z0-9_.:\[\]-]*)$")  # never starts with "-"
 
@@ -58,6 +60,7 @@ class LaunchRequest:
     python: str = ""  # absolute path of the interpreter for torchrun and the ranks; "" = the agent's own
     code_dir: str = ""  # the extracted bundle (read-only): cwd and first on PYTHONPATH; "" = none
     gpu_ids: tuple[str, ...] = ()  # cuda in a sandbox: the slots' GPU UUIDs (CUDA_VISIBLE_DEVICES)
+    warm: bool = True  # the built-in runtime: ranks forked from a launcher that imported it (workers.warmrun)
 
     @property
     def interpreter(self) -> str:
@@ -72,6 +75,11 @@ class LaunchRequest:
     def cwd(self) -> str:
         """User code runs in its bundle, anything else in its home (<run_dir>/home)."""
         return self.code_dir or os.path.join(os.path.abspath(self.run_dir), "home")
+
+
+def warm_ranks(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this agent forks the built-in runtime's ranks from a warm launcher (WARM_VAR)."""
+    return (os.environ if environ is None else environ).get(WARM_VAR, "1") != "0"
 
 
 def validate(req: LaunchRequest) -> None:
@@ -125,8 +133,11 @@ def build_argv(req: LaunchRequest, config_path: str, log_dir: str) -> list[str]:
         entry = [req.script, *req.args]
     else:
         entry = ["-m", req.module, *req.args]
+    # The built-in runtime's ranks are forks of a launcher that imported it already (workers/warmrun.py).
+    warm = req.warm and not req.user_code and req.module == "workers.runtime"
+    launcher = "workers.warmrun" if warm else "torch.distributed.run"
     return [
-        req.interpreter, "-m", "torch.distributed.run",
+        req.interpreter, "-m", launcher,
         "--nnodes", str(req.nnodes),
         "--nproc-per-node", str(req.nproc),
         "--rdzv-backend", "c10d",

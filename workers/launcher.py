@@ -179,6 +179,24 @@ class Supervisor:
         return [*wrap, "--sandbox-args", args_path, "--", bwrap, "--", *command], outer, "/"
 
     @classmethod
+    def take_over(cls, req: LaunchRequest, wrap: WrapperHandle, *, on_ranks, on_log, on_exit,
+                  sandbox: "sandbox.SandboxPlan | None" = None) -> "Supervisor | None":
+        """Supervise a standby launcher (workers/standby.py) as req's attempt, from the moment the
+        agent handed it over; None if this run_dir was launched already."""
+        sup = cls(req, on_ranks=on_ranks, on_log=on_log, on_exit=on_exit, sandbox=sandbox)
+        try:
+            fd = os.open(sup._path("launched"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return None
+        os.close(fd)
+        sup._wrap, sup._started_at = wrap, time.time()
+        write_json_atomic(sup._path("supervisor.json"), {
+            "wrapper_pid": wrap.pid, "wrapper_create_time": wrap.create_time, "started_at": sup._started_at,
+            "request": dataclasses.asdict(req), "sandboxed": sup.sandboxed})
+        sup._spawn_thread()
+        return sup
+
+    @classmethod
     def adopt(cls, run_dir, *, on_ranks, on_log, on_exit) -> "Supervisor | None":
         """Re-attach to an attempt launched by an earlier agent process.
 

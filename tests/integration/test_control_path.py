@@ -101,9 +101,15 @@ def test_duplicate_launch_and_agent_restart_start_the_job_once(cluster):
         f"attempt {attempt['id']} already launched") >= 3
 
 
+LAUNCHERS = (["-m", "torch.distributed.run"], ["-m", "workers.warmrun"])  # workers.launch_spec.build_argv
+
+
 def is_torchrun(p: psutil.Process) -> bool:
+    """torchrun (not procwrap, which names it later; not a rank forked from the warm launcher
+    (workers/warmrun.py), which shows its launcher's command line)."""
     try:
-        return p.cmdline()[1:3] == ["-m", "torch.distributed.run"]  # not procwrap, which names it later
+        parent = p.parent()
+        return p.cmdline()[1:3] in LAUNCHERS and (parent is None or parent.cmdline()[1:3] not in LAUNCHERS)
     except psutil.Error:
         return False
 

@@ -15,7 +15,6 @@ from torch import nn
 from trainyard.mesh import Mesh
 
 from .parallel import DDPStrategy, MeteredStrategy
-from .pipeline import PipelineStrategy
 from .sharded import ShardedStrategy
 
 
@@ -27,6 +26,10 @@ def build_strategy(mesh: Mesh, rank: int, model: nn.Module, device: torch.device
     bytes of the other strategies' collectives. vocab, heads, hidden: the model's shape (the
     sharded strategy's role text); microbatches, schedule: the pipeline's (parallel.*)."""
     if mesh.pp > 1:  # pp, or dp x pp
+        # Imported here: torch.distributed.pipelining pulls in torch._dynamo (~0.6 s of a start, and
+        # of every restart, that a job without pp does not need).
+        from .pipeline import PipelineStrategy
+
         return MeteredStrategy(PipelineStrategy(model, mesh, rank, device, hidden=hidden,
                                                 microbatches=microbatches, schedule=schedule),
                                counter)
