@@ -61,17 +61,18 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
     r = parsed.resources
     warnings = placement_warnings(nodes, parsed)
-    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
+    least = r.min_nodes or r.nodes  # an elastic job runs on its least nodes too
+    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, least, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
         raise SpecError({"resources": [
-            f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"needs {least} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     auto = None
     runs = parsed
     if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
         runs, auto = autoplan.resolve_auto(parsed)  # a new spec, running the best plan
     stored = runs.to_json()
-    if runs.parallel != "auto":
+    if runs.parallel != "auto" and not r.elastic:  # an elastic job's dp follows its node count
         stored["parallel"]["dp"] = runs.dp
     plan = planner.describe(stored)
     plan["source"] = ("spec" if parsed.parallel != "auto" else
