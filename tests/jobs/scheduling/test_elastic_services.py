@@ -39,7 +39,7 @@ def grow_now(settings):
     settings.TRAINYARD_ELASTIC_GROW_MIN_S = 0
 
 
-def test_starts_on_one_node_then_grows_to_two(user, nodes, sent, preempts, grow_now,
+def test_starts_on_one_node_then_grows_to_two(user, nodes, sent, preempts, grow_now, client_for, client,
                                              django_capture_on_commit_callbacks):
     busy = submit(user, **BUSY)
     busy_attempt = start(busy)
@@ -70,6 +70,12 @@ def test_starts_on_one_node_then_grows_to_two(user, nodes, sent, preempts, grow_
     resized = job.events.filter(kind="resized").order_by("id").last()
     assert resized.data["previous"] == 1 and "growing from 1 to 2" in resized.data["reason"]
     assert {p["spec"]["resources"]["nodes"] for p in launches(sent, job)[1:]} == {2}
+    # the API and the job page show the node count over time
+    got = client_for(user).get(f"/api/v1/jobs/{job.pk}/").json()
+    assert [h["nodes"] for h in got["node_history"]] == [1, 2]
+    client.force_login(user)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="nodes-over-time"' in page and "<polyline" in page and "growing from 1 to 2" in page
 
 
 def test_a_lost_node_shrinks_it_at_once_without_a_restart(user, nodes, sent, django_capture_on_commit_callbacks):
