@@ -3,8 +3,9 @@ starts, when a running one grows, and how reclaim shrinks one instead of stoppin
 
 - **Start**: a queued elastic job takes N nodes when they are free. Otherwise it starts now on
   the most nodes k in [M, N) that are free, when that is predicted to finish sooner than waiting
-  for N: now + work / k before (its EASY reservation's shadow time for N) + work / N, where
-  work = predicted_s x N (`predicted_s` is its run time on N nodes; run time scales as 1 / k).
+  for N (its EASY reservation's shadow time for N, + work / N), where work = predicted_s x N
+  (`predicted_s` is its run time on N nodes; run time scales as 1 / k): on k it finishes at
+  now + work / k, or, when that is past the shadow time, grows to N there (+ RESIZE_COST_S).
   A job that can never get N nodes (fewer eligible nodes) is treated as one of the most it could.
   One stopped to resize or after a lost node (`restart_now`) starts at once on the most free.
 - **Grow**: after the queue walk, a running elastic job below N whose predicted end is more than
@@ -27,6 +28,9 @@ from typing import Mapping
 from jobs.scheduling.policy.cluster import QueuedJob, RunningJob
 from jobs.scheduling.policy.placement import FreeSlots, IndexShares, PoolExclusion
 
+# What a resize costs the job, assumed: the cooperative stop, the relaunch and the checkpoint load.
+RESIZE_COST_S = 60.0
+
 def at_count(job: QueuedJob, k: int) -> QueuedJob:
     """The job as a fixed gang of k nodes; its predicted run time scales as nodes / k."""
     if k == job.nodes and not job.elastic:
@@ -43,17 +47,22 @@ def fmt_s(s: float) -> str:
 def start_fewer(job: QueuedJob, most: int, k: int, now: float, wait_shadow: float | None) -> str | None:
     """Why the elastic `job` (as queued: `predicted_s` on `job.nodes`) should start now on k nodes
     rather than wait for `most` (the most it could get) from `wait_shadow` (None: no predicted
-    start); None: it should wait."""
+    start); None: it should wait. Started now, it runs on k until the shadow time and then grows
+    to `most` (paying RESIZE_COST_S), unless it is done on k first."""
     if job.restart_now:
         return (f"restarting at once on {k} of up to {job.nodes} node(s) (elastic, at least "
                 f"{job.min_nodes})")
-    work = job.predicted_s * job.nodes
-    finish_now = work / k
-    finish_wait = math.inf if wait_shadow is None else wait_shadow - now + work / most
+    work = job.predicted_s * job.nodes  # node-seconds
+    if wait_shadow is None:
+        finish_now, finish_wait = work / k, math.inf
+    else:
+        ahead = max(0.0, wait_shadow - now)
+        finish_wait = ahead + work / most
+        finish_now = work / k if work <= ahead * k else ahead + RESIZE_COST_S + (work - ahead * k) / most
     if finish_now >= finish_wait:
         return None
-    return (f"started on {k} of {job.nodes} nodes: predicted to finish in {fmt_s(finish_now)}, against "
-            f"{fmt_s(finish_wait)} waiting for {most}")
+    return (f"started on {k} of {job.nodes} nodes: predicted to finish in {fmt_s(finish_now)} (growing when "
+            f"more nodes free up), against {fmt_s(finish_wait)} waiting for {most}")
 
 
 def with_nodes(exclude, extra: set[int]):
