@@ -7,7 +7,6 @@ line (the global batch is kept on every world: the data order is the same, so th
 Reclaim's shrink is covered on the database (tests/jobs/scheduling/test_elastic_services.py)."""
 from __future__ import annotations
 
-import time
 
 import psutil
 import pytest

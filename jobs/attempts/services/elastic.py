@@ -50,9 +50,10 @@ def _why(before: Attempt | None, reason: str) -> str:
         return reason or "started"
     if before.stop_reason == "preempt" and before.preempt_reason:
         return before.preempt_reason
-    if before.stop_reason.startswith("node_lost:"):
-        return f"node {before.stop_reason.split(':', 1)[1]} was lost; restarted at once on the surviving nodes"
     failure = before.failure or {}
+    if before.outcome == "lost" or before.stop_reason.startswith("node_lost:"):
+        lost = failure.get("node") or before.stop_reason.partition(":")[2] or "?"
+        return f"node {lost} was lost; restarted at once on the surviving nodes"
     if failure.get("exclude"):
         return f"attempt {before.number} failed blaming {', '.join(failure['exclude'])}; restarted without them"
     return reason or f"attempt {before.number} ended: {before.outcome}"
