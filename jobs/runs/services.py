@@ -18,6 +18,7 @@ from jobs.scheduling.policy import eligibility
 from jobs.attempts.services.attempts import attempt_stop
 from jobs.bundles.services import bundle_files
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
@@ -70,9 +71,16 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
     auto = None
     runs = parsed
     if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
-        runs, auto = autoplan.resolve_auto(parsed)  # a new spec, running the best plan
+        # a new spec, running the best plan (an elastic job's for its most nodes; each attempt's
+        # world is planned again: jobs/attempts/services/elastic.py)
+        runs, auto = autoplan.resolve_auto(fixed_at(parsed.to_json(), r.nodes) if r.elastic else parsed)
     stored = runs.to_json()
-    if runs.parallel != "auto" and not r.elastic:  # an elastic job's dp follows its node count
+    if r.elastic:  # dp follows the node count
+        stored["resources"]["min_nodes"] = r.min_nodes
+        if isinstance(stored["parallel"], dict):
+            stored["parallel"]["dp"] = None
+        check_counts(stored, {"auto": True} if auto is not None else None)
+    elif runs.parallel != "auto":
         stored["parallel"]["dp"] = runs.dp
     plan = planner.describe(stored)
     plan["source"] = ("spec" if parsed.parallel != "auto" else

@@ -19,7 +19,8 @@ from django.utils import timezone
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
 from jobs.attempts.services.events import job_event, job_set_status
 from jobs.models import Attempt, Job
-from trainyard.spec import parse_job_spec
+from jobs.planning import autoplan
+from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
 HISTORY_MAX = 200  # entries kept in Job.node_history (the oldest go first)
 
@@ -29,11 +30,38 @@ def is_elastic(spec: dict) -> bool:
     return r.get("min_nodes") is not None and r["min_nodes"] < r.get("nodes", 0)
 
 
-def spec_at(spec: dict, nodes: int) -> dict:
-    """The stored spec an attempt on `nodes` nodes runs (the job's own when that is its size)."""
+def fixed_at(spec: dict, nodes: int, parallel=None) -> JobSpec:
+    """The spec as a fixed-size job of `nodes` nodes (with `parallel` instead of its own, if given)."""
+    data = {**spec, "resources": {**spec["resources"], "nodes": nodes, "min_nodes": None}}
+    if parallel is not None:
+        data["parallel"] = parallel
+    return parse_job_spec(data)
+
+
+def spec_at(spec: dict, nodes: int, plan: dict | None = None) -> dict:
+    """The stored spec an attempt on `nodes` nodes runs (the job's own when that is its size): a
+    job the planner planned (`plan["auto"]`, parallel auto) is planned again for that world, any
+    other keeps its plan with dp following the count; the global batch is kept either way.
+    SpecError when the count cannot run it (submit checks every count: `check_counts`)."""
     if not is_elastic(spec) or nodes == spec["resources"]["nodes"]:
         return spec
+    if plan and plan.get("auto"):
+        try:
+            return autoplan.resolve_auto(fixed_at(spec, nodes, "auto"))[0].to_json()
+        except SpecError:  # submit found a plan at this count; should the planner's inputs have
+            pass           # changed since, keep the job's own plan with dp following
     return parse_job_spec(spec).at_nodes(nodes).to_json()
+
+
+def check_counts(spec: dict, plan: dict | None) -> None:
+    """SpecError naming the first node count of an elastic job's range its attempt could not run on."""
+    for k in range(spec["resources"]["min_nodes"], spec["resources"]["nodes"]):
+        try:
+            spec_at(spec, k, plan)
+        except SpecError as exc:
+            why = "; ".join(f"{f}: {m}" for f, ms in exc.errors.items() for m in ms)
+            raise SpecError({"resources.nodes": [f"an elastic job must run on every count in its range; on {k} "
+                                                 f"node(s): {why}"]}) from None
 
 
 def _previous_count(attempt: Attempt) -> tuple[int | None, Attempt | None]:

@@ -35,7 +35,7 @@ def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: 
         device=job.spec["resources"]["device"], rdzv_host=rdzv_host, local_addr=local_addr,
         stream=keys.attempt_stream(job.pk, attempt.pk), redis_user=redis_acl.attempt_user(attempt.pk),
         redis_password=secrets.redis_password, proof_key=secrets.proof_key, rdzv_token=secrets.rdzv_token,
-        spec=spec_at(job.spec, nnodes), planner=(job.plan or {}).get("auto_inputs"),
+        spec=spec_at(job.spec, nnodes, job.plan), planner=(job.plan or {}).get("auto_inputs"),
         collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
                                                           settings.TRAINYARD_HANG_FLOOR_S),
         resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,

@@ -116,3 +116,28 @@ def test_reclaim_shrinks_a_borrowing_elastic_job(user, other, teams, nodes, sent
     assert Job.objects.get(pk=theirs.pk).status == "STARTING"
     assert job.status == "STARTING" and job.attempts.order_by("-number").first().allocations.count() == 1
     assert [h["nodes"] for h in job.node_history] == [2, 1]
+
+
+def test_parallel_auto_elastic_job_runs_its_plan_on_every_count(user, nodes, sent,
+                                                                django_capture_on_commit_callbacks):
+    job = submit(user, resources={"nodes": {"min": 1, "max": 2}, "procs_per_node": 2}, parallel="auto",
+                 model={"kind": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 64},
+                 train={"steps": 100, "global_batch": 16})
+    assert job.spec["parallel"].get("dp") is None and job.spec["resources"]["min_nodes"] == 1
+    assert job.plan["auto"]  # planned for its most nodes; each attempt's world is planned again
+    node_b = Node.objects.get(name="node-b")
+    Node.objects.filter(pk=node_b.pk).update(quarantined_at=timezone.now())  # one node left
+    with django_capture_on_commit_callbacks(execute=True):
+        services.schedule_tick()
+    (launch,) = launches(sent, job)
+    one = launch["spec"]
+    assert launch["nnodes"] == 1 and one["resources"]["nodes"] == 1
+    assert one["parallel"]["dp"] * one["parallel"]["tp"] * one["parallel"]["pp"] == 2  # a plan for 2 ranks
+    assert one["train"]["global_batch"] == 16
+
+
+def test_submit_refuses_an_elastic_job_some_count_cannot_run(user, nodes):
+    from trainyard.spec import SpecError
+    with pytest.raises(SpecError) as e:  # tp 2 over 1 node x 1 process
+        submit(user, resources={"nodes": {"min": 1, "max": 2}, "procs_per_node": 1}, parallel={"tp": 2})
+    assert "do not split" in str(e.value.errors)
