@@ -5,7 +5,8 @@ Helios): seeded and deterministic.
     python bench/tracegen.py --jobs 2000 --seed 1 --cluster-slots 256 --load 0.9 > trace.csv
 
 Columns: job_id,submit_s,user,team,slots,duration_s,estimate_s,priority (what
-`manage.py simulate --trace` reads).
+`manage.py simulate --trace` reads), and min_slots with `--elastic SHRINK` (multi-node jobs
+elastic down to slots / SHRINK).
 
 What it reproduces (Jeon et al., ATC'19, "Analysis of Large-Scale Multi-Tenant GPU Clusters";
 Hu et al., SC'21, "Characterization and Prediction of Deep Learning Workloads in Large-Scale
@@ -98,8 +99,16 @@ def generate(jobs: int, seed: int = 0, *, cluster_slots: int = 256, load: float 
     return out
 
 
+def make_elastic(rows: list[dict], slots_per_node: int = 8, shrink: int = 4) -> list[dict]:
+    """The trace with every multi-node job (slots > slots_per_node) elastic: `min_slots` its
+    slots / shrink, at least one node's worth (resources.nodes {min, max} in the simulator)."""
+    return [{**r, "min_slots": max(slots_per_node, r["slots"] // shrink)} if r["slots"] > slots_per_node else r
+            for r in rows]
+
+
 def write_csv(rows: list[dict], f) -> None:
-    w = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+    cols = COLUMNS + (("min_slots",) if any("min_slots" in r for r in rows) else ())
+    w = csv.DictWriter(f, fieldnames=cols, lineterminator="\n")
     w.writeheader()
     w.writerows(rows)
 
@@ -110,8 +119,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cluster-slots", type=int, default=256, help="slots of the cluster the load is meant for")
     ap.add_argument("--load", type=float, default=0.9, help="offered load: work / (cluster slots x span)")
+    ap.add_argument("--elastic", type=int, default=0, metavar="SHRINK",
+                    help="make multi-node jobs (over 8 slots) elastic down to slots / SHRINK (column min_slots)")
     a = ap.parse_args(argv)
-    write_csv(generate(a.jobs, a.seed, cluster_slots=a.cluster_slots, load=a.load), sys.stdout)
+    rows = generate(a.jobs, a.seed, cluster_slots=a.cluster_slots, load=a.load)
+    write_csv(make_elastic(rows, 8, a.elastic) if a.elastic else rows, sys.stdout)
 
 
 if __name__ == "__main__":

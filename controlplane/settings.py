@@ -213,6 +213,8 @@ TRAINYARD_PREEMPT_GRACE_S = float(os.environ.get("TRAINYARD_PREEMPT_GRACE_S", "6
 TRAINYARD_QUOTA_WINDOW_S = float(os.environ.get("TRAINYARD_QUOTA_WINDOW_S", str(7 * 86400)))
 # Reclaim (preempt borrowers) only when the entitled job would otherwise wait longer than this.
 TRAINYARD_RECLAIM_WAIT_S = float(os.environ.get("TRAINYARD_RECLAIM_WAIT_S", "600"))
+# An elastic job predicted to end within this long does not grow onto free nodes (the restart costs more).
+TRAINYARD_ELASTIC_GROW_MIN_S = float(os.environ.get("TRAINYARD_ELASTIC_GROW_MIN_S", "300"))
 TRAINYARD_FAIRSHARE_HALF_LIFE_S = float(os.environ.get("TRAINYARD_FAIRSHARE_HALF_LIFE_S", str(86400)))
 # POST /api/v1/auth/token/ (jobs/access/api.py): token requests per client address (DRF rate syntax).
 TRAINYARD_LOGIN_RATE = os.environ.get("TRAINYARD_LOGIN_RATE", "20/min")

@@ -40,6 +40,12 @@ def _dp_at(s: JobSpec, nodes: int) -> int:
     return nodes * s.resources.procs_per_node // (s.plan.tp * s.plan.pp)
 
 
+def _elastic_world_break(s: JobSpec) -> int | None:
+    # The first node count in the elastic range whose processes do not split into tp x pp groups.
+    return next((k for k in s.resources.node_counts
+                 if (k * s.resources.procs_per_node) % (s.plan.tp * s.plan.pp)), None)
+
+
 def _elastic_batch_break(s: JobSpec) -> int | None:
     # The first node count in the elastic range at which the global batch does not split evenly.
     return next((k for k in s.resources.node_counts
@@ -96,7 +102,12 @@ RULES: tuple[Rule, ...] = (
     Rule("spec", "parallel.dp", lambda s: s.resources.elastic and s.plan.dp is not None,
          lambda s: "an elastic job's dp follows its node count: leave parallel.dp unset (it is "
                    "nodes x procs_per_node / (tp x pp) on whatever count the job runs)"),
-    Rule("spec", "train.global_batch", lambda s: s.resources.elastic and _elastic_batch_break(s) is not None,
+    Rule("spec", "parallel", lambda s: s.resources.elastic and _elastic_world_break(s) is not None,
+         lambda s: f"an elastic job runs tp x pp = {s.plan.tp * s.plan.pp} on every node count: on "
+                   f"{_elastic_world_break(s)} nodes its {_elastic_world_break(s) * s.resources.procs_per_node} "
+                   f"processes do not split into groups of that size; raise nodes.min or procs_per_node"),
+    Rule("spec", "train.global_batch", lambda s: s.resources.elastic and _elastic_world_break(s) is None
+         and _elastic_batch_break(s) is not None,
          lambda s: f"an elastic job keeps its global batch on every node count: global_batch "
                    f"({s.train.global_batch}) must be divisible by dp x grad_accum at each; on "
                    f"{_elastic_batch_break(s)} nodes that is {_dp_at(s, _elastic_batch_break(s)) * s.train.grad_accum}"),
@@ -172,6 +183,10 @@ RULES: tuple[Rule, ...] = (
     Rule("submit", "comm.sync", lambda s: s.comm.sync != "allreduce" and s.dp < 2,
          lambda s: f"{s.comm.sync} averages models across ranks: it needs at least 2 data-parallel "
                    f"ranks, the job has {s.dp}"),
+    Rule("submit", "comm.sync", lambda s: s.comm.sync != "allreduce" and s.resources.elastic
+         and _dp_at(s, s.resources.min_nodes) < 2,
+         lambda s: f"{s.comm.sync} averages models across ranks: on its least nodes ({s.resources.min_nodes}) "
+                   f"this elastic job has {_dp_at(s, s.resources.min_nodes)} data-parallel rank(s), it needs 2"),
     Rule("submit", "comm.compression", lambda s: s.comm.sync != "allreduce" and s.comm.compression != "none",
          lambda s: f"compression applies to every-step gradient all-reduce; with "
                    f"comm.sync {s.comm.sync} use compression none"),

@@ -35,6 +35,11 @@ class Job(models.Model):
     predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")  # as its migration (0003) says: now jobs/planning/policy/predictor.py
     predicted_start_at = models.DateTimeField(null=True, blank=True, help_text="ETA while queued")
     borrowing = models.BooleanField(default=False, help_text="runs beyond its team's quota on idle capacity")
+    # Elastic jobs (resources.nodes {min, max}): the node count of each attempt as it started,
+    # [{"at": ISO time, "attempt": n, "nodes": k, "reason": why}], and whether the next start is
+    # a restart at once on whatever is free (it was stopped to resize, or lost a node).
+    node_history = models.JSONField(default=list, blank=True)
+    elastic_restart = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

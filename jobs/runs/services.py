@@ -18,6 +18,7 @@ from jobs.scheduling.policy import eligibility
 from jobs.attempts.services.attempts import attempt_stop
 from jobs.bundles.services import bundle_files
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
 
@@ -61,17 +62,25 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
     r = parsed.resources
     warnings = placement_warnings(nodes, parsed)
-    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, r.nodes, r.procs_per_node):
+    least = r.min_nodes or r.nodes  # an elastic job runs on its least nodes too
+    if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, least, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
         raise SpecError({"resources": [
-            f"needs {r.nodes} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"needs {least} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     auto = None
     runs = parsed
     if parsed.parallel == "auto" and parsed.model is not None and parsed.model.kind == "gpt":
-        runs, auto = autoplan.resolve_auto(parsed)  # a new spec, running the best plan
+        # a new spec, running the best plan (an elastic job's for its most nodes; each attempt's
+        # world is planned again: jobs/attempts/services/elastic.py)
+        runs, auto = autoplan.resolve_auto(fixed_at(parsed.to_json(), r.nodes) if r.elastic else parsed)
     stored = runs.to_json()
-    if runs.parallel != "auto":
+    if r.elastic:  # dp follows the node count
+        stored["resources"]["min_nodes"] = r.min_nodes
+        if isinstance(stored["parallel"], dict):
+            stored["parallel"]["dp"] = None
+        check_counts(stored, {"auto": True} if auto is not None else None)
+    elif runs.parallel != "auto":
         stored["parallel"]["dp"] = runs.dp
     plan = planner.describe(stored)
     plan["source"] = ("spec" if parsed.parallel != "auto" else

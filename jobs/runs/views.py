@@ -138,6 +138,30 @@ def _checkpoint_row(c) -> dict:
     return row
 
 
+def _node_timeline(job: Job, attempts: list, now) -> dict | None:
+    """An elastic job's node count over time (Job.node_history; 0 between attempts) as an SVG
+    step line (400 x 60) and its rows; None for a fixed-size job or before its first start."""
+    from datetime import datetime
+
+    hist = job.node_history or []
+    most = int(job.spec.get("resources", {}).get("nodes", 1))
+    if not hist or job.spec.get("resources", {}).get("min_nodes") is None:
+        return None
+    ended = {a.number: a.ended_at for a in attempts}
+    segs = []  # (start, end, nodes) in epoch seconds
+    for h in hist:
+        start = datetime.fromisoformat(h["at"]).timestamp()
+        end = ended.get(h["attempt"])
+        segs.append((start, (end or now).timestamp(), h["nodes"]))
+    t0, t1 = segs[0][0], max(max(e for _, e, _ in segs), segs[0][0] + 1)
+    x = lambda t: round(400 * (t - t0) / (t1 - t0), 1)  # noqa: E731
+    y = lambda n: round(58 - 54 * n / most, 1)  # noqa: E731
+    pts = []
+    for start, end, n in segs:
+        pts += [f"{x(start)},{y(0)}", f"{x(start)},{y(n)}", f"{x(end)},{y(n)}", f"{x(end)},{y(0)}"]
+    return {"points": " ".join(pts), "most": most, "rows": hist[::-1]}
+
+
 @login_required
 def job_detail(request, pk: int):
     job = _visible_job(request, pk)
@@ -160,7 +184,7 @@ def job_detail(request, pk: int):
     mesh = job.plan.get("mesh") or {}
     plan_mesh = " × ".join(f"{d}={mesh[d]}" for d in job.plan.get("order", ()) if d in mesh)
     return render(request, "jobs/job_detail.html", {
-        "job": job, "attempts": attempts, "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
+        "job": job, "attempts": attempts, "nodes_over_time": _node_timeline(job, attempts, timezone.now()), "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
         "logs": telemetry_selectors.job_log_lines(job.pk, limit=200), "config": config,
         "telemetry_unavailable": job.status in Job.TERMINAL and not has_telemetry,

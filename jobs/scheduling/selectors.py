@@ -28,14 +28,21 @@ def _pairs(labels) -> tuple[tuple[str, str], ...]:
 
 def _queued(j: Job) -> QueuedJob:
     r = j.spec["resources"]
+    least = r.get("min_nodes")
+    elastic = least is not None and least < r["nodes"]
+    # an elastic job restarts at once on what is free after a resize, or after a failure that
+    # blamed nodes (it avoids them: the surviving nodes)
     return QueuedJob(j.pk, j.priority, r["nodes"], r["procs_per_node"], frozenset(j.avoid_nodes or ()),
                      j.team.name if j.team_id else None, j.owner.username, j.created_at.timestamp(),
-                     j.predicted_s or 3600.0, **eligibility.job_requirement(r))
+                     j.predicted_s or 3600.0, **eligibility.job_requirement(r),
+                     min_nodes=least if elastic else None,
+                     restart_now=elastic and (j.elastic_restart or bool(j.avoid_nodes)))
 
 
 def queue_snapshot() -> list[QueuedJob]:
     return [_queued(j) for j in Job.objects.filter(status=Job.Status.QUEUED).select_related("team", "owner")
-            .only("id", "priority", "spec", "avoid_nodes", "team__name", "owner__username", "created_at", "predicted_s")]
+            .only("id", "priority", "spec", "avoid_nodes", "team__name", "owner__username", "created_at", "predicted_s",
+                  "elastic_restart")]
 
 
 def running_snapshot(now: float) -> list[RunningJob]:
@@ -50,11 +57,16 @@ def running_snapshot(now: float) -> list[RunningJob]:
         started = (a.started_at or a.created_at).timestamp()
         left = (job.predicted_s or 3600.0) * (1 - (a.last_step - (a.resumed_from_step or 0)) /
                                               max(1, job.total_steps - (a.resumed_from_step or 0)))
-        out.append(RunningJob(job.pk, job.team.name if job.team_id else None, job.owner.username, job.slots,
-                              job.priority, tuple(shares[a.pk]), started,
+        held = tuple(shares[a.pk])
+        shape = _queued(job)
+        scale = shape.nodes / len(held) if shape.elastic else 1.0  # its prediction is on its most nodes
+        out.append(RunningJob(job.pk, job.team.name if job.team_id else None, job.owner.username,
+                              sum(len(ids) for _, ids in held), job.priority, held, started,
                               # progress-based: the remaining share of the prediction from now
-                              now + max(0.0, left) if a.last_step else started + (job.predicted_s or 3600.0),
-                              preemptible=not a.stop_reason, preempted_for=a.preempt_for))
+                              now + max(0.0, left) * scale if a.last_step else
+                              started + (job.predicted_s or 3600.0) * scale,
+                              preemptible=not a.stop_reason, preempted_for=a.preempt_for,
+                              elastic=shape if shape.elastic else None))
     return out
 
 
@@ -107,7 +119,8 @@ def cluster_view(now=None) -> ClusterView:
     return ClusterView(now.timestamp(), tuple(cluster_snapshot()), tuple(running_snapshot(now.timestamp())),
                        tuple(queue_snapshot()), quotas_snapshot(now), fair_usage(now),
                        half_life_s=settings.TRAINYARD_FAIRSHARE_HALF_LIFE_S,
-                       reclaim_wait_s=settings.TRAINYARD_RECLAIM_WAIT_S)
+                       reclaim_wait_s=settings.TRAINYARD_RECLAIM_WAIT_S,
+                       grow_min_left_s=settings.TRAINYARD_ELASTIC_GROW_MIN_S)
 
 
 def queue_positions() -> dict[int, int]:

@@ -25,6 +25,12 @@ Modelling choices:
   with its original submission time and the remaining work; its prediction is the predicted
   total minus the checkpointed work (at least a minute).
 - Fair-share usage decays with `half_life_s` (fairshare.UsageMeter).
+- Elastic jobs: a trace row may carry `min_slots` (optional column): the job runs on any node
+  count from ceil(min_slots / procs_per_node) to its nodes, and its duration is on all of them
+  (on k of N nodes it progresses at k / N: work scales linearly). A resize (a grow, or reclaim
+  shrinking it) is a cooperative stop that keeps all the work done (it checkpoints at the stop)
+  and costs `resize_cost_s` of restart on the next attempt. `elastic=False` runs every job at its
+  most nodes (the fixed-size baseline of the same trace); the report adds `resizes`.
 
 Output (`simulate()` returns it, `manage.py simulate --json` prints it): `avg_jct_s`,
 `p50_jct_s`, `p99_jct_s` (job completion time: end - submission), `avg_wait_s` (first start -
@@ -49,6 +55,7 @@ from jobs.planning.policy.predictor import TraceHistory
 from jobs.scheduling.policy import POLICIES, ClusterView, NodeState, Placement, Quotas, QueuedJob, RunningJob, schedule
 
 TRACE_COLUMNS = ("job_id", "submit_s", "user", "team", "slots", "duration_s", "estimate_s", "priority")
+OPTIONAL_COLUMNS = ("min_slots",)  # an elastic job's least slots (empty: a fixed-size job)
 
 
 class TraceError(ValueError):
@@ -65,6 +72,7 @@ class TraceJob:
     duration_s: float
     estimate_s: float
     priority: int = 1
+    min_slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ class SimConfig:
     preempt_exit_s: float = 30.0
     half_life_s: float = DEFAULT_HALF_LIFE_S
     tick_s: float = 300.0
+    elastic: bool = True  # False: every elastic job runs at its most nodes (the fixed-size baseline)
+    resize_cost_s: float = 30.0
+    grow_min_left_s: float = 300.0
 
 
 def _number(row: Mapping[str, str], col: str, where: str, kind=float, minimum: float | None = None,
@@ -101,10 +112,14 @@ def _number(row: Mapping[str, str], col: str, where: str, kind=float, minimum: f
 
 
 def _trace_job(row: Mapping[str, str], where: str) -> TraceJob:
+    slots = _number(row, "slots", where, int, 1)
+    least = _number(row, "min_slots", where, int, 1) if (row.get("min_slots") or "").strip() else None
+    if least is not None and least > slots:
+        raise TraceError(f"{where}: min_slots ({least}) must not exceed slots ({slots})")
     return TraceJob(_number(row, "job_id", where, int), _number(row, "submit_s", where, float, 0),
                     (row.get("user") or "").strip(), (row.get("team") or "").strip(),
-                    _number(row, "slots", where, int, 1), _number(row, "duration_s", where, float, 0, True),
-                    _number(row, "estimate_s", where, float, 0, True), _number(row, "priority", where, int))
+                    slots, _number(row, "duration_s", where, float, 0, True),
+                    _number(row, "estimate_s", where, float, 0, True), _number(row, "priority", where, int), least)
 
 
 def read_trace(lines: Iterable[str], name: str = "trace") -> list[TraceJob]:
@@ -151,12 +166,18 @@ def gang_shape(slots: int, slots_per_node: int) -> tuple[int, int]:
 
 
 class _Job:
-    __slots__ = ("t", "nodes", "ppn", "slots", "saved", "first_start", "end", "attempt", "pred_total", "qjob")
+    __slots__ = ("t", "nodes", "ppn", "slots", "saved", "first_start", "end", "attempt", "pred_total", "qjob",
+                 "min_nodes", "held", "restart_now", "cost")
 
-    def __init__(self, t: TraceJob, spn: int):
+    def __init__(self, t: TraceJob, spn: int, elastic: bool = True):
         self.t = t
         self.nodes, self.ppn = gang_shape(t.slots, spn)
         self.slots = self.nodes * self.ppn
+        least = min(self.nodes, math.ceil(t.min_slots / self.ppn)) if elastic and t.min_slots else self.nodes
+        self.min_nodes = least if least < self.nodes else None
+        self.held = 0  # nodes of the running attempt
+        self.restart_now = False
+        self.cost = 0.0  # restart cost the next attempt pays (after a resize)
         self.saved = 0.0
         self.first_start: float | None = None
         self.end: float | None = None
@@ -167,7 +188,8 @@ class _Job:
     def queued(self) -> QueuedJob:
         self.qjob = QueuedJob(self.t.job_id, self.t.priority, self.nodes, self.ppn, team=self.t.team,
                               user=self.t.user, submitted_at=self.t.submit_s,
-                              predicted_s=max(self.pred_total - self.saved, 60.0))
+                              predicted_s=max(self.pred_total - self.saved, 60.0), min_nodes=self.min_nodes,
+                              restart_now=self.restart_now)
         return self.qjob
 
 
@@ -196,7 +218,7 @@ class _Simulation:
         self.names = [f"n{i:03d}" for i in range(config.nodes)]
         self.racks = {n: f"r{i // max(1, config.rack_size):02d}" for i, n in enumerate(self.names)}
         self.used: dict[str, set[int]] = {n: set() for n in self.names}
-        all_jobs = [_Job(t, self.spn) for t in sorted(trace, key=lambda t: (t.submit_s, t.job_id))]
+        all_jobs = [_Job(t, self.spn, config.elastic) for t in sorted(trace, key=lambda t: (t.submit_s, t.job_id))]
         self.skipped = [j.t.job_id for j in all_jobs if j.nodes > config.nodes]
         self.jobs = [j for j in all_jobs if j.nodes <= config.nodes]
         if not self.jobs:
@@ -223,7 +245,8 @@ class _Simulation:
         self.used_s = {t: 0.0 for t in teams}
         self.demand_s = {t: 0.0 for t in teams}
         self.busy_s = self.lost_s = 0.0
-        self.preemptions = self.ticks = self.finished = self.nxt = 0
+        self.preemptions = self.ticks = self.finished = self.nxt = self.resizes = 0
+        self.resizing: set[int] = set()  # jobs stopping to resize (they keep their work)
         self.t0 = self.last = self.jobs[0].t.submit_s
         self.next_tick = -math.inf
         self.stuck = False
@@ -275,7 +298,7 @@ class _Simulation:
             del self.running[jid]
             for node, ids in rj.nodes:
                 self.used[node].difference_update(ids)
-            self.team_run[j.t.team] -= j.slots
+            self.team_run[j.t.team] -= j.held * j.ppn
             if kind == "end":
                 self._finish(j, t)
             else:
@@ -294,11 +317,18 @@ class _Simulation:
 
     def _requeue(self, j: _Job, rj: RunningJob, t: float) -> None:
         """A preempted attempt exits: keep the checkpointed work, lose the rest, queue it again."""
-        done = t - rj.started_at
-        kept = math.floor(done / self.config.checkpoint_every_s) * self.config.checkpoint_every_s
-        j.saved += kept
-        self.lost_s += (done - kept) * j.slots
-        self.preemptions += 1
+        done = t - rj.started_at - j.cost  # the restart cost it paid first is no progress
+        speed = j.held / j.nodes  # work (seconds on all its nodes) per second
+        if j.t.job_id in self.resizing:  # it checkpointed at the stop: nothing lost
+            self.resizing.discard(j.t.job_id)
+            kept, j.restart_now, j.cost = done, True, self.config.resize_cost_s
+            self.resizes += 1
+        else:
+            kept = math.floor(done / self.config.checkpoint_every_s) * self.config.checkpoint_every_s
+            j.restart_now, j.cost = False, 0.0
+            self.preemptions += 1
+        j.saved += max(0.0, kept) * speed
+        self.lost_s += max(0.0, done - kept) * j.held * j.ppn
         self.queued[j.t.job_id] = j
         self.by_user.setdefault(j.t.user, set()).add(j.t.job_id)
         j.queued()
@@ -321,7 +351,8 @@ class _Simulation:
             nodes=tuple(NodeState(n, n, self.spn, frozenset(self.used[n]), True, self.racks[n]) for n in self.names),
             running=tuple(e[1] for e in self.running.values()),
             queue=tuple(j.qjob for j in self.queued.values()),
-            quotas=self.quotas, usage=self.meter.usage, policy=c.policy, half_life_s=c.half_life_s)
+            quotas=self.quotas, usage=self.meter.usage, policy=c.policy, half_life_s=c.half_life_s,
+            grow_min_left_s=c.grow_min_left_s)
 
     def tick(self, t: float) -> None:
         """One scheduling decision at t, applied as the services would."""
@@ -332,6 +363,8 @@ class _Simulation:
             self._start(p, t)
         for pr in decision.preemptions:
             entry = self.running[pr.job_id]
+            if pr.resize_to is not None:
+                self.resizing.add(pr.job_id)
             entry[1] = replace(entry[1], preemptible=False, preempted_for=pr.for_job)
             self._push(t + self.config.preempt_exit_s, "exit", pr.job_id, entry[0].attempt)
         if self.queued and self.next_tick <= t:  # re-evaluate periodically while jobs wait, as the services do
@@ -347,13 +380,26 @@ class _Simulation:
         j.attempt += 1
         if j.first_start is None:
             j.first_start = t
-        end = t + j.t.duration_s - j.saved
+        j.held = k = len(shares)
+        if not j.restart_now:
+            j.cost = 0.0
+        scale = j.nodes / k  # on fewer nodes it runs longer
+        end = t + j.cost + (j.t.duration_s - j.saved) * scale
+        predicted = j.cost + j.qjob.predicted_s * scale
         self._push(end, "end", j.t.job_id, j.attempt)
-        if t + j.qjob.predicted_s < end:  # look again when the prediction turns out wrong
-            self._push(t + j.qjob.predicted_s + 1.0, "tick", 0, 0)
-        self.running[j.t.job_id] = [j, RunningJob(j.t.job_id, j.t.team, j.t.user, j.slots, j.t.priority, shares,
-                                                  t, t + j.qjob.predicted_s)]
-        self.team_run[j.t.team] += j.slots
+        if t + predicted < end:  # look again when the prediction turns out wrong
+            self._push(t + predicted + 1.0, "tick", 0, 0)
+        if j.min_nodes is not None and k < j.nodes:  # look again when a grow would pay
+            self._push(t + self.config.tick_s, "tick", 0, 0)
+        self.running[j.t.job_id] = [j, RunningJob(j.t.job_id, j.t.team, j.t.user, k * j.ppn, j.t.priority, shares,
+                                                  t, t + predicted,
+                                                  elastic=j.qjob if j.min_nodes is not None else None)]
+        self.team_run[j.t.team] += k * j.ppn
+        j.restart_now = False
+
+    def growable(self) -> bool:
+        """Whether a running elastic job is below its most nodes (a tick may grow it)."""
+        return any(j.min_nodes is not None and j.held < j.nodes and rj.preemptible for j, rj in self.running.values())
 
     def progress(self, t: float) -> str:
         return (f"t={t - self.t0:.0f}s: {self.finished}/{len(self.jobs)} done, {len(self.queued)} queued, "
@@ -378,6 +424,8 @@ class _Simulation:
             "makespan_s": round(makespan, 1),
             "utilization": round(self.busy_s / (self.capacity * makespan), 4) if makespan > 0 else 0.0,
             "preemptions": self.preemptions,
+            "resizes": self.resizes,
+            "elastic_jobs": sum(1 for j in jobs if j.min_nodes is not None),
             "lost_slot_s": round(self.lost_s, 1),
             "checkpoint_every_s": c.checkpoint_every_s,
             "teams": {team: {
@@ -404,7 +452,7 @@ def simulate(trace: Sequence[TraceJob], config: SimConfig = SimConfig(), *,
         sim.accrue(t)
         sim.end_attempts(t)
         sim.submit(t)
-        if not sim.queued:
+        if not sim.queued and not sim.growable():
             continue
         sim.tick(t)
         if log and sim.ticks % 2000 == 0:

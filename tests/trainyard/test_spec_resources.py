@@ -87,6 +87,22 @@ def test_elastic_job_must_leave_dp_to_the_node_count():
     assert "outside [1, 2]" in e.value.errors["resources.nodes"][0]
 
 
+def test_elastic_job_refuses_what_cannot_run_on_every_count():
+    # tp 2 x pp 1 over 1 node x 1 process cannot split: refused naming the count
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}, "procs_per_node": 1},
+                        "parallel": {"tp": 2}})
+    assert "on 1 nodes its 1 processes do not split" in e.value.errors["parallel"][0]
+    # local SGD on its least nodes would have a single replica
+    with pytest.raises(SpecError) as e:
+        parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}, "procs_per_node": 1},
+                        "comm": {"sync": "local_sgd"}})
+    assert "on its least nodes (1)" in " ".join(e.value.errors["comm.sync"])
+    ok = parse_job_spec({"name": "e", "resources": {"nodes": {"min": 1, "max": 2}, "procs_per_node": 2},
+                         "comm": {"sync": "local_sgd"}})
+    assert ok.at_nodes(1).dp == 2
+
+
 def test_adapt_is_advise_or_auto():
     with pytest.raises(SpecError) as e:
         parse_job_spec({"name": "a", "adapt": "always"})

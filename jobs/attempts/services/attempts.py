@@ -21,6 +21,7 @@ from jobs.models import Attempt, Job
 from jobs.attempts.policy import diagnosis
 from jobs.attempts.services.busaccess import attempt_access_end, attempt_access_fence
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.attempts.services.elastic import elastic_after_loss
 from jobs.attempts.services.events import job_event, job_publish_status, job_set_status
 from jobs.planning.services.knowledge import knowledge_record
 from jobs.attempts.services.profiling import attempt_profile_update
@@ -74,6 +75,8 @@ def attempt_maybe_finish(attempt: Attempt) -> bool:
         point = resume_checkpoint(job)
         job_set_status(job, Job.ACTIVE, Job.Status.QUEUED, f"rolling back to step {point.step if point else 0}",
                         avoid_nodes=[])
+    elif elastic_after_loss(job, attempt, outcome, failure):
+        pass  # an elastic job restarts at once on the surviving nodes (services/elastic.py)
     elif failure.get("retry") and job.restarts < job.spec.get("max_restarts", 0):
         checkpoints_reconcile(job)
         point = resume_checkpoint(job)

@@ -15,6 +15,7 @@ from jobs.models import Allocation, Attempt, Job, Node
 from jobs.attempts.policy import diagnosis
 from jobs.attempts.services.busaccess import attempt_access_grant, attempt_secrets
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
+from jobs.attempts.services.elastic import elastic_started, spec_at
 from jobs.attempts.services.events import job_event, job_set_status
 
 
@@ -34,7 +35,7 @@ def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: 
         device=job.spec["resources"]["device"], rdzv_host=rdzv_host, local_addr=local_addr,
         stream=keys.attempt_stream(job.pk, attempt.pk), redis_user=redis_acl.attempt_user(attempt.pk),
         redis_password=secrets.redis_password, proof_key=secrets.proof_key, rdzv_token=secrets.rdzv_token,
-        spec=job.spec, planner=(job.plan or {}).get("auto_inputs"),
+        spec=spec_at(job.spec, nnodes, job.plan), planner=(job.plan or {}).get("auto_inputs"),
         collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
                                                           settings.TRAINYARD_HANG_FLOOR_S),
         resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
@@ -102,6 +103,7 @@ def attempt_start(placement: scheduling.Placement) -> bool:
         payload = launch_payload(job, attempt, alloc, rdzv_host=placement.shares[0].address,
                                  nnodes=len(placement.shares), local_addr=share.address)
         transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
+    elastic_started(job, attempt, len(placement.shares), placement.reason)
     where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
     origin = (f"resuming from the checkpoint at step {resume.step}" if resume
               else "from step 0 (no checkpoint yet)" if number > 1 else "")

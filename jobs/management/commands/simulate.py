@@ -19,9 +19,11 @@ class Command(BaseCommand):
         parser.add_argument("--quotas", help='JSON file {"team": slots, ...}; default: equal shares of the cluster')
         parser.add_argument("--checkpoint-every-s", type=float, default=600.0,
                             help="simulated checkpoint cadence: a preempted job loses the work since the last one")
+        parser.add_argument("--fixed", action="store_true",
+                            help="run the trace's elastic jobs (column min_slots) at their most nodes, as fixed-size jobs")
         parser.add_argument("--json", action="store_true", dest="as_json", help="print one JSON document")
 
-    def handle(self, *args, trace, policy, nodes, slots_per_node, quotas, checkpoint_every_s, as_json, **opts):
+    def handle(self, *args, trace, policy, nodes, slots_per_node, quotas, checkpoint_every_s, as_json, fixed=False, **opts):
         if policy not in POLICIES:
             raise CommandError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
         if nodes < 1 or slots_per_node < 1:
@@ -48,7 +50,8 @@ class Command(BaseCommand):
         log(f"simulating {len(jobs)} jobs on {nodes} x {slots_per_node} slots under {policy}")
         try:
             result = simulate(jobs, SimConfig(policy=policy, nodes=nodes, slots_per_node=slots_per_node,
-                                              quotas=entitlements, checkpoint_every_s=checkpoint_every_s), log=log)
+                                              quotas=entitlements, checkpoint_every_s=checkpoint_every_s,
+                                              elastic=not fixed), log=log)
         except TraceError as e:
             raise CommandError(str(e)) from None
         if as_json:
@@ -57,7 +60,7 @@ class Command(BaseCommand):
         out = self.stdout.write
         out(f"policy {result['policy']}: {result['jobs']} jobs on {nodes} x {slots_per_node} slots")
         for key in ("avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_wait_s", "makespan_s", "utilization",
-                    "preemptions", "lost_slot_s"):
+                    "preemptions", "lost_slot_s", "resizes", "elastic_jobs"):
             out(f"  {key:<14} {result[key]}")
         for team, row in result["teams"].items():
             share = row["share_of_entitlement"]

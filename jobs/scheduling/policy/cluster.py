@@ -27,6 +27,9 @@ STOP_GRACE_S = 30.0
 # checkpoint (10 minutes at most with the default cadence) and a restart, so it only pays when
 # the wait it saves is longer.
 RECLAIM_WAIT_S = 600.0
+# An elastic job predicted to end within this many seconds does not grow: the restart would cost
+# more than the extra nodes save (settings.TRAINYARD_ELASTIC_GROW_MIN_S).
+GROW_MIN_LEFT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,20 @@ class QueuedJob:
     device: str = "cpu"
     gpu_memory_bytes: int = 0
     labels: tuple[tuple[str, str], ...] = ()
+    # Elastic (`resources.nodes: {min, max}`; elastic.py): `nodes` is the most, `min_nodes` the
+    # least it runs on (None: exactly `nodes`), and `predicted_s` is its run time on `nodes`.
+    # `restart_now`: it was stopped to resize (grow, reclaim shrink) or lost a node: it starts
+    # again at once on as many nodes as are free (at least min_nodes), without weighing the wait.
+    min_nodes: int | None = None
+    restart_now: bool = False
 
     @property
     def slots(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None and self.min_nodes < self.nodes
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,9 @@ class RunningJob:
     predicted_end: float
     preemptible: bool = True          # False while it is being preempted or stopped
     preempted_for: int | None = None  # the queued job an in-flight preemption frees its slots for
+    # An elastic job: its shape as queued at its most nodes (min_nodes, procs_per_node, device,
+    # labels), what growing (elastic.py) and reclaim's shrinking go by; None: a fixed-size job.
+    elastic: QueuedJob | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,7 @@ class ClusterView:
     policy: str = "trainyard"  # fifo | backfill | trainyard
     half_life_s: float = DEFAULT_HALF_LIFE_S  # caps the slot-seconds a job adds to its team's fair-share total
     reclaim_wait_s: float = RECLAIM_WAIT_S  # see RECLAIM_WAIT_S (settings.TRAINYARD_RECLAIM_WAIT_S)
+    grow_min_left_s: float = GROW_MIN_LEFT_S  # see GROW_MIN_LEFT_S
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,7 @@ class Placement:
     job_id: int
     shares: tuple[Share, ...]
     borrowing: bool = False
+    reason: str = ""  # an elastic job on fewer than its most nodes: why this count (its timeline says)
 
 
 @dataclass(frozen=True)
@@ -133,6 +151,7 @@ class Preemption:
     job_id: int
     reason: str  # shown on the job page
     for_job: int | None
+    resize_to: int | None = None  # an elastic job stopped to restart at once on this many nodes
 
 
 @dataclass(frozen=True)

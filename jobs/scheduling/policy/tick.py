@@ -21,6 +21,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
+from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
@@ -74,6 +75,8 @@ class _Tick:
         self.waiting: dict[int, str] = {}
         self.taken: set[int] = set()        # running jobs preempted this tick
         self.reclaim_failed: set = set()    # (team, nodes, ppn) that found no victims this tick
+        self.shrinking: set[int] = set()    # running elastic jobs reclaim shrinks (rather than stops)
+        self.blocked: set[int] = set()      # queued jobs gated or unservable: they want no free slots
         self._candidates: list[RunningJob] | None = None
         self._sorted_ends: list | None = None
         self.placed_ends: list = []  # (end, job id, shares) of this tick's placements
@@ -82,6 +85,19 @@ class _Tick:
         """placement.exclusion over the nodes the job may use (its device and labels)."""
         hard, fit = self.eligibility.of(job)
         return exclusion(self.free, fit, job, hard)
+
+    def _shape(self, job: QueuedJob) -> tuple[QueuedJob, set[int] | None, bool, bool]:
+        """(the job as a gang of the most nodes it could ever get, and its `_exclusion`): an
+        elastic job whose most could never fit is treated as one of fewer (elastic.py)."""
+        got = self._exclusion(job)
+        if got[1] or not job.elastic:
+            return (elastic.at_count(job, job.nodes) if job.elastic else job), *got
+        for k in range(job.nodes - 1, job.min_nodes - 1, -1):
+            top = elastic.at_count(job, k)
+            got = self._exclusion(top)
+            if got[1]:
+                return top, *got
+        return job, *got
 
     # -- gates
     def _gate(self, job: QueuedJob) -> str | None:
@@ -106,11 +122,11 @@ class _Tick:
         if not borrowing:
             self.ledger.add_within(job.team, job.slots)
 
-    def _commit(self, job: QueuedJob, picked: list[int], borrowing: bool) -> None:
+    def _commit(self, job: QueuedJob, picked: list[int], borrowing: bool, reason: str = "") -> None:
         f = self.free
         shares = tuple(Share(f.names[i], f.address[i], rank, f.take(i, job.procs_per_node))
                        for rank, i in enumerate(picked))
-        self.placements.append(Placement(job.id, shares, borrowing))
+        self.placements.append(Placement(job.id, shares, borrowing, reason))
         # it ends by its prediction too: a reservation made later in this tick counts on that
         self.placed_ends.append((self.now + max(job.predicted_s, 0.0), job.id,
                                  tuple((i, s.slot_ids) for i, s in zip(picked, shares))))
@@ -139,6 +155,10 @@ class _Tick:
         if self._candidates is None:
             self._candidates = victim_order(self.view.running, self.borrowing_running)
         cands = [r for r in self._candidates if r.id not in self.taken and r.team != job.team]
+        got = elastic.pick_shrinks(self.free, job, exclude, cands, self.shares)
+        if got is not None:
+            self.shrinking.update(r.id for r in got[0])
+            return got
         got = pick_victims(self.free, job, exclude, cands, self.shares)
         if got is None and not exclude:
             self.reclaim_failed.add(key)
@@ -165,6 +185,7 @@ class _Tick:
             if job.id in done:
                 continue
             head = self._step(job, head)
+        self._grow(order, head)
         return Decision(tuple(self.placements), tuple(self.preemptions), self.waiting,
                         tuple(j.id for j in order), frozenset(self.borrowing_running))
 
@@ -200,9 +221,12 @@ class _Tick:
         reason = self._gate(job)
         if reason:
             self.waiting[job.id] = reason
+            self.blocked.add(job.id)
             return head
-        exclude, ever, avoids = self._exclusion(job)
+        queued = job
+        job, exclude, ever, avoids = self._shape(job)
         if not ever:
+            self.blocked.add(job.id)
             self.waiting[job.id] = (unservable_reason(self.view.nodes, job) or
                                     f"needs {job.nodes} schedulable node(s) with {job.procs_per_node} "
                                     f"slot(s) each") + "; waiting for nodes"
@@ -221,6 +245,8 @@ class _Tick:
                 for i in picked:
                     if i in limit:
                         limit[i] -= job.procs_per_node
+            return head
+        if queued.elastic and self._start_fewer(queued, job, exclude, head, borrowing):
             return head
         if pol == "trainyard" and not borrowing and job.team in self.team_q:
             got = self._reclaim(job, exclude)
@@ -241,16 +267,70 @@ class _Tick:
             self.waiting[job.id] = f"waiting for free slots (job {head.job.id} is next){avoiding}"
         return head
 
+    def _start_fewer(self, queued: QueuedJob, top: QueuedJob, exclude, head: _Reservation | None,
+                     borrowing: bool) -> bool:
+        """An elastic job that cannot start on `top.nodes`: start it now on the most nodes free
+        when elastic.start_fewer says so (its finish against waiting for them); True if it did."""
+        for k in range(top.nodes - 1, queued.min_nodes - 1, -1):
+            job = elastic.at_count(queued, k)
+            limit = head.spare if head is not None and self.now + job.predicted_s > head.shadow else None
+            picked = self.free.choose(k, job.procs_per_node, exclude, limit)
+            if picked is None:
+                continue
+            got = None if queued.restart_now else reserve(self.free, top.nodes, top.procs_per_node, exclude,
+                                                            self._ends())
+            reason = elastic.start_fewer(queued, top.nodes, k, self.now, got[0] if got else None)
+            if reason is None:  # the most it can get now does not pay: fewer would pay less
+                return False
+            self._commit(job, picked, borrowing, reason)
+            for i in picked if limit else ():
+                if i in limit:
+                    limit[i] -= job.procs_per_node
+            return True
+        return False
+
+    def _grow(self, order: list[QueuedJob], head: _Reservation | None) -> None:
+        """Grow running elastic jobs onto free nodes nobody with a better claim waits for
+        (elastic.py): a cooperative stop that restarts at once on more nodes."""
+        waiting = [j for j in order if j.id in self.waiting and j.id not in self.blocked]
+        growable = (r for r in self.view.running if r.elastic is not None and r.preemptible
+                    and r.id not in self.taken and len(r.nodes) < r.elastic.nodes)
+        for r in sorted(growable, key=lambda r: (-r.priority, r.started_at, r.id)):
+            e, cur = r.elastic, len(r.nodes)
+            if r.predicted_end - self.now < self.view.grow_min_left_s or elastic.blocks_grow(r, waiting):
+                continue
+            if head is not None and head.shadow is None:
+                return  # the queue is strict behind a head that cannot be predicted
+            exclude = elastic.with_nodes(self.eligibility.of(e)[0], {i for i, _ in self.shares[r.id]})
+            limit = head.spare if head is not None and r.predicted_end > head.shadow else None
+            for n in range(e.nodes - cur, 0, -1):
+                picked = self.free.choose(n, e.procs_per_node, exclude, limit)
+                if picked is not None:
+                    break
+            else:
+                continue
+            for i in picked:
+                self.free.hold(i, e.procs_per_node)
+            self.taken.add(r.id)
+            self.preemptions.append(Preemption(r.id, elastic.grow_reason(cur, cur + n, n * e.procs_per_node),
+                                               None, resize_to=cur + n))
+
     def _preempt(self, job: QueuedJob, victims: list[RunningJob]) -> None:
         quota = self.team_q[job.team]
         for r in victims:
             self.taken.add(r.id)
             q = self.team_q.get(r.team, 0)
             over = self.team_total.get(r.team, 0) - q
-            self.preemptions.append(Preemption(r.id, (
-                f"reclaimed: team {job.team} needs its quota back for job {job.id} "
-                f"(team {r.team} is {over} slot(s) over its quota of {q}; team {job.team}'s quota is {quota})"),
-                job.id))
+            why = (f"reclaimed: team {job.team} needs its quota back for job {job.id} "
+                   f"(team {r.team} is {over} slot(s) over its quota of {q}; team {job.team}'s quota is {quota})")
+            if r.id in self.shrinking:
+                least = r.elastic.min_nodes
+                self.preemptions.append(Preemption(r.id, f"{why}; shrinking to {least} node(s)", job.id,
+                                                   resize_to=least))
+                self.team_total[r.team] = self.team_total.get(r.team, 0) - (len(r.nodes) - least) * (
+                    r.elastic.procs_per_node)
+                continue
+            self.preemptions.append(Preemption(r.id, why, job.id))
             self.team_total[r.team] = self.team_total.get(r.team, 0) - r.slots
         self.waiting[job.id] = ("reclaiming quota: preempting borrowing job(s) "
                                 + ", ".join(str(r.id) for r in victims))

@@ -10,6 +10,7 @@ from jobs.scheduling import selectors
 from jobs.models import Attempt, Job, SchedulerLock
 from jobs.scheduling import policy as scheduling
 from jobs.attempts.services.attempts import attempt_preempt
+from jobs.attempts.services.events import job_event
 
 
 def schedule_tick() -> list[int]:
@@ -29,8 +30,11 @@ def schedule_tick() -> list[int]:
         for p in decision.preemptions:
             attempt = Attempt.objects.filter(job_id=p.job_id, status__in=(
                 Attempt.Status.STARTING, Attempt.Status.RUNNING)).order_by("-number").first()
-            if attempt is not None:
-                attempt_preempt(attempt, reason=p.reason, for_job=p.for_job)
+            if attempt is not None and attempt_preempt(attempt, reason=p.reason, for_job=p.for_job) and p.resize_to:
+                # an elastic job's resize: it checkpoints, stops and starts again at once on p.resize_to
+                Job.objects.filter(pk=p.job_id).update(elastic_restart=True)
+                job_event(attempt.job, "resize_requested", f"resize to {p.resize_to} node(s): {p.reason}",
+                          attempt=attempt, nodes=p.resize_to, reason=p.reason)
         running = {r.id for r in view.running}
         Job.objects.filter(pk__in=running & decision.borrowing, borrowing=False).update(borrowing=True)
         Job.objects.filter(pk__in=running - decision.borrowing, borrowing=True).update(borrowing=False)
