@@ -35,6 +35,8 @@ class Job(models.Model):
     predicted_s = models.FloatField(null=True, blank=True, help_text="predicted run time (jobs/policy/predictor.py)")  # as its migration (0003) says: now jobs/planning/policy/predictor.py
     predicted_start_at = models.DateTimeField(null=True, blank=True, help_text="ETA while queued")
     borrowing = models.BooleanField(default=False, help_text="runs beyond its team's quota on idle capacity")
+    adaptations = models.JSONField(default=list, blank=True,
+                                   help_text="adapt auto: each automatic plan change, oldest first (jobs/attempts/services/adapt.py)")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -19,6 +19,7 @@ from jobs.core import dispatch
 from jobs.attempts import selectors
 from jobs.models import Attempt, Job
 from jobs.attempts.policy import diagnosis
+from jobs.attempts.services.adapt import adapt_after_oom
 from jobs.attempts.services.busaccess import attempt_access_end, attempt_access_fence
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
 from jobs.attempts.services.events import job_event, job_publish_status, job_set_status
@@ -74,6 +75,8 @@ def attempt_maybe_finish(attempt: Attempt) -> bool:
         point = resume_checkpoint(job)
         job_set_status(job, Job.ACTIVE, Job.Status.QUEUED, f"rolling back to step {point.step if point else 0}",
                         avoid_nodes=[])
+    elif outcome == "failed:oom" and adapt_after_oom(job, attempt, failure):
+        pass  # adapt auto: re-planned to a plan that needs less memory (or failed with the closest one)
     elif failure.get("retry") and job.restarts < job.spec.get("max_restarts", 0):
         checkpoints_reconcile(job)
         point = resume_checkpoint(job)
