@@ -1,6 +1,5 @@
 """Closed-loop adaptation (`adapt: auto`), pure: which plan an attempt that ran out of memory
-restarts with, whether a restart counts against max_restarts, whether a job may adapt again, and
-whether a change applied for a sustained bottleneck is kept or reverted.
+restarts with, whether a restart counts against max_restarts, and whether a job may adapt again.
 
 OOM re-plan. The planner costs every plan the runtime runs on the job's devices (memory for all,
 step time for those within the device's memory); the job's adaptation history says which plans
@@ -142,31 +141,4 @@ def oom_counts_as_restart(current: Mapping, adaptations: Sequence[Mapping]) -> b
     this very plan ran out of memory before (a revert brought it back)."""
     key = plan_key(current)
     return any(a.get("kind") == "oom" and a.get("plan_before") and plan_key(a["plan_before"]) == key
-               for a in adaptations)
-
-
-# ---------------------------------------------------------------- sustained bottlenecks
-
-BOUND_CLASSES = ("communication", "input")
-
-
-def bottleneck_change(profile: Mapping) -> dict | None:
-    """The spec change to apply for the attempt's profile: its class is a bottleneck measured over a
-    full window (the profiler's class is over its window, with hysteresis) and the recommendation
-    has a change (input-bound has none: the JobSpec has no loader knob); a revert is not the
-    profiler's to ask here (the adaptation loop measures and reverts its own changes)."""
-    rec = profile.get("recommendation") or {}
-    if profile.get("class") not in BOUND_CLASSES or not rec.get("change") or rec.get("kind") == "revert":
-        return None
-    return dict(rec["change"])
-
-
-def keep_or_revert(step_s_before: float, step_s_after: float) -> str:
-    """"keep" when the step got faster with the change (the same window measured after), else "revert"."""
-    return "keep" if step_s_after < step_s_before else "revert"
-
-
-def was_reverted(change: Mapping, adaptations: Sequence[Mapping]) -> bool:
-    """A change this job reverted once is never applied again."""
-    return any(a.get("kind") == "bottleneck" and a.get("outcome") == "reverted" and a.get("after") == dict(change)
                for a in adaptations)

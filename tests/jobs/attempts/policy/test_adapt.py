@@ -1,5 +1,5 @@
 """The adaptation policy (pure): the OOM re-plan's ladder, what it skips, the closest plan and its
-shortfall, adapt_max, the first OOM per plan not counted, and the bottleneck keep/revert."""
+shortfall, adapt_max, the first OOM per plan not counted; torch's CPU allocator failure is an OOM."""
 from jobs.attempts.policy import adapt
 from jobs.attempts.policy.adapt import PlanOption, oom_replan
 
@@ -105,18 +105,10 @@ def test_first_oom_per_plan_is_not_counted_against_max_restarts():
     assert adapt.oom_counts_as_restart(CUR, history)  # this very plan ran out before (a revert brought it back)
 
 
-def test_bottleneck_change_only_for_a_bound_class_with_a_change():
-    rec = {"kind": "compression", "change": {"comm.compression": "powersgd", "comm.rank": 2}}
-    assert adapt.bottleneck_change({"class": "communication", "recommendation": rec}) == rec["change"]
-    assert adapt.bottleneck_change({"class": "compute", "recommendation": rec}) is None
-    assert adapt.bottleneck_change({"class": "input", "recommendation": {"kind": "loader", "change": None}}) is None
-    assert adapt.bottleneck_change({"class": "communication", "recommendation": {**rec, "kind": "revert"}}) is None
+def test_torch_cpu_allocator_failure_is_an_oom():
+    from jobs.attempts.policy.diagnosis import diagnose
 
-
-def test_keep_when_faster_else_revert_and_never_again():
-    assert adapt.keep_or_revert(0.10, 0.08) == "keep"
-    assert adapt.keep_or_revert(0.10, 0.10) == "revert"
-    assert adapt.keep_or_revert(0.10, 0.12) == "revert"
-    change = {"comm.compression": "bf16"}
-    assert adapt.was_reverted(change, [{"kind": "bottleneck", "outcome": "reverted", "after": dict(change)}])
-    assert not adapt.was_reverted(change, [{"kind": "bottleneck", "outcome": "kept", "after": dict(change)}])
+    text = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 67108864 bytes. Error code 12 (Cannot allocate memory)")
+    d = diagnose([{"node": "node-a", "failures": [{"rank": 1, "timestamp": 1.0, "message": text, "traceback": text}]}])
+    assert d.failure_class == "oom" and not d.retry and d.rank == 1 and "recompute" in d.suggestion
