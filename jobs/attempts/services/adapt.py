@@ -7,8 +7,8 @@ today's path (fail with a suggestion) handle it.
 
 Each adaptation is an entry of `Job.adaptations` and an "adapted" timeline event: the evidence
 (the OOM text), the plan before and after, the changed spec fields, and the planner's predicted
-memory and step time of both plans; services.adapt_loop adds the measured step time once the new
-attempt has a profile. The first OOM of a plan does not count against max_restarts.
+memory and step time of both plans, and the step time the failed attempt measured (if it got that
+far). The first OOM of a plan does not count against max_restarts.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def adapt_after_oom(job: Job, attempt: Attempt, failure: dict) -> bool:
                       "step_time_s_before": before_opt.step_time_s if before_opt else None,
                       "step_time_s_after": choice.step_time_s, "limit_gb": decision.limit_gb},
         "step_s_before": (attempt.profile.get("window") or {}).get("step_s") if attempt.profile else None,
-        "measured": None, "counted": counted, "resume_step": point.step if point else 0}
+        "counted": counted, "resume_step": point.step if point else 0}
     origin = f"from the checkpoint at step {point.step}" if point else "from step 0 (no checkpoint yet)"
     text = (f"ran out of memory with {policy.describe_plan(current)}: re-planned to {decision.message}; "
             f"restarting {origin}" + ("" if not counted else
