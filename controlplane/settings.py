@@ -186,6 +186,10 @@ TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PE
 # of this host's memory (on one machine every agent's slot is a core of it).
 TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMORY_GB") or round(
     psutil.virtual_memory().total / 1e9 / max(1, os.cpu_count() or 1), 1))
+# Enforce that memory on each rank of a cpu job's built-in trainer (workers/runtime/memcap.py: a data
+# limit above what the rank holds once started), so a plan that needs more fails with torch's own
+# "can't allocate memory", as a GPU's OOM would: how the adaptation tests make a real OOM on CPU.
+TRAINYARD_CPU_DEVICE_MEMORY_ENFORCE = os.environ.get("TRAINYARD_CPU_DEVICE_MEMORY_ENFORCE", "") in ("1", "true", "yes")
 # A node silent this long is LOST (agents heartbeat every 2 s, so 5 missed beats).
 TRAINYARD_NODE_LOST_S = float(os.environ.get("TRAINYARD_NODE_LOST_S", "10"))
 # The node check runs every 2 s (beat); a longer gap between two checks that ran (worker or beat

@@ -18,7 +18,7 @@ def launch_dict(resume):
             "slots": [0], "device": "cpu", "rdzv_host": "127.0.0.1", "local_addr": "127.0.0.1",
             "stream": "trainyard:job:7:a9", "redis_user": "trainyard-attempt-9", "redis_password": "pw",
             "proof_key": "ab" * 32, "rdzv_token": "cd" * 16, "spec": {"name": "x", "train": {"steps": 3}}, "planner": None, "resume": resume,
-            "collective_timeout_s": None}
+            "collective_timeout_s": None, "memory_limit_gb": None}
 
 
 @pytest.mark.parametrize("resume", [None, {"path": "/ck/job-7/step-00000005-a8", "step": 5, "checkpoint_id": 3}])
@@ -38,6 +38,8 @@ def test_launch_without_resume_key_and_unknown_keys():
     assert Launch.model_validate(wire).resume is None
     del wire["collective_timeout_s"]  # from a control plane older than the key: torch's timeouts
     assert Launch.model_validate(wire).collective_timeout_s is None
+    del wire["memory_limit_gb"]  # only a cpu job under TRAINYARD_CPU_DEVICE_MEMORY_ENFORCE has one
+    assert Launch.model_validate(wire).memory_limit_gb is None
     del wire["planner"]  # only a user-code job with parallel auto has one
     assert Launch.model_validate(wire).planner is None
     with pytest.raises(ValueError):

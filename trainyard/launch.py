@@ -149,6 +149,10 @@ class Launch(_Message):
         None, gt=0, description="timeout of every process group the ranks create: under the hang "
                                 "detector's, so a stuck collective fails the rank with a real error "
                                 "first; None: torch's defaults")
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="a cpu job's device memory, enforced on each rank of the built-in trainer "
+                                "(TRAINYARD_CPU_DEVICE_MEMORY_ENFORCE): past it, allocations fail as a "
+                                "GPU's would; None: no limit")
 
 
 class Stop(_Message):

@@ -209,7 +209,7 @@ class Agent:
             "checkpoint_dir": str(checkpoint_dir),
             "spec": msg.spec, "planner": msg.planner,
             "resume": msg.resume.model_dump(mode="json") if msg.resume else None,
-            "collective_timeout_s": msg.collective_timeout_s,
+            "collective_timeout_s": msg.collective_timeout_s, "memory_limit_gb": msg.memory_limit_gb,
         }
         req = LaunchRequest(
             job_id=job_id, attempt_id=attempt_id, node=self.name, node_rank=msg.node_rank,

@@ -40,6 +40,8 @@ class Job(models.Model):
     # a restart at once on whatever is free (it was stopped to resize, or lost a node).
     node_history = models.JSONField(default=list, blank=True)
     elastic_restart = models.BooleanField(default=False)
+    adaptations = models.JSONField(default=list, blank=True,
+                                   help_text="adapt auto: each automatic plan change, oldest first (jobs/attempts/services/adapt.py)")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

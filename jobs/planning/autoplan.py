@@ -24,7 +24,7 @@ from trainyard.spec import JobSpec, SpecError
 
 from jobs.planning import selectors as planning_selectors
 from jobs.models import Node
-from jobs.planning.policy import knowledge
+from jobs.planning.policy import knowledge, planner
 from jobs.planning.constants import constants_for, peak_for
 from trainyard.plan.inputs import PlanInputError
 from trainyard.plan.choice import nothing_fits, runners_up
@@ -141,6 +141,20 @@ def predict_spec(spec: JobSpec) -> dict | None:
     if not mine:
         return None
     return predicted(mine, doc["constants_source"])
+
+
+def replanned(plan: dict, spec: JobSpec) -> dict:
+    """The job's stored plan once it runs `spec` instead (an applied recommendation, an automatic
+    adaptation): the plan described anew and, for a built-in GPT, the planner's prediction of it.
+    `replanned` marks that the plan is no longer the planner's pick: an elastic job keeps it on
+    every node count instead of being planned again for each (jobs/attempts/services/elastic.py)."""
+    stored = spec.to_json()
+    if spec.parallel != "auto" and not spec.resources.elastic:
+        stored["parallel"]["dp"] = spec.dp
+    out = {**plan, **planner.describe(stored), "replanned": True}
+    if spec.model is not None and spec.model.kind == "gpt":
+        out["planner"] = predict_spec(spec)
+    return out
 
 
 def _same_plan(record, p: dict) -> bool:

@@ -191,9 +191,7 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
                                   field="checkpoint")
         before = {k: _dotted(job.spec, k) for k in rec["change"]}
         after = {k: _dotted(new_spec, k) for k in rec["change"]}
-        plan = {**job.plan, **planner.describe(new_spec)}
-        if changed.model is not None and changed.model.kind == "gpt":  # the prediction of the plan it now runs
-            plan["planner"] = autoplan.predict_spec(changed)
+        plan = autoplan.replanned(job.plan, changed)  # described anew, with the planner's prediction of it
         Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
         who = user.get_username()
         text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)

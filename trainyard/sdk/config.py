@@ -60,6 +60,8 @@ class LaunchConfig(BaseModel):
     proof_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     # parallel auto for a user's own model: the device facts and constants run.prepare plans with.
     planner: dict[str, Any] | None = None
+    # A cpu rank's device memory, enforced by the built-in trainer (workers/runtime/memcap.py); None: none.
+    memory_limit_gb: float | None = Field(None, gt=0)
 
     @field_validator("resume", mode="before")
     @classmethod

@@ -81,6 +81,7 @@ from trainyard.sdk.balance import Balance
 from .chaos import Chaos, SlowKnob
 from trainyard.sdk.comm import CommCounter, CpuClock, CudaClock, GradCompression, RunComm
 from .config import ConfigError, RunConfig
+from .memcap import cap_memory
 from .data import Batch, build_batches, to_device, val_batches
 from .model import build_model
 from trainyard.sdk.optim import build_optimizer, state_optimizer
@@ -149,6 +150,8 @@ def run(cfg: RunConfig, env: DistEnv | None = None) -> dict:
         # NCCL on CUDA, gloo on CPU (the SDK's, as for user code); every group under the control
         # plane's collective timeout, so a stuck collective fails this rank before the hang verdict
         init_process_group(env, device, cfg.launch.collective_timeout_s)
+        if cfg.launch.memory_limit_gb and not cuda:
+            cap_memory(cfg.launch.memory_limit_gb)
         try:
             summary = Trainer(cfg, env, mesh, device, reporter, batches, val, start_batch).train()
         except Preempted:  # every rank agreed to stop and saved: a clean, collective exit

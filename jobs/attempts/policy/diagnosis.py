@@ -27,7 +27,9 @@ USER_ERROR_TYPES = ("ValueError", "TypeError", "KeyError", "IndexError", "Attrib
 # error that caused it ("NCCL error ... Cuda failure 'out of memory'", "Process group watchdog thread
 # terminated with exception: CUDA error: device-side assert triggered"), and the wrapped error decides.
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cuda failure 'out of memory'",
-               "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+               "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation",
+               # torch's CPU allocator when the rank's memory (a limit, or the host's) is spent
+               "DefaultCPUAllocator: can't allocate memory")
 # An out-of-bounds index in the job's own kernels (embedding, loss, index_add_): not retried.
 DEVICE_ASSERT_MARKERS = ("device-side assert triggered", "CUDA error: device-side assert", "cudaErrorAssert")
 # The GPU or its node failed: retried elsewhere, and it counts toward the node's quarantine.

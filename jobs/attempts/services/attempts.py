@@ -19,6 +19,7 @@ from jobs.core import dispatch
 from jobs.attempts import selectors
 from jobs.models import Attempt, Job
 from jobs.attempts.policy import diagnosis
+from jobs.attempts.services.adapt import adapt_after_oom
 from jobs.attempts.services.busaccess import attempt_access_end, attempt_access_fence
 from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
 from jobs.attempts.services.elastic import elastic_after_loss
@@ -75,6 +76,8 @@ def attempt_maybe_finish(attempt: Attempt) -> bool:
         point = resume_checkpoint(job)
         job_set_status(job, Job.ACTIVE, Job.Status.QUEUED, f"rolling back to step {point.step if point else 0}",
                         avoid_nodes=[])
+    elif outcome == "failed:oom" and adapt_after_oom(job, attempt, failure):
+        pass  # adapt auto: re-planned to a plan that needs less memory (or failed with the closest one)
     elif elastic_after_loss(job, attempt, outcome, failure):
         pass  # an elastic job restarts at once on the surviving nodes (services/elastic.py)
     elif failure.get("retry") and job.restarts < job.spec.get("max_restarts", 0):

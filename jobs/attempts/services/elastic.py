@@ -40,12 +40,13 @@ def fixed_at(spec: dict, nodes: int, parallel=None) -> JobSpec:
 
 def spec_at(spec: dict, nodes: int, plan: dict | None = None) -> dict:
     """The stored spec an attempt on `nodes` nodes runs (the job's own when that is its size): a
-    job the planner planned (`plan["auto"]`, parallel auto) is planned again for that world, any
-    other keeps its plan with dp following the count; the global batch is kept either way.
+    job the planner planned (`plan["auto"]`, parallel auto, not re-planned since by an adaptation or
+    an applied recommendation) is planned again for that world, any other keeps its plan with dp
+    following the count; the global batch is kept either way.
     SpecError when the count cannot run it (submit checks every count: `check_counts`)."""
     if not is_elastic(spec) or nodes == spec["resources"]["nodes"]:
         return spec
-    if plan and plan.get("auto"):
+    if plan and plan.get("auto") and not plan.get("replanned"):
         try:
             return autoplan.resolve_auto(fixed_at(spec, nodes, "auto"))[0].to_json()
         except SpecError:  # submit found a plan at this count; should the planner's inputs have

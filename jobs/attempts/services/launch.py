@@ -39,6 +39,8 @@ def launch_payload(job: Job, attempt: Attempt, alloc: Allocation, *, rdzv_host: 
         collective_timeout_s=diagnosis.collective_timeout(job.spec.get("hang_timeout_s", "auto"),
                                                           settings.TRAINYARD_HANG_FLOOR_S),
         resume=Resume(path=resume.path, step=resume.step, checkpoint_id=resume.pk) if resume else None,
+        memory_limit_gb=(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB if settings.TRAINYARD_CPU_DEVICE_MEMORY_ENFORCE
+                         and job.spec["resources"]["device"] == "cpu" else None),
     ).model_dump(mode="json")
 
 
