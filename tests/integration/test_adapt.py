@@ -43,6 +43,7 @@ def test_oom_is_replanned_with_the_same_global_batch_and_the_losses_of_an_unlimi
     jid = cluster.submit({**JOB, "adapt": "auto"})["id"]
     j = cluster.wait_status(jid, {"SUCCEEDED", "FAILED"}, 300)
     assert j["status"] == "SUCCEEDED", cluster.job_state(jid)
+    assert len(j["attempts"]) == 2, cluster.job_state(jid)
     first, second = j["attempts"]
     assert first["outcome"] == "failed:oom" and "DefaultCPUAllocator" in first["failure"]["message"]
     assert second["outcome"] == "succeeded" and j["restarts"] == 0  # the first OOM of a plan is free
