@@ -5,7 +5,7 @@ Transitions are compare-and-set (`filter(status=old).update(...)`), each writes 
 side effects (Celery sends, websocket messages) run only after commit. Each domain keeps its
 own services (jobs/<domain>/services*): runs (submit, cancel, apply a recommendation),
 scheduling (the tick, ETAs, quotas), telemetry (ingest), fleet (heartbeats, reports, identity,
-nodes_check), attempts (launch, rollback, stop/preempt/finish, profiling, checkpoints, bus access,
+nodes_check), attempts (launch, rollback, stop/preempt/finish, profiling, adapt auto's tuning, checkpoints, bus access,
 events), planning (knowledge, calibration) and bundles. Which may import which is written once,
 in pyproject.toml's import-linter contracts ("jobs: the domains, each importing only the ones
 below it", and one per domain's services); docs/architecture.md section 2 explains it.
@@ -23,6 +23,7 @@ from jobs.fleet.services.identity import node_add, report_open, security_event
 from jobs.telemetry.ingest import telemetry_ingest, telemetry_owners
 from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit, submitted_spec
 from jobs.attempts.services.rollback import job_rollback
+from jobs.attempts.services.tuning import attempts_tune
 from jobs.fleet.services.reports import attempt_node_exit, attempt_ranks
 from jobs.fleet.services.nodes import node_clear, node_heartbeat, node_set_schedulable, nodes_check
 from jobs.scheduling.services.quotas import quota_audit, quotas_update
@@ -30,7 +31,7 @@ from jobs.scheduling.services.tick import eta_refresh, schedule_tick
 from jobs.attempts.services.launch import launches_resend_due
 
 __all__ = [
-    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "bundle_delete", "bundle_files",
+    "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "attempts_tune", "bundle_delete", "bundle_files",
     "bundle_store", "bundles_gc", "calibration_report", "calibration_request", "calibration_store",
     "checkpoint_pin", "checkpoint_verify", "telemetry_owners",
     "checkpoint_register", "checkpoints_reconcile", "eta_refresh", "job_apply_recommendation", "job_cancel",

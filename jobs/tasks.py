@@ -73,7 +73,9 @@ def eta_refresh() -> int:
 
 @app.task(name=ATTEMPTS_CHECK_TASK, **BEAT, time_limit=60, soft_time_limit=50)
 def attempts_check() -> dict:
-    return services.attempts_check()
+    out = services.attempts_check()
+    out["tuned"] = services.attempts_tune()  # adapt auto acts on the profiles just updated
+    return out
 
 
 @app.task(name=BUNDLES_GC_TASK, **BEAT, time_limit=600, soft_time_limit=540)

@@ -12,12 +12,11 @@ from jobs.scheduling import selectors
 from jobs.core.errors import TooManyRequests, TransitionError
 from jobs.models import Attempt, Job
 from jobs.planning.policy import planner, predictor
-from jobs.attempts.policy import profiling
 from jobs.scheduling import policy as scheduling
 from jobs.scheduling.policy import eligibility
 from jobs.attempts.services.attempts import attempt_stop
+from jobs.attempts.services.tuning import spec_change_apply
 from jobs.bundles.services import bundle_files
-from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_checkpoint
 from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
@@ -181,35 +180,12 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
         if change is not None and change != rec["change"]:
             raise TransitionError(f"the recommendation changed to {rec['change']}: review it and apply again",
                                   field="change")
-        changed = profiling.spec_with_change(job.spec, rec["change"])
-        new_spec = changed.to_json()
-        checkpoints_reconcile(job)
-        point = resume_checkpoint(job)
-        if point is None:
-            raise TransitionError("the job has no checkpoint yet to restart from: apply after its first "
-                                  f"checkpoint (every {job.spec['checkpoint']['every_steps']} steps)",
-                                  field="checkpoint")
-        before = {k: _dotted(job.spec, k) for k in rec["change"]}
-        after = {k: _dotted(new_spec, k) for k in rec["change"]}
-        plan = autoplan.replanned(job.plan, changed)  # described anew, with the planner's prediction of it
-        Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=plan)
         who = user.get_username()
-        text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
-        job_event(job, "recommendation_applied", f"{who} applied the recommendation ({text}); restarting from the "
-                  f"checkpoint at step {point.step}", attempt=attempt, actor=user, before=before, after=after,
-                  recommendation=rec.get("kind"), predicted_gain=rec.get("predicted_gain"),
-                  predicted_step_s=rec.get("predicted_step_s"), step_s=(attempt.profile.get("window") or {}).get("step_s"),
-                  profile_class=attempt.profile.get("class"), checkpoint=point.pk, step=point.step)
-        job_set_status(job, Job.Status.RUNNING, Job.Status.STOPPING,
-                       f"applying the recommendation ({text}): restarting from step {point.step}"[:500])
-        Attempt.objects.filter(pk=attempt.pk).update(stop_reason="rollback")
-        attempt.refresh_from_db()
-        attempt_stop(attempt, reason="rollback")
+        spec_change_apply(job, attempt, dict(rec["change"]), kind="recommendation_applied", actor=user,
+                          recommendation=rec.get("kind"), predicted_gain=rec.get("predicted_gain"),
+                          predicted_step_s=rec.get("predicted_step_s"),
+                          describe=lambda text, step: (f"{who} applied the recommendation ({text}); restarting "
+                                                       f"from the checkpoint at step {step}"))
     job.refresh_from_db()
     return job
 
-
-def _dotted(spec: dict, path: str):
-    for part in path.split("."):
-        spec = spec[part]
-    return spec

@@ -3,7 +3,7 @@
 
 A change of class is a "profile" job event; every change of the stored profile goes to the job
 page as a `profile` websocket message after commit. The first profile of the attempt after an
-applied recommendation writes a "recommendation_result" event: the measured step time against
+applied recommendation (a person's, or adapt auto's) writes a "recommendation_result" event: the measured step time against
 the one before and the prediction, so a change that did not pay shows on the timeline. Applying the recommendation is a user's
 request and lives with the other ones in jobs.py (`job_apply_recommendation`).
 """
@@ -21,6 +21,11 @@ from jobs.attempts.services.events import job_event
 
 NAMES = {profiling.COMPUTE: "compute-bound", profiling.COMM: "communication-bound", profiling.INPUT: "input-bound",
          profiling.UNKNOWN: "not enough telemetry"}
+
+
+# Kept beside the policy's profile: when it was stored, at which step, and the step its class was
+# first seen at in this attempt (a sustained bottleneck is measured from it: services.tuning).
+KEPT = ("updated_at", "at_step", "class_since_step")
 
 
 def _round(profile: dict) -> dict:
@@ -42,9 +47,10 @@ def attempt_profile_update(attempt: Attempt, recent: list[dict]) -> bool:
                           if isinstance(p, dict) and isinstance(p.get("model"), dict)), None)
     new = _round(profiling.profile(recent, job.spec, before, first_step=attempt.resumed_from_step or 0,
                                    results=results, model=described))
-    if {k: v for k, v in before.items() if k not in ("updated_at", "at_step")} == new:
+    if {k: v for k, v in before.items() if k not in KEPT} == new:
         return False
-    new |= {"updated_at": timezone.now().isoformat(), "at_step": attempt.last_step}
+    since = before.get("class_since_step") if before.get("class") == new["class"] else attempt.last_step
+    new |= {"updated_at": timezone.now().isoformat(), "at_step": attempt.last_step, "class_since_step": since}
     with transaction.atomic():
         if not Attempt.objects.filter(pk=attempt.pk, status=Attempt.Status.RUNNING).update(profile=new):
             return False
@@ -75,7 +81,8 @@ def _event_text(p: dict) -> str:
 def _applied_result(attempt: Attempt, profile: dict) -> None:
     """Once per applied recommendation, on the first later attempt with enough telemetry."""
     job = attempt.job
-    applied = job.events.filter(kind="recommendation_applied").select_related("attempt").order_by("-id").first()
+    applied = (job.events.filter(kind__in=("recommendation_applied", "adapted")).select_related("attempt")
+               .order_by("-id").first())  # a person's, or adapt auto's (services.tuning)
     if (applied is None or applied.attempt is None or applied.attempt.number >= attempt.number
             or job.events.filter(kind="recommendation_result", data__applied=applied.pk).exists()):
         return
