@@ -1,6 +1,8 @@
 """Reads of the knowledge base (`KnowledgeRecord`, written by jobs/planning/services/knowledge.py): who
 may see which records, the records nearest a configuration, the best measured plan per model
-shape and cluster, and the nearest measured step times the run-time predictor uses. A sibling
+shape and cluster, and the nearest measured step times the run-time predictor uses; and of its
+adaptation outcomes (`AdaptationOutcome`): the plans that ran out of memory in a configuration,
+the bottleneck outcomes recorded for one (`adaptation_outcomes`), and who may see which. A sibling
 of jobs/scheduling/selectors.py under the same contract (reads never import the API, serializers, payloads
 or services); jobs/planning/policy/knowledge.py does the ranking and the aggregation.
 
