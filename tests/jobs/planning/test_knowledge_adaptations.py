@@ -1,6 +1,6 @@
 """The knowledge base's adaptation outcomes against the database (services, no processes): an OOM
 re-plan is recorded and keeps the next `parallel: auto` job of that configuration off the plan
-that ran out; a bottleneck change recorded as kept starts the next `adapt: auto` job of that
+that ran out (an elastic job's on the node count it ran on); a bottleneck change recorded as kept starts the next `adapt: auto` job of that
 configuration with it (a reverted one, an advise job, another world, a change a spec rule refuses:
 not); the selector the profiling code reads; the /knowledge/ page; odd entries never raise."""
 import pytest
@@ -172,3 +172,27 @@ def test_recording_never_raises(user, nodes):
     assert knowledge_adaptation(job, object(), {"kind": "oom", "plan_before": {"dp": 1, "tp": 1, "pp": 1,
                                                                                  "micro_batch": 2}}) is None
     assert AdaptationOutcome.objects.count() == 1
+
+
+def test_an_elastic_jobs_oom_is_recorded_on_the_node_count_it_ran_on(user, nodes):
+    from tests.jobs.attempts.test_adapt import OOM_TEXT
+    from jobs import services
+
+    busy = submit(user, train={"steps": 1_000_000, "global_batch": 16}, resources={"nodes": 1, "procs_per_node": 2})
+    start(busy)
+    job = submit(user, model=GPT, train={"steps": 100, "global_batch": 16}, max_restarts=0, adapt="auto",
+                 parallel={"recompute": "full"}, resources={"nodes": {"min": 1, "max": 2}, "procs_per_node": 1})
+    attempt = start(job)
+    [alloc] = attempt.allocations.select_related("node")
+    services.attempt_node_exit(attempt.pk, node_name=alloc.node.name, result={
+        "node": alloc.node.name, "exit_code": 1, "stopped": False,
+        "failures": [{"rank": 0, "timestamp": 1.0, "message": OOM_TEXT, "traceback": OOM_TEXT}]})
+    job.refresh_from_db()
+    [entry] = job.adaptations
+    rec = AdaptationOutcome.objects.get()
+    assert (rec.nodes, rec.procs_per_node) == (1, 1)  # where it ran out, not its max
+    assert {k: getattr(rec, k) for k in ("dp", "tp", "micro_batch")} == {
+        k: entry["plan_before"][k] for k in ("dp", "tp", "micro_batch")}
+    for n, ran_out in ((1, 1), (2, 0)):
+        spec = parse_job_spec({**job.spec, "parallel": "auto", "resources": {"nodes": n, "procs_per_node": 1}})
+        assert autoplan.plan_spec(spec)["knowledge"]["ran_out"] == ran_out
