@@ -1,8 +1,9 @@
 """The knowledge base's adaptation outcomes against the database (services, no processes): an OOM
 re-plan is recorded and keeps the next `parallel: auto` job of that configuration off the plan
-that ran out (an elastic job's on the node count it ran on); a bottleneck change recorded as kept starts the next `adapt: auto` job of that
-configuration with it (a reverted one, an advise job, another world, a change a spec rule refuses:
-not); the selector the profiling code reads; the /knowledge/ page; odd entries never raise."""
+that ran out (an elastic job's on the node count it ran on); a bottleneck change recorded as kept
+starts the next `adapt: auto` job of that configuration with it (a reverted one, an advise job,
+another world, a change a spec rule refuses: not); the selector the profiling code reads; the
+/knowledge/ page; odd entries never raise."""
 import pytest
 
 from jobs.models import AdaptationOutcome, Job
