@@ -133,7 +133,7 @@ def test_a_reverted_change_is_never_applied(user, nodes):
                                                                                         "reverted"]
 
 
-def test_the_knowledge_page_lists_the_outcomes(user, nodes, client):
+def test_the_knowledge_page_lists_the_outcomes(user, staff, nodes, client):
     source = fixed_job(user)
     start(source)
     bottleneck(source)
@@ -146,6 +146,10 @@ def test_the_knowledge_page_lists_the_outcomes(user, nodes, client):
     assert f'<a href="/jobs/{source.pk}/">' in html and 'data-kind="oom"' in html and "ran out of memory with" in html
     Job.objects.filter(pk=source.pk).delete()  # kept when its job is deleted (staff still sees it)
     assert AdaptationOutcome.objects.count() == 2
+    assert client.get("/knowledge/").content.decode().count("data-outcome=") == 1
+    client.force_login(staff)
+    html = client.get("/knowledge/").content.decode()
+    assert html.count("data-outcome=") == 2 and '<span class="muted">deleted</span>' in html
 
 
 @pytest.mark.parametrize("entry", [
