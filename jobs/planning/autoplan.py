@@ -24,7 +24,7 @@ from trainyard.spec import JobSpec, SpecError
 
 from jobs.planning import selectors as planning_selectors
 from jobs.models import Node
-from jobs.planning.policy import knowledge, planner
+from jobs.planning.policy import adaptations, knowledge, planner
 from jobs.planning.constants import constants_for, peak_for
 from trainyard.plan.inputs import PlanInputError
 from trainyard.plan.choice import nothing_fits, runners_up
@@ -72,18 +72,27 @@ def plan_spec(spec: JobSpec) -> dict:
     constants = constants_for(facts["name"])
     doc = plan_for_job(spec, constants, device=facts)
     learned = prefer_measured(doc["plans"], stored, facts["name"])
-    plans, rejected = doc["plans"], doc["rejected"]
     memory_gb = facts["memory_gb"]
+    plans, ran_out = keep_off_oomed(doc["plans"], stored, facts)
+    learned["ran_out"] = len(ran_out)
+    rejected = ran_out + doc["rejected"]
     out = {"plans": plans, "rejected": rejected[:20], "rejected_count": len(rejected),
            "constants_source": constants.source, "device": facts, "runners_up": [], "shortfall": None,
            "knowledge": learned}
     if plans:
-        out["runners_up"] = runners_up(plans, rejected, memory_gb)
+        out["runners_up"] = runners_up(plans, doc["rejected"], memory_gb)
     else:
-        out["shortfall"] = nothing_fits(rejected, memory_gb)
+        out["shortfall"] = _shortfall(doc["rejected"], ran_out, memory_gb)
     if spec.parallel != "auto":
         out["spec_plan"] = _spec_plan(stored, {**stored["parallel"], "dp": spec.dp}, plans)
     return out
+
+
+def _shortfall(rejected: list[dict], ran_out: list[dict], memory_gb: float) -> str:
+    if not ran_out:
+        return nothing_fits(rejected, memory_gb)
+    why = f"{len(ran_out)} plan(s) the model fits ran out of memory here before (the latest: {ran_out[0]['reason']})"
+    return f"{nothing_fits(rejected, memory_gb)}; {why}" if rejected else f"no plan is left to try: {why}"
 
 
 def _spec_plan(stored: dict, par: dict, plans: list[dict]) -> dict | None:
@@ -155,6 +164,16 @@ def replanned(plan: dict, spec: JobSpec) -> dict:
     if spec.model is not None and spec.model.kind == "gpt":
         out["planner"] = predict_spec(spec)
     return out
+
+
+def keep_off_oomed(plans: list[dict], stored: dict, facts: dict) -> tuple[list[dict], list[dict]]:
+    """(plans, plans moved out): the knowledge base's OOM outcomes (issue 24) move out each plan
+    that ran out of memory on this device type for this very shape, batch and world
+    (jobs/planning/policy/adaptations.py keep_off_oomed), so a new auto job does not start on it."""
+    m, res = stored["model"], stored["resources"]
+    shape = {**{k: m.get(k) for k in knowledge.SHAPE_FIELDS}, "global_batch": stored["train"]["global_batch"]}
+    cluster = {"nodes": res["nodes"], "procs_per_node": res["procs_per_node"], "device": {"name": facts["name"]}}
+    return adaptations.keep_off_oomed(plans, planning_selectors.oomed_plans(shape, cluster), facts["memory_gb"])
 
 
 def _same_plan(record, p: dict) -> bool:

@@ -1,6 +1,8 @@
 """Reads of the knowledge base (`KnowledgeRecord`, written by jobs/planning/services/knowledge.py): who
 may see which records, the records nearest a configuration, the best measured plan per model
-shape and cluster, and the nearest measured step times the run-time predictor uses. A sibling
+shape and cluster, and the nearest measured step times the run-time predictor uses; and of its
+adaptation outcomes (`AdaptationOutcome`): the plans that ran out of memory in a configuration,
+the bottleneck outcomes recorded for one (`adaptation_outcomes`), and who may see which. A sibling
 of jobs/scheduling/selectors.py under the same contract (reads never import the API, serializers, payloads
 or services); jobs/planning/policy/knowledge.py does the ranking and the aggregation.
 
@@ -15,8 +17,8 @@ from collections.abc import Mapping
 
 from django.db.models import Q, QuerySet
 
-from jobs.models import Attempt, KnowledgeRecord, Node
-from jobs.planning.policy import knowledge
+from jobs.models import AdaptationOutcome, Attempt, KnowledgeRecord, Node
+from jobs.planning.policy import adaptations, knowledge
 from jobs.planning.policy.predictor import JobShape, MeasuredStep
 
 # Records ranked per query, newest first (the ranking itself is in Python).
@@ -158,6 +160,61 @@ def knowledge_for_prediction(shape: JobShape) -> list[MeasuredStep]:
                         procs_per_node=r.procs_per_node, device="cpu" if r.device_name == "cpu" else "cuda")
         out.append(MeasuredStep(near, r.step_time_s, dist))
     return out
+
+
+# ---------------------------------------------------------------- adaptation outcomes
+
+def adaptations_visible_to(user) -> QuerySet[AdaptationOutcome]:
+    """Outcomes of jobs the user can see (staff: all, also those whose job was deleted)."""
+    qs = AdaptationOutcome.objects.select_related("job")
+    if user.is_staff:
+        return qs
+    return qs.filter(Q(job__owner=user) | Q(job__team__in=user.groups.all())).distinct()
+
+
+def _config_q(shape: Mapping, global_batch, nodes, procs_per_node) -> Q | None:
+    if not shape.get("kind") or any(shape.get(k) is None for k in knowledge.SHAPE_FIELDS):
+        return None
+    return Q(model_kind=shape["kind"], global_batch=global_batch, nodes=nodes, procs_per_node=procs_per_node,
+             **{k: shape[k] for k in knowledge.SHAPE_FIELDS if k != "kind"})
+
+
+def oomed_plans(shape: Mapping, cluster: Mapping) -> list[adaptations.OomedPlan]:
+    """The plans that ran out of memory in exactly this configuration (model shape with
+    "global_batch", cluster {nodes, procs_per_node, device}), newest first."""
+    q = _config_q(shape, shape.get("global_batch"), cluster.get("nodes"),
+                  cluster.get("devices_per_node", cluster.get("procs_per_node")))
+    if q is None:
+        return []
+    rows = AdaptationOutcome.objects.filter(q, kind=AdaptationOutcome.Kind.OOM, device_name=_device_of(cluster))
+    return [adaptations.OomedPlan(r.job_id, r.attempt_number, {k: getattr(r, k) for k in knowledge.PLAN_FIELDS},
+                                  r.limit_gb, r.device_memory_gb) for r in rows.order_by("-id")[:CANDIDATES]]
+
+
+def outcome_dict(r: AdaptationOutcome) -> dict:
+    return {"id": r.pk, "job": r.job_id, "attempt_number": r.attempt_number, "class": r.bottleneck_class,
+            "change": r.change or {}, "before": r.before or {}, "outcome": r.outcome, "measured_gain": r.measured_gain,
+            "predicted_gain": r.predicted_gain, "step_s_before": r.step_s_before, "step_s_after": r.step_s_after,
+            "created_at": r.created_at.isoformat()}
+
+
+def adaptation_outcomes(spec: Mapping, *, nodes: int | None = None, device_name: str | None = None) -> list[dict]:
+    """The bottleneck outcomes recorded for this stored spec's configuration (model shape, global
+    batch, world, device type), newest first, as dicts (outcome_dict: change, before, outcome
+    kept|reverted, measured_gain, ...). `nodes`: the world's node count when it is not the spec's
+    (an elastic job's attempt); `device_name`: the exact device type (default: "cpu" for a CPU
+    job, any GPU type for a cuda one). User code has no shape: nothing."""
+    model = spec.get("model") if not spec.get("entrypoint") else None
+    res = spec.get("resources") or {}
+    if not isinstance(model, Mapping):
+        return []
+    q = _config_q(model, (spec.get("train") or {}).get("global_batch"), nodes or res.get("nodes", 1),
+                  res.get("procs_per_node", 1))
+    if q is None:
+        return []
+    device = device_name or ("cpu" if res.get("device", "cpu") == "cpu" else "cuda")
+    rows = AdaptationOutcome.objects.filter(q, _device_q(device), kind=AdaptationOutcome.Kind.BOTTLENECK)
+    return [outcome_dict(r) for r in rows.order_by("-id")[:CANDIDATES]]
 
 
 PAST_RUNS = 500

@@ -1,5 +1,6 @@
 """The knowledge-base page (/knowledge/): past configurations with predicted vs measured step time
-and memory, the best known plan per model shape and cluster, and the device calibrations.
+and memory, the best known plan per model shape and cluster, the outcomes of automatic
+adaptations (issue 24), and the device calibrations.
 
 The same filters and record JSON as GET /api/v1/knowledge/ (jobs/planning/api.py); the page
 renders text the API leaves as numbers. The calibrations section shows the `Calibration` rows
@@ -21,6 +22,7 @@ except ImportError:  # pragma: no cover - depends on which parts are merged
 
 PAGE_ROWS = 200
 CALIBRATION_ROWS = 20
+ADAPTATION_ROWS = 50
 
 
 def _ms(s: float | None) -> str:
@@ -96,6 +98,34 @@ def _best_row(b: dict) -> dict:
                             if d["runner_up_tokens_per_s"] else "the only plan measured")}
 
 
+def _value(v) -> str:
+    return "–" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _adaptation_row(o) -> dict:
+    """One AdaptationOutcome as the page's table shows it."""
+    model = None if o.model_kind is None else {"kind": o.model_kind, "layers": o.layers, "hidden": o.hidden,
+                                                "heads": o.heads, "seq_len": o.seq_len, "vocab": o.vocab}
+    if o.kind == "oom":
+        plan = {k: getattr(o, k) for k in ("dp", "tp", "pp", "micro_batch", "fsdp", "shard_optimizer", "recompute",
+                                           "schedule")}
+        changed = f"ran out of memory with {plan_text(plan)}" + (f" (under {_gb(o.limit_gb)} a device)"
+                                                                  if o.limit_gb is not None else "")
+        outcome, measured = "re-planned; new jobs keep off this plan", "–"
+    else:
+        before = o.before or {}
+        changed = ", ".join(f"{k} {_value(before.get(k))} → {_value(v)}" for k, v in (o.change or {}).items())
+        changed += f" ({o.bottleneck_class}-bound)" if o.bottleneck_class else ""
+        outcome = o.outcome
+        measured = "–" if o.measured_gain is None else f"{o.measured_gain * 100:+.1f}%"
+        if o.step_s_before is not None and o.step_s_after is not None:
+            measured += f" ({_ms(o.step_s_before)} → {_ms(o.step_s_after)} a step)"
+    return {"id": o.pk, "job": o.job_id, "job_name": o.job.name if o.job_id else None, "kind": o.kind,
+            "attempt": o.attempt_number, "model_text": model_text(model),
+            "cluster_text": f"{o.nodes}×{o.procs_per_node} {o.device_name}", "global_batch": o.global_batch,
+            "changed": changed, "outcome": outcome, "measured": measured, "created_at": o.created_at}
+
+
 def evaluation_items(evaluation, limit: int = 12) -> list[str]:
     """A calibration's evaluation JSON as "name: value" lines (nested objects flattened with dots)."""
     out: list[str] = []
@@ -165,8 +195,11 @@ def knowledge_page(request):
     rows = [_row(r) for r in visible.order_by("-id")[:PAGE_ROWS]] if not errors else []
     best = [] if errors else [_best_row(b) for b in planning_selectors.knowledge_best_table(
         planning_selectors.knowledge_filter(KnowledgeRecord.objects.all(), **filters))]
+    adapted = [_adaptation_row(o) for o in
+               planning_selectors.adaptations_visible_to(request.user).order_by("-id")[:ADAPTATION_ROWS]]
     return render(request, "jobs/knowledge.html", {
         "kinds": KINDS, "rows": rows, "total": total, "shown": len(rows), "best": best, "errors": errors,
+        "adaptations": adapted,
         "filters": {k: request.GET.get(k, "") for k in ("kind", "device", "layers", "hidden")},
         "calibrations": _calibrations(), "nodes": list(Node.objects.order_by("name").values_list("name", flat=True)),
     }, status=400 if errors else 200)

@@ -11,11 +11,12 @@ from jobs.core import dispatch
 from jobs.scheduling import selectors
 from jobs.core.errors import TooManyRequests, TransitionError
 from jobs.models import Attempt, Job
-from jobs.planning.policy import planner, predictor
+from jobs.planning.policy import adaptations, planner, predictor
+from jobs.attempts.policy import profiling
 from jobs.scheduling import policy as scheduling
 from jobs.scheduling.policy import eligibility
 from jobs.attempts.services.attempts import attempt_stop
-from jobs.attempts.services.tuning import spec_change_apply
+from jobs.attempts.services.tuning import spec_change_apply, spec_value
 from jobs.bundles.services import bundle_files
 from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
@@ -73,6 +74,7 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
         # a new spec, running the best plan (an elastic job's for its most nodes; each attempt's
         # world is planned again: jobs/attempts/services/elastic.py)
         runs, auto = autoplan.resolve_auto(fixed_at(parsed.to_json(), r.nodes) if r.elastic else parsed)
+    runs, learned = start_from_knowledge(runs) if parsed.adapt == "auto" else (runs, None)
     stored = runs.to_json()
     if r.elastic:  # dp follows the node count
         stored["resources"]["min_nodes"] = r.min_nodes
@@ -106,10 +108,38 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
             priority=Job.PRIORITIES[parsed.priority], slots=r.world_size, status_reason="; ".join(warnings)[:500])
         job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"],
                   **({"warnings": warnings} if warnings else {}))
+        if learned is not None:
+            job_event(job, "adapted", learned.pop("message"), cause="knowledge", **learned)
         job.warnings = warnings  # for the submit's response only (the API's `warnings`, the form's message)
         transaction.on_commit(dispatch.request_tick)
         transaction.on_commit(partial(dispatch.publish_cluster_changed, "jobs"))
     return job
+
+
+def start_from_knowledge(spec: JobSpec) -> tuple[JobSpec, dict | None]:
+    """An `adapt: auto` job starts from what worked (issue 24): the newest bottleneck change the
+    knowledge base recorded as kept for this configuration (model shape, global batch, world,
+    device type) whose replaced values the spec still has, validated like a submit (a change a
+    spec rule refuses is skipped). (the spec to run, the "adapted" event's data) or (spec, None)."""
+    stored = spec.to_json()
+    device = "cpu" if spec.resources.device == "cpu" else autoplan.device_facts("cuda")["name"]
+    outcomes = planning_selectors.adaptation_outcomes(stored, device_name=device)
+    for o in adaptations.starting_changes(stored, outcomes):
+        try:
+            changed = profiling.spec_with_change(stored, o["change"])
+        except (SpecError, KeyError, TypeError):
+            continue
+        new = changed.to_json()
+        after = {k: spec_value(new, k) for k in o["change"]}
+        before = {k: o["before"][k] for k in o["change"]}
+        text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
+        gain = f"measured gain {o['measured_gain'] * 100:+.0f}%" if o["measured_gain"] is not None else "no gain measured"
+        src = f"job {o['job']}" if o["job"] is not None else "a deleted job"
+        return changed, {"message": f"started with {text}: the knowledge base's outcome for this model shape, batch "
+                                    f"and world ({src} adapted so and kept it, {gain})",
+                         "source_job": o["job"], "change": o["change"], "before": before, "after": after,
+                         "measured_gain": o["measured_gain"]}
+    return spec, None
 
 
 def placement_warnings(nodes: list[scheduling.NodeState], spec: JobSpec) -> list[str]:

@@ -21,6 +21,7 @@ from jobs.attempts.services.checkpoints import checkpoints_reconcile, resume_che
 from jobs.attempts.services.events import job_event, job_set_status
 from jobs.models import Attempt, Job
 from jobs.planning import autoplan
+from jobs.planning.services.knowledge import knowledge_adaptation
 from jobs.planning.policy.knowledge import plan_fields
 from trainyard.plan.inputs import PlanInputError
 from trainyard.plan.job import spec_parallel
@@ -144,6 +145,7 @@ def adapt_after_oom(job: Job, attempt: Attempt, failure: dict) -> bool:
                                       "this plan ran out of memory before)"))
     Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=autoplan.replanned(job.plan, new),
                                          adaptations=[*history, entry])
+    knowledge_adaptation(job, attempt, entry)  # the next job of this configuration keeps off the plan
     job_set_status(job, Job.ACTIVE, Job.Status.QUEUED, text[:500], avoid_nodes=[],
                    restarts=job.restarts + (1 if counted else 0))
     job_event(job, "adapted", text, attempt=attempt, cause="oom", **{k: v for k, v in entry.items() if k != "kind"})

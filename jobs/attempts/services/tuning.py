@@ -31,7 +31,7 @@ from trainyard.spec import SpecError
 log = logging.getLogger(__name__)
 
 
-def _dotted(spec: dict, path: str):
+def spec_value(spec: dict, path: str):
     for part in path.split("."):
         spec = spec[part]
     return spec
@@ -50,8 +50,8 @@ def spec_change_apply(job: Job, attempt: Attempt, change: dict, *, describe, **d
     if point is None:
         raise TransitionError("the job has no checkpoint yet to restart from: apply after its first "
                               f"checkpoint (every {job.spec['checkpoint']['every_steps']} steps)", field="checkpoint")
-    before = {k: _dotted(job.spec, k) for k in change}
-    after = {k: _dotted(new_spec, k) for k in change}
+    before = {k: spec_value(job.spec, k) for k in change}
+    after = {k: spec_value(new_spec, k) for k in change}
     Job.objects.filter(pk=job.pk).update(spec=new_spec, plan=autoplan.replanned(job.plan, changed))
     text = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in after)
     kind = data.pop("kind")

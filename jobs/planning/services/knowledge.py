@@ -7,16 +7,21 @@ samples of an attempt that has already ended (ingest: the last steps can reach t
 after the nodes' exit reports). Idempotent: one row per attempt, recomputed from all its
 samples each time. A record is a by-product: failing to write one is logged and never fails
 the attempt's end or the telemetry batch.
+
+`knowledge_adaptation` records what one automatic adaptation taught (an `AdaptationOutcome` per
+entry of `Job.adaptations`: an OOM at once, a bottleneck change once it was kept or reverted;
+jobs/planning/policy/adaptations.py says what), under the same rule: logged, never raised.
 """
 from __future__ import annotations
 
 import logging
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Max, Sum
 
-from jobs.models import Attempt, KnowledgeRecord, MetricSample
-from jobs.planning.policy import knowledge
+from jobs.models import AdaptationOutcome, Attempt, Job, KnowledgeRecord, MetricSample
+from jobs.planning.policy import adaptations, knowledge
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,21 @@ def device_name(attempt: Attempt, device: str) -> str:
         for d in used:
             names[str(d["name"])] = names.get(str(d["name"]), 0) + 1
     return max(names, key=names.get) if names else "cuda"
+
+
+def device_memory_gb(attempt: Attempt | None, device: str) -> float | None:
+    """The memory of one device the attempt ran on, as the planner counts it: a CPU slot's share
+    (TRAINYARD_CPU_DEVICE_MEMORY_GB), or the smallest memory its nodes reported for the CUDA
+    devices it was given (None when none reported one)."""
+    if device != "cuda":
+        return float(settings.TRAINYARD_CPU_DEVICE_MEMORY_GB)
+    sizes = []
+    for alloc in attempt.allocations.select_related("node") if attempt is not None else ():
+        devs = [d for d in alloc.node.devices or [] if isinstance(d, dict) and d.get("kind") == "cuda"
+                and isinstance(d.get("memory_bytes"), (int, float))]
+        used = [d for d in devs if d.get("index") in set(alloc.slot_ids or ())] or devs
+        sizes += [d["memory_bytes"] / 1e9 for d in used]
+    return min(sizes) if sizes else None
 
 
 def attempt_steps(attempt: Attempt) -> list[dict]:
@@ -85,3 +105,37 @@ def knowledge_refresh(attempt_ids) -> int:
     their samples after the end); returns how many were written."""
     ended = Attempt.objects.filter(pk__in=list(attempt_ids), status=Attempt.Status.ENDED)
     return sum(knowledge_record(a) is not None for a in ended)
+
+
+def knowledge_adaptation(job: Job, attempt: Attempt | None, entry) -> AdaptationOutcome | None:
+    """Record one entry of `job.adaptations` (the attempt it adapted: its node count and device
+    type are the configuration's), or None when the entry records nothing (policy.adaptations.
+    outcome_fields). One row per entry (job, kind, attempt number and, for a bottleneck, its
+    change): recording an entry again rewrites it (a change recorded kept, later reverted). Never raises: a failure is logged (the caller's adaptation goes on)."""
+    try:
+        with transaction.atomic():
+            return _adaptation(job, attempt, entry)
+    except Exception:  # a by-product must never fail the adaptation that reports it
+        log.exception("adaptation outcome of job %s not recorded", getattr(job, "pk", None))
+        return None
+
+
+def _adaptation(job: Job, attempt: Attempt | None, entry) -> AdaptationOutcome | None:
+    spec = job.spec or {}
+    res = spec.get("resources") or {}
+    device = res.get("device", "cpu")
+    nodes = (attempt.allocations.count() if attempt is not None else 0) or int(res.get("nodes", 1))
+    fields = adaptations.outcome_fields(
+        spec, entry, nodes=nodes, procs_per_node=int(res.get("procs_per_node", 1)),
+        device_name=device_name(attempt, device) if attempt is not None else "cpu" if device == "cpu" else "cuda",
+        device_memory_gb=device_memory_gb(attempt, device))
+    if fields is None:
+        return None
+    same = [] if fields["attempt_number"] is None else [
+        r for r in AdaptationOutcome.objects.filter(job=job, kind=fields["kind"], attempt_number=fields["attempt_number"])
+        if fields["kind"] == "oom" or r.change == fields["change"]]  # an attempt ends in one OOM
+    if not same:
+        return AdaptationOutcome.objects.create(job=job, **fields)
+    AdaptationOutcome.objects.filter(pk=same[0].pk).update(**fields)
+    same[0].refresh_from_db()
+    return same[0]

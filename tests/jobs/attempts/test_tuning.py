@@ -7,7 +7,7 @@ import pytest
 from jobs import services
 from jobs.attempts.policy import tuning as policy
 from jobs.attempts.services.profiling import _applied_result
-from jobs.models import Attempt, Job
+from jobs.models import Attempt
 
 from tests.jobs.attempts.test_fault import report_ckpt
 from tests.jobs.runs.test_services import ok_result, start, submit
