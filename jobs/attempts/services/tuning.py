@@ -26,6 +26,7 @@ from jobs.attempts.services.events import job_event, job_set_status
 from jobs.core.errors import TransitionError
 from jobs.models import Attempt, Job
 from jobs.planning import autoplan
+from jobs.planning.services.knowledge import knowledge_adaptation
 from trainyard.spec import SpecError
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ def _keep(job, attempt, state, decision) -> None:
     done = {**entry, "outcome": "kept", "step_s_after": result.get("step_s_after"),
             "measured_gain": result.get("measured_gain")}
     _save(job, index, done)
+    knowledge_adaptation(job, attempt, done)  # the next job of this shape starts with it
     job_event(job, "adapt_kept", f"kept {_change_text(entry)}: {decision.reason} "
               f"({_ms(result.get('step_s_after'))} a step, was {_ms(result.get('step_s_before'))}; predicted "
               f"{(entry['predicted']['gain'] or 0):+.0%})", attempt=attempt, **_outcome(done))
@@ -199,6 +201,7 @@ def _revert(job, attempt, state, decision) -> None:
         log.warning("job %s: revert of %s not applied: %s", job.pk, entry["change"], exc)
         return
     _save(job, index, {**entry, "outcome": "reverted"})
+    knowledge_adaptation(job, attempt, {**entry, "outcome": "reverted"})  # never started with
 
 
 def _change_text(entry: dict) -> str:

@@ -7,7 +7,7 @@ import pytest
 from jobs import services
 from jobs.attempts.policy import tuning as policy
 from jobs.attempts.services.profiling import _applied_result
-from jobs.models import Attempt
+from jobs.models import AdaptationOutcome, Attempt
 
 from tests.jobs.attempts.test_fault import report_ckpt
 from tests.jobs.runs.test_services import ok_result, start, submit
@@ -71,6 +71,7 @@ def test_a_sustained_bottleneck_is_applied_at_a_checkpoint_measured_and_kept_or_
         assert action == "keep" and job.adaptations[0]["outcome"] == "kept"
         assert job.adaptations[0]["measured_gain"] > 0 and job.spec["comm"]["compression"] == "bf16"
         assert job.events.filter(kind="adapt_kept").exists()
+        assert AdaptationOutcome.objects.get(job=job).outcome == "kept"  # the next job of this shape starts with it
         return
     assert action == "revert_arm" and job.adaptations[0]["outcome"] == "reverting"
     report_ckpt(ckpt_root, job, second, 50)
@@ -78,6 +79,7 @@ def test_a_sustained_bottleneck_is_applied_at_a_checkpoint_measured_and_kept_or_
     job.refresh_from_db()
     assert job.spec["comm"]["compression"] == "none" and job.adaptations[0]["outcome"] == "reverted"
     assert job.events.filter(kind="adapt_reverted").exists()
+    assert AdaptationOutcome.objects.get(job=job).outcome == "reverted"
     stopped(second)
     third = start(job)
     comm_bound(third, last=policy.SUSTAIN_STEPS + 60, since=50)
