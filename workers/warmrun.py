@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 import time
 
 MODULE = "workers.runtime"
@@ -68,7 +69,15 @@ def rank_main(*argv: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     from workers.runtime.__main__ import main
 
-    main(list(argv))
+    try:
+        main(list(argv))
+    except BaseException:
+        # A fresh interpreter prints an uncaught error to its stderr, which torchrun keeps as the
+        # rank's log; in a fork the error leaves torchrun's redirect first and went nowhere the
+        # job's logs see (a user error before the rendezvous showed no line): print it here.
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        raise
 
 
 def wait_for_go(path: str, poll_s: float = GO_POLL_S) -> dict:

@@ -45,7 +45,8 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
-                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "node_history", "stragglers", "health",
+                  "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "node_history", "adaptations", "stragglers",
+                  "health",
                   "has_telemetry", "profile", "attempts"]
 
     def get_has_telemetry(self, obj) -> bool:

@@ -94,13 +94,13 @@ def decide(s: TuningState) -> Decision:
     if entry is None:
         if s.adapt != "auto":
             return Decision("none", "adapt is advise")
-        ok, why = sustained(s.profile, s.last_step)
+        ok, held = sustained(s.profile, s.last_step)
         if not ok:
-            return Decision("none", why)
+            return Decision("none", held)
         allowed, why = may_adapt(s.adapt, s.adapt_max, s.adaptations)
         if not allowed:
             return Decision("none", why)
-        return Decision("arm", "sustained", dict(s.profile["recommendation"]["change"]))
+        return Decision("arm", held, dict(s.profile["recommendation"]["change"]))
     armed_ok = s.checkpoint_step is not None and s.checkpoint_step >= entry.get("armed_step", 0)
     if entry["outcome"] == "waiting":
         if entry.get("attempt_number") != s.attempt_number:

@@ -28,7 +28,7 @@ def entry(outcome, **kw):
 def test_arms_only_after_the_class_held_for_the_window():
     assert tuning.decide(state(last_step=tuning.SUSTAIN_STEPS - 1)).action == "none"
     d = tuning.decide(state(last_step=tuning.SUSTAIN_STEPS))
-    assert d.action == "arm" and d.change == CHANGE
+    assert d.action == "arm" and d.change == CHANGE and d.reason == f"communication-bound for {tuning.SUSTAIN_STEPS} steps"
 
 
 def test_nothing_for_advise_compute_bound_small_gains_or_no_change():
