@@ -1,5 +1,5 @@
 """Issue 24 section 1, a sustained bottleneck end to end: two test hosts (tests/integration/hosts.py,
-as test_multihost.py runs them) whose links are slowed with a tc token bucket (as bench/netns.py
+test_multihost.py's fixtures) whose links are slowed with a tc token bucket (as bench/netns.py
 does) train a 2-node `adapt: auto` GPT whose gradient all-reduce then bounds the step. The profiler
 calls it communication-bound; once that holds for tuning.SUSTAIN_STEPS steps the control plane arms
 the recommended change by itself, applies it at the next checkpoint (the job resumes from it with
@@ -18,17 +18,17 @@ predicted and the measured effect; the outcome goes to the knowledge base.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
 
 from . import hosts
-from .test_multihost import HostsCluster
+from . import test_multihost
 
 ok, why = hosts.available()
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900),
               pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")]
+net, cluster = test_multihost.net, test_multihost.cluster  # the same hosts and cluster fixtures
 RATE = "40mbit"
 JOB = {"model": {"kind": "gpt", "layers": 2, "hidden": 128, "heads": 4, "seq_len": 32, "vocab": 4096},
        "data": {"kind": "synthetic"}, "train": {"steps": 400, "global_batch": 8},
@@ -43,24 +43,6 @@ def shape(net: hosts.Hosts, rate: str) -> None:
             subprocess.run(net.exec_argv(name, ["tc", "qdisc", "add", "dev", f"ty{net.uid}h{i}", "root", "tbf",
                                                 "rate", rate, "burst", "32kbit", "latency", "100ms"]),
                            check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def net():
-    if os.environ.get("DATABASE_URL"):
-        pytest.skip("the test hosts reach no PostgreSQL server on the machine's loopback")
-    with hosts.bridged_hosts(["cp", "gpu-1", "gpu-2"]) as n:
-        yield n
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, net):
-    c = HostsCluster(tmp_path_factory.mktemp("adapt-tc"), net)
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
 
 
 def events(cluster, jid: int, kind: str) -> list[dict]:
