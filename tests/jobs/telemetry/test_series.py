@@ -147,9 +147,9 @@ def test_metric_names_of_jobs(noisy, user, nodes):
 
 
 def test_the_selector_reads_a_bounded_number_of_rows(noisy, django_assert_max_num_queries):
-    """Three queries (bounds, buckets, last values) plus the lineage's attempts, whatever the length."""
+    """Bounds (3), buckets, last values and the lineage's attempts, whatever the length."""
     job, _ = noisy
-    with django_assert_max_num_queries(6):
+    with django_assert_max_num_queries(7):
         assert len(series.job_series(job.pk, "loss", max_points=20)["buckets"]) == 20
 
 
