@@ -56,14 +56,14 @@ def series_params(request) -> dict:
     return {"metric": metric, "x": x, "max_points": points, "rank": rank}
 
 
-def job_ids_param(request) -> list[int]:
-    """The `jobs` parameter as distinct ids in the order given, or InvalidInput."""
-    raw = request.query_params.get("jobs", "")
+def parse_job_ids(raw: str, *, cap: int = MAX_SERIES_JOBS) -> list[int]:
+    """"3,7,9" as distinct ids in the order given (at most `cap`), or InvalidInput on field `jobs`
+    (the compare page reads its ?jobs= with this too)."""
     if not raw.strip():
         raise InvalidInput({"jobs": ["required: comma-separated job ids, e.g. jobs=3,7"]})
     parts = [p.strip() for p in raw.split(",") if p.strip()]
-    if len(parts) > MAX_SERIES_JOBS:
-        raise InvalidInput({"jobs": [f"at most {MAX_SERIES_JOBS} jobs at a time, got {len(parts)}"]})
+    if len(parts) > cap:
+        raise InvalidInput({"jobs": [f"at most {cap} jobs at a time, got {len(parts)}"]})
     ids: list[int] = []
     for p in parts:
         if not (p.isascii() and p.isdigit() and len(p) <= 18):
@@ -71,6 +71,10 @@ def job_ids_param(request) -> list[int]:
         if int(p) not in ids:
             ids.append(int(p))
     return ids
+
+
+def job_ids_param(request) -> list[int]:
+    return parse_job_ids(request.query_params.get("jobs", ""))
 
 
 class JobSeriesView(APIView):
