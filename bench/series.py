@@ -38,14 +38,10 @@ def setup_django(workdir: Path, postgres: bool):
     os.environ.setdefault("DJANGO_SECRET_KEY", "bench-only")
     server = None
     if postgres:
-        from tests.postgres import PostgresServer, create_database  # noqa: F401
+        from tests.postgres import PostgresServer
 
-        server = PostgresServer(workdir / "pg").start()
-        import psycopg
-
-        with psycopg.connect(server.url(), autocommit=True) as conn:
-            conn.execute("CREATE DATABASE bench")
-        os.environ["DATABASE_URL"] = server.url("bench")
+        server = PostgresServer().start()  # its own directory: under root the server runs as nobody
+        os.environ["DATABASE_URL"] = server.create_database("bench")
     else:
         os.environ["DATABASE_URL"] = ""
         os.environ["TRAINYARD_DB"] = str(workdir / "db.sqlite3")
@@ -156,9 +152,9 @@ def main(argv=None) -> None:
             cases = []
             for metric, x in (("loss", "step"), ("loss", "time"), ("acc", "step"), ("val_loss", "step")):
                 say(f"{metric} over {x} ...")
-                b_ms, got = timed(lambda: series.job_series(job_id, metric, x=x, max_points=args.points),
+                b_ms, got = timed(lambda m=metric, a=x: series.job_series(job_id, m, x=a, max_points=args.points),
                                   args.repeat)
-                a_ms, want = timed(lambda: load_all(job_id, metric, x, args.points), args.repeat)
+                a_ms, want = timed(lambda m=metric, a=x: load_all(job_id, m, a, args.points), args.repeat)
                 agree = len(got["buckets"]) == len(want) and all(
                     abs(g["last"] - w["last"]) < 1e-9 and g["min"] == w["min"] and g["max"] == w["max"]
                     for g, w in zip(got["buckets"], want))

@@ -39,7 +39,7 @@ def store(job, rows):
 def reference(rows, metric, x, max_points):
     """The definition, in Python: (x, value, step) per sample; buckets of whole steps or equal time spans."""
     pts = []
-    for rank, step, ts, loss, m in rows:
+    for _rank, step, ts, loss, m in rows:
         v = loss if metric == "loss" else (m or {}).get(metric)
         if v is not None:
             pts.append((step, ts, float(v)))
