@@ -20,6 +20,7 @@ const POLL_MS = 5000;
 const SERIES_REFRESH_MS = 30000; // curves of running trials re-read at least this often (sockets fill in between)
 const MAX_LIVE = 8;              // job sockets open at once (each counts against TRAINYARD_MAX_SOCKETS_PER_USER)
 const BEST_POINTS = 300;         // points a trial contributes to best-so-far over time
+const COMPARE_MAX = 20;          // jobs the compare page takes (jobs/runs/views_compare.py MAX_COMPARE_JOBS)
 
 const app = document.getElementById('experiment-app');
 
@@ -53,7 +54,8 @@ function layout() {
     el('section', { class: 'card exp-best', id: 'exp-best' },
       el('span', { id: 'exp-status' }), el('span', { id: 'exp-best-text', class: 'muted' }, 'No best trial yet.'),
       el('button', { type: 'button', id: 'exp-submit-best', disabled: true }, 'Submit best as a job'),
-      el('span', { id: 'exp-submit-result', 'aria-live': 'polite' })),
+      el('span', { id: 'exp-submit-result', 'aria-live': 'polite' }),
+      el('a', { id: 'exp-compare', href: '#', hidden: true }, 'Compare the best trials')),
     card('exp-trials-card', 'Trials', 'click a column to sort',
       el('div', { class: 'table-scroll' }, el('table', { class: 'exp-trials', id: 'exp-trials' },
         el('thead', {}, el('tr')), el('tbody')))),
@@ -164,6 +166,13 @@ function renderHeader(exp) {
     button.disabled = true;
   }
   app.dataset.status = exp.status || '';
+  // The compare page (at most COMPARE_MAX jobs): the trials with a metric, best first.
+  const mode = (exp.search && exp.search.mode) || 'min';
+  const ranked = (exp.trials || []).filter((t) => isNum(t.metric))
+    .sort((a, b2) => (mode === 'max' ? b2.metric - a.metric : a.metric - b2.metric)).slice(0, COMPARE_MAX);
+  const link = document.getElementById('exp-compare');
+  link.hidden = ranked.length < 2;
+  link.href = `/compare/?jobs=${ranked.map((t) => t.job).join(',')}&metric=${encodeURIComponent((exp.search && exp.search.metric) || '')}`;
 }
 
 async function submitBest() {
