@@ -59,6 +59,7 @@ export function overlayChart(root, { height = 300 } = {}) {
     height,
     define: ({ curves, xLabel }) => ({
       key: `${xLabel}|${curves.map((c) => `${c.key}:${c.color}`).join(',')}`,
+      xLabel: xLabel === 'time' ? 'seconds' : xLabel,
       series: curves.map((c) => ({
         label: c.label, stroke: c.color, width: c.width || 1.6, spanGaps: true, points: { show: false },
         value: (u, v) => fmtNum(v, 4),
