@@ -229,3 +229,24 @@ def test_metric_names_api(noisy, client_for, user, other):
 def test_samples_counted_match_the_table(noisy):
     job, rows = noisy
     assert series.job_series(job.pk, "loss")["samples"] == MetricSample.objects.filter(job=job).count() == len(rows)
+
+
+def test_a_restarted_job_counts_each_step_once_along_its_lineage(user, nodes):
+    """Attempt 1 ran steps 0..59 and died; attempt 2 resumed from the checkpoint at step 40: its
+    steps 41.. replace attempt 1's (selectors.lineage_filter), so the series has no duplicate or
+    stale step."""
+    from jobs.models import Attempt
+
+    job = submit(user)
+    first = job.attempts.get()
+    second = Attempt.objects.create(job=job, number=2, resumed_from_step=40)
+    MetricSample.objects.bulk_create(
+        [MetricSample(job=job, attempt=first, rank=0, step=s, ts=T0 + s, loss=100.0 + s) for s in range(60)]
+        + [MetricSample(job=job, attempt=second, rank=0, step=s, ts=T0 + 100 + s, loss=float(s)) for s in range(41, 80)])
+    got = series.job_series(job.pk, "loss")
+    assert [b["x"] for b in got["buckets"]] == list(range(80)) and got["samples"] == 80
+    assert [b["last"] for b in got["buckets"]] == [100.0 + s for s in range(41)] + [float(s) for s in range(41, 80)]
+    by_time = series.job_series(job.pk, "loss", x="time", max_points=4)["buckets"]
+    # 4 spans of ~45 s over T0..T0+179; the restart's gap (T0+40..T0+141) leaves two of them empty
+    assert by_time == [{"x": T0 + 40, "min": 100.0, "max": 140.0, "last": 140.0},
+                       {"x": T0 + 179, "min": 41.0, "max": 79.0, "last": 79.0}]
