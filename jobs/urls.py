@@ -2,12 +2,12 @@ from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
 from jobs.fleet import api as fleet_api, views as fleet_views
-from jobs.runs import api as runs_api, views as runs_views
+from jobs.runs import api as runs_api, views as runs_views, views_compare
 from jobs.scheduling import api as scheduling_api, views as scheduling_views
 from jobs.access import api as api_auth
 from jobs.planning import api as api_calibration, api as api_knowledge, api as api_plan, views as views_knowledge
 from jobs.bundles import api as api_code
-from jobs.telemetry import views as views_relay
+from jobs.telemetry import api_series, views as views_relay
 
 router = DefaultRouter()
 router.register("jobs", runs_api.JobViewSet, basename="api-job")
@@ -19,6 +19,7 @@ urlpatterns = [
     path("jobs/new/", runs_views.job_new, name="job-new"),
     path("jobs/<int:pk>/", runs_views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", runs_views.job_cancel, name="job-cancel"),
+    path("compare/", views_compare.compare, name="compare"),
     path("nodes/", fleet_views.node_list, name="node-list"),
     path("nodes/control-plane/", fleet_views.control_plane, name="control-plane"),
     path("quotas/", scheduling_views.quota_list, name="quota-list"),
@@ -31,5 +32,8 @@ urlpatterns = [
     path("api/v1/plan/", api_plan.PlanView.as_view(), name="api-plan"),
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),
     path("api/v1/calibrations/", api_calibration.CalibrationView.as_view(), name="api-calibrations"),
+    path("api/v1/jobs/<int:pk>/series/", api_series.JobSeriesView.as_view(), name="api-job-series"),
+    path("api/v1/series/", api_series.SeriesView.as_view(), name="api-series"),
+    path("api/v1/series/metrics/", api_series.SeriesMetricsView.as_view(), name="api-series-metrics"),
     path("api/v1/", include(router.urls)),
 ]

@@ -14,6 +14,8 @@ const axis = (extra = {}) => ({
   ticks: { stroke: 'rgba(139,150,163,0.25)', width: 1, size: 4 },
   ...extra,
 });
+// The x value in the legend: steps as they are, fractional seconds (a time axis) to 4 digits.
+const fmtX = (v) => (Number.isInteger(v) ? String(v) : fmtNum(v, 4));
 const xAxis = () => axis({ size: 30, values: (u, ticks) => ticks.map((t) => fmtNum(t, 3)) });
 
 function line(label, stroke, extra = {}) {
@@ -114,7 +116,7 @@ export class LiveChart {
       this.zoomed = false;
       const opts = {
         ..._base(this._size()),
-        series: [{ label: 'step', value: (u, v) => (v === null || v === undefined ? '–' : String(v)) }, ...def.series]
+        series: [{ label: def.xLabel || 'step', value: (u, v) => (v === null || v === undefined ? '–' : fmtX(v)) }, ...def.series]
           .map(latestWhenIdle),
         axes: def.axes || [xAxis(), axis()],
         scales: { x: { time: false }, ...(def.scales || {}) },
