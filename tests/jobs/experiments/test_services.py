@@ -5,7 +5,7 @@ import pytest
 from jobs import services
 from jobs.experiments.services import advance as advance_mod
 from jobs.experiments.services import experiment_advance
-from jobs.models import Attempt, Checkpoint, Experiment, ExperimentEvent, Job, JobEvent, Trial
+from jobs.models import Experiment, ExperimentEvent, Job, JobEvent, Trial
 from tests.jobs.attempts.test_fault import ok_exit, report_ckpt
 from tests.jobs.experiments.conftest import SEARCH, TEMPLATE
 from tests.jobs.runs.test_services import start
