@@ -25,6 +25,7 @@ def best_row(experiment: Experiment, trials: list[Trial]) -> dict | None:
 
 
 class ExperimentListSerializer(serializers.ModelSerializer):
+    status = serializers.CharField(read_only=True, help_text="running | succeeded | failed | stopped")
     owner = serializers.CharField(source="owner.username", read_only=True)
     trials = serializers.SerializerMethodField()
 
@@ -45,6 +46,7 @@ class ExperimentSerializer(serializers.ModelSerializer):
     null; `trials`: every trial, oldest first; `best_spec`: the best trial's JobSpec, ready to
     submit as a plain job."""
 
+    status = serializers.CharField(read_only=True, help_text="running | succeeded | failed | stopped")
     owner = serializers.CharField(source="owner.username", read_only=True)
     team = serializers.CharField(source="team.name", read_only=True, default=None)
     best = serializers.SerializerMethodField()
@@ -84,6 +86,7 @@ class ExperimentSerializer(serializers.ModelSerializer):
 
 
 class ExperimentSubmittedSerializer(serializers.ModelSerializer):
+    status = serializers.CharField(read_only=True, help_text="running")
     trials = serializers.SerializerMethodField()
 
     class Meta:
