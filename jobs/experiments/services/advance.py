@@ -203,6 +203,10 @@ def _new_trials(experiment: Experiment, search: SearchSpec, trials: list[Trial],
 def _maybe_end(experiment: Experiment, search: SearchSpec, trials: list[Trial], done: dict) -> None:
     if len(trials) < search.total_trials() or any(t.status == Trial.Status.RUNNING for t in trials):
         return
+    # an early-stopped trial's job is still checkpointing (or finished in its grace: a success):
+    # the experiment ends once every trial's job has
+    if any(t.job is not None and t.job.status not in Job.TERMINAL for t in trials):
+        return
     ok = [t for t in trials if t.status == Trial.Status.SUCCEEDED]
     status = Experiment.Status.SUCCEEDED if ok else Experiment.Status.FAILED
     counts = {s: sum(t.status == s for t in trials) for s in Trial.Status.values}

@@ -239,3 +239,22 @@ def test_attempts_check_task_advances_experiments(submit_experiment):
     ok_exit(start(t0.job))
     out = tasks.attempts_check()
     assert out["experiments"][e.pk]["created"] == [2]
+
+
+def test_the_experiment_ends_only_once_every_trials_job_has(submit_experiment, preempts, ckpt_root):
+    e = submit_experiment(search={"max_trials": 2})
+    t0, t1 = trials(e)
+    a0, a1 = start(t0.job), start(t1.job)
+    losses(a0, {10: 1.0})
+    experiment_advance(e.pk)
+    losses(a1, {10: 2.0})
+    experiment_advance(e.pk)
+    ok_exit(a0)
+    experiment_advance(e.pk)
+    # trial 1 is early_stopped but its job is still checkpointing: not the end yet
+    assert Trial.objects.get(pk=t1.pk).status == "early_stopped" and Job.objects.get(pk=t1.job_id).status == "RUNNING"
+    assert Experiment.objects.get(pk=e.pk).status == "running"
+    report_ckpt(ckpt_root, t1.job, a1, 10)
+    preempted_exit(a1)
+    assert experiment_advance(e.pk)["ended"] == "succeeded"
+    assert "1 succeeded, 1 early_stopped" in Experiment.objects.get(pk=e.pk).status_reason
