@@ -160,6 +160,10 @@ def _stop_job(job: Job, why: str) -> None:
 def _end_trials(experiment: Experiment, trials: list[Trial], done: dict) -> None:
     for t in trials:
         if t.job is None:
+            if t.status == Trial.Status.RUNNING and Trial.objects.filter(pk=t.pk, status=Trial.Status.RUNNING).update(
+                    status=Trial.Status.CANCELLED, status_reason="its job was deleted", ended_at=timezone.now()):
+                t.status = Trial.Status.CANCELLED  # (an admin deleted the job): the search goes on without it
+                done.setdefault("trials_ended", []).append(t.number)
             continue
         job = t.job
         if t.status == Trial.Status.EARLY_STOPPED:

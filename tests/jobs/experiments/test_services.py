@@ -258,3 +258,11 @@ def test_the_experiment_ends_only_once_every_trials_job_has(submit_experiment, p
     preempted_exit(a1)
     assert experiment_advance(e.pk)["ended"] == "succeeded"
     assert "1 succeeded, 1 early_stopped" in Experiment.objects.get(pk=e.pk).status_reason
+
+
+def test_a_trial_whose_job_was_deleted_is_cancelled_and_replaced(submit_experiment):
+    e = submit_experiment(search={"early_stopping": None})
+    t0, _ = trials(e)
+    Job.objects.filter(pk=t0.job_id).delete()
+    assert experiment_advance(e.pk) == {"trials_ended": [0], "created": [2]}
+    assert Trial.objects.get(pk=t0.pk).status == "cancelled"
