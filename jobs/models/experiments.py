@@ -61,6 +61,8 @@ class Trial(models.Model):
     steps = models.PositiveBigIntegerField(default=0, help_text="the last step the metric was read at")
     rung = models.IntegerField(null=True, blank=True, help_text="the highest ASHA rung reached (0 = min_steps)")
     rung_values = models.JSONField(default=dict, blank=True, help_text='{"<rung>": metric at that rung}')
+    continued = models.BooleanField(default=False, help_text="continued by a person after an early stop: "
+                                                             "ASHA no longer stops it")
     created_at = models.DateTimeField(auto_now_add=True)
     ended_at = models.DateTimeField(null=True, blank=True)
 

@@ -1,12 +1,18 @@
 """Issue 25 end to end on the real cluster: a 6-trial random search with ASHA over the built-in GPT,
 two trials at once. The trials with a tiny learning rate are stopped at a rung through the
 preemption path (checkpoint, exit), the best trial finishes, and the API shows it as best; the
-control worker is SIGKILLed mid-experiment and restarted, and no trial is lost or made twice."""
+control worker is SIGKILLed mid-experiment and restarted, and no trial is lost or made twice.
+And a grid search over user code (examples/sdk_ddp through the SDK, `config.lr` varied): the
+trial its run.log losses put behind is stopped at a rung, then continued from its checkpoint."""
 from __future__ import annotations
 
 import time
 
 import pytest
+
+from tests.test_entrypoint import pack_dir
+
+from .test_user_code import EXAMPLES, sdk_spec, upload
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(900)]
 
@@ -89,3 +95,40 @@ def test_random_search_with_asha_stops_the_worse_trials_and_finds_the_best(clust
     assert best["metric"] < 4.0 and all(t["metric"] > 5.0 for t in stopped if t["values"]["train.lr"] == TINY), report
     assert any(ev["kind"] == "ended" for ev in done["events"])
     print(f"experiment {eid}: {len(stopped)} of 6 trials stopped early, best {best['metric']:.3f}, {took:.0f} s")
+
+
+def test_a_grid_over_user_code_stops_the_worse_trial_which_then_continues_from_its_checkpoint(cluster):
+    status, body = upload(cluster, pack_dir(EXAMPLES / "sdk_ddp"))
+    assert status in (200, 201), body
+    spec = sdk_spec("sdk-grid", body["bundle"], steps=200, every=10, nodes=1, sleep=0.03)
+    # seed 1 orders the grid GOOD then TINY; one trial at a time, so the second meets the first's rungs
+    search = {"metric": "loss", "mode": "min", "algorithm": "grid", "max_trials": 10, "max_concurrent": 1, "seed": 1,
+              "space": {"config.lr": {"choice": [GOOD, TINY]}},
+              "early_stopping": {"asha": {"min_steps": 20, "reduction": 2}}}
+    status, e = cluster.request("POST", "/api/v1/experiments/", {"name": "sdk-grid", "spec": spec, "search": search})
+    assert status == 201, e
+    eid = e["id"]
+
+    def experiment():
+        return cluster.get(f"/api/v1/experiments/{eid}/")
+    done = cluster.wait_for(lambda: (d := experiment())["status"] != "running" and d, 480, "the grid to end",
+                            interval_s=1.0)
+    first, second = done["trials"]
+    assert len(done["trials"]) == 2, done  # the grid's two points, then it stops
+    assert (first["values"], second["values"]) == ({"config.lr": GOOD}, {"config.lr": TINY}), done
+    assert done["status"] == "succeeded" and first["status"] == "succeeded", done
+    assert second["status"] == "early_stopped" and second["rung"] is not None, done
+    assert done["best"]["job"] == first["job"] and done["best"]["metric"] < second["metric"]
+    job = cluster.job(second["job"])
+    assert job["spec"]["config"]["lr"] == TINY and job["status"] == "CANCELLED" and job["step"] < 200
+    stopped_at = job["step"]
+    # continued later: the job is queued again and resumes from its checkpoint, to its last step
+    status, _ = cluster.request("POST", f"/api/v1/experiments/{eid}/trials/{second['job']}/continue/")
+    assert status == 202
+    assert experiment()["status"] == "running"
+    job = cluster.wait_status(second["job"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert job["status"] == "SUCCEEDED" and job["step"] == 200, cluster.job_state(second["job"])
+    resumed = job["attempts"][-1]["resumed_from_step"]
+    assert resumed is not None and 0 < resumed <= stopped_at, job["attempts"]
+    done = cluster.wait_for(lambda: (d := experiment())["status"] != "running" and d, 60, "the experiment to end again")
+    assert [t["status"] for t in done["trials"]] == ["succeeded", "succeeded"], done

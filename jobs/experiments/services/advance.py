@@ -119,7 +119,7 @@ def _apply_asha(experiment: Experiment, search: SearchSpec, trials: list[Trial],
     view = tuple(asha.TrialRungs(trial=t.number,
                                  values=tuple(sorted((int(k), float(v)) for k, v in (t.rung_values or {}).items())),
                                  step=t.steps, running=t.status == Trial.Status.RUNNING and t.job is not None
-                                 and t.job.status in (Job.Status.QUEUED, *Job.ACTIVE),
+                                 and t.job.status in (Job.Status.QUEUED, *Job.ACTIVE) and not t.continued,
                                  judged=t.rung)
                  for t in trials)
     by_number = {t.number: t for t in trials}

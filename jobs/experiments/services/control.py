@@ -42,8 +42,8 @@ def experiment_stop(experiment: Experiment, *, user: AbstractUser) -> Experiment
 def trial_continue(experiment: Experiment, *, job_id: int, user: AbstractUser) -> Trial:
     """Continue an early-stopped trial from its checkpoint: its job is queued again
     (jobs.attempts' job_resume: the next attempt resumes from the latest checkpoint, as after a
-    preemption; no new Job status) and runs to its train.steps; the trial is `running` again and
-    ASHA judges it only at rungs above the one it was stopped at. A succeeded or failed
+    preemption; no new Job status) and runs to its train.steps; the trial is `running` again, and
+    ASHA, overruled by a person, no longer stops it (its values still count at each rung). A succeeded or failed
     experiment runs again until the trial ends. Raises NotFound (no such trial), TransitionError
     (not early-stopped, a stopped experiment, no checkpoint)."""
     with transaction.atomic():
@@ -57,7 +57,8 @@ def trial_continue(experiment: Experiment, *, job_id: int, user: AbstractUser) -
         if experiment.status == Experiment.Status.STOPPED:
             raise TransitionError("the experiment was stopped: submit the trial's spec as a job instead")
         job_resume(trial.job, user=user, reason=f"trial {trial.number} of experiment {experiment.pk} continued")
-        Trial.objects.filter(pk=trial.pk).update(status=Trial.Status.RUNNING, status_reason="", ended_at=None)
+        Trial.objects.filter(pk=trial.pk).update(status=Trial.Status.RUNNING, status_reason="", ended_at=None,
+                                                 continued=True)
         if experiment.status != Experiment.Status.RUNNING:
             Experiment.objects.filter(pk=experiment.pk).update(status=Experiment.Status.RUNNING, status_reason="",
                                                                finished_at=None)

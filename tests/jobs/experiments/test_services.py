@@ -125,11 +125,19 @@ def test_asha_stops_the_worse_trial_through_the_preemption_path_and_it_can_conti
     services.trial_continue(e, job_id=job.pk, user=user)
     job.refresh_from_db()
     assert job.status == "QUEUED" and Trial.objects.get(pk=t1.pk).status == "running"
+    losses(a0, {s: 1.0 for s in range(12, 22)})  # trial 0 reaches rung 1 (step 20) first
+    experiment_advance(e.pk)
+    assert Trial.objects.get(pk=t0.pk).rung_values == {"0": 2.0, "1": 1.0}
     ok_exit(a0)
     experiment_advance(e.pk)
     attempt = start(job)
     assert attempt.number == 2 and attempt.resumed_from_id == ckpt.pk
     assert e.events.filter(kind="trial_continued").exists()
+    # a person overruled ASHA: at the next rung it is behind again, and goes on
+    losses(attempt, {s: 5.0 for s in range(11, 22)})
+    done = experiment_advance(e.pk)
+    assert "early_stopped" not in done and Trial.objects.get(pk=t1.pk).status == "running"
+    assert Trial.objects.get(pk=t1.pk).rung_values == {"0": 5.5, "1": 5.0}
 
 
 def test_early_stop_of_a_queued_trial_cancels_it_and_finishing_in_the_grace_period_succeeds(
