@@ -1,6 +1,7 @@
 from django.contrib import admin, messages
 
-from jobs.models import Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Job, JobEvent, MetricSample, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent
+from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Experiment, ExperimentEvent, Job, JobEvent,
+                         MetricSample, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent, Trial)
 
 
 @admin.register(Node)
@@ -204,3 +205,58 @@ class ApiTokenAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None):
         return False
+
+
+class TrialInline(admin.TabularInline):
+    model = Trial
+    extra = 0
+    fields = ("number", "job", "values", "status", "metric", "steps", "rung", "status_reason", "ended_at")
+    readonly_fields = fields
+    can_delete = False
+
+
+class ExperimentEventInline(admin.TabularInline):
+    model = ExperimentEvent
+    extra = 0
+    fields = ("created_at", "kind", "message")
+    readonly_fields = fields
+    can_delete = False
+
+
+@admin.register(Experiment)
+class ExperimentAdmin(admin.ModelAdmin):
+    """Experiments are submitted through the API or the CLI (their first trials are jobs); their
+    state changes only through the services: here staff see them and may stop them."""
+
+    list_display = ("id", "name", "owner", "team", "status", "created_at", "finished_at")
+    list_filter = ("status", "team")
+    search_fields = ("name", "owner__username")
+    readonly_fields = ("owner", "team", "spec", "search", "status", "status_reason", "created_at", "finished_at")
+    inlines = [TrialInline, ExperimentEventInline]
+    actions = ["stop"]
+
+    def has_add_permission(self, request):
+        return False  # POST /api/v1/experiments/ or `trainyard experiment submit`: validated, trials created
+
+    @admin.action(description="Stop the experiment (running trials are cancelled)")
+    def stop(self, request, queryset):
+        from jobs import services
+        from jobs.core.errors import DomainError
+
+        for experiment in queryset:
+            try:
+                services.experiment_stop(experiment, user=request.user)
+            except DomainError as exc:
+                messages.warning(request, f"Experiment {experiment.pk}: {exc.message}")
+
+
+@admin.register(Trial)
+class TrialAdmin(admin.ModelAdmin):
+    list_display = ("id", "experiment", "number", "job", "status", "metric", "steps", "rung", "created_at")
+    list_filter = ("status",)
+    search_fields = ("experiment__name",)
+    readonly_fields = ("experiment", "number", "job", "values", "params", "status", "status_reason", "metric", "steps",
+                       "rung", "rung_values", "created_at", "ended_at")
+
+    def has_add_permission(self, request):
+        return False  # trials are made by their experiment's searcher

@@ -75,6 +75,8 @@ def eta_refresh() -> int:
 def attempts_check() -> dict:
     out = services.attempts_check()
     out["tuned"] = services.attempts_tune()  # adapt auto acts on the profiles just updated
+    # experiments (issue 25) read the metrics just committed: ASHA stops, ended trials, new trials
+    out["experiments"] = services.experiments_advance()
     return out
 
 

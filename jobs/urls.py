@@ -7,11 +7,13 @@ from jobs.scheduling import api as scheduling_api, views as scheduling_views
 from jobs.access import api as api_auth
 from jobs.planning import api as api_calibration, api as api_knowledge, api as api_plan, views as views_knowledge
 from jobs.bundles import api as api_code
+from jobs.experiments import api as experiments_api, views as experiments_views
 from jobs.telemetry import api_series, views as views_relay
 
 router = DefaultRouter()
 router.register("jobs", runs_api.JobViewSet, basename="api-job")
 router.register("nodes", fleet_api.NodeViewSet, basename="api-node")
+router.register("experiments", experiments_api.ExperimentViewSet, basename="api-experiment")
 
 urlpatterns = [
     path("", runs_views.overview, name="overview"),
@@ -20,6 +22,11 @@ urlpatterns = [
     path("jobs/<int:pk>/", runs_views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", runs_views.job_cancel, name="job-cancel"),
     path("compare/", views_compare.compare, name="compare"),
+    path("experiments/", experiments_views.experiment_list, name="experiment-list"),
+    path("experiments/<int:pk>/", experiments_views.experiment_detail, name="experiment-detail"),
+    path("experiments/<int:pk>/stop/", experiments_views.experiment_stop, name="experiment-stop"),
+    path("experiments/<int:pk>/trials/<int:job_id>/continue/", experiments_views.trial_continue,
+         name="experiment-trial-continue"),
     path("nodes/", fleet_views.node_list, name="node-list"),
     path("nodes/control-plane/", fleet_views.control_plane, name="control-plane"),
     path("quotas/", scheduling_views.quota_list, name="quota-list"),

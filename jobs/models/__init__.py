@@ -4,6 +4,7 @@
 from jobs.models.access import ApiToken
 from jobs.models.attempts import Allocation, Attempt, Checkpoint, JobEvent
 from jobs.models.bundles import CodeBundle
+from jobs.models.experiments import Experiment, ExperimentEvent, Trial
 from jobs.models.fleet import ControlPlaneClock, Node, NodeJoinRequest, SecurityEvent
 from jobs.models.planning import AdaptationOutcome, Calibration, KnowledgeRecord
 from jobs.models.runs import Job
@@ -11,5 +12,5 @@ from jobs.models.scheduling import Quota, QuotaChange, SchedulerLock
 from jobs.models.telemetry import MetricSample
 
 __all__ = ["AdaptationOutcome", "Allocation", "ApiToken", "Attempt", "Calibration", "Checkpoint", "CodeBundle",
-           "ControlPlaneClock", "Job", "JobEvent", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota",
-           "QuotaChange", "SchedulerLock", "SecurityEvent"]
+           "ControlPlaneClock", "Experiment", "ExperimentEvent", "Job", "JobEvent", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota",
+           "QuotaChange", "SchedulerLock", "SecurityEvent", "Trial"]

@@ -43,7 +43,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         return [*super().get_throttles(), *([SubmitThrottle()] if self.action == "create" else [])]
 
     def get_queryset(self):
-        return access_selectors.jobs_visible_to(self.request.user).prefetch_related(
+        return access_selectors.jobs_visible_to(self.request.user).select_related("trial").prefetch_related(
             "attempts__allocations__node").annotate(has_telemetry=telemetry_selectors.has_telemetry_expr()).order_by("-id")
 
     @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (docs/architecture.md, section 7)"}},

@@ -8,7 +8,7 @@ from jobs.attempts import selectors as attempts_selectors
 from jobs.scheduling import selectors as scheduling_selectors
 from jobs.telemetry import selectors as telemetry_selectors
 from jobs.attempts.rows import checkpoint_row
-from jobs.models import Attempt, Checkpoint, Job
+from jobs.models import Attempt, Checkpoint, Job, Trial
 from jobs.attempts.policy import diagnosis
 
 
@@ -40,6 +40,7 @@ class JobSerializer(serializers.ModelSerializer):
     health = serializers.SerializerMethodField()
     has_telemetry = serializers.SerializerMethodField()
     profile = serializers.SerializerMethodField()
+    experiment = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
@@ -47,7 +48,15 @@ class JobSerializer(serializers.ModelSerializer):
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
                   "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "node_history", "adaptations", "stragglers",
                   "health",
-                  "has_telemetry", "profile", "attempts"]
+                  "has_telemetry", "profile", "experiment", "attempts"]
+
+    def get_experiment(self, obj) -> int | None:
+        """The experiment this job is a trial of (issue 25), or null."""
+        try:
+            trial = obj.trial  # select_related by the API's queryset
+        except Trial.DoesNotExist:
+            return None
+        return trial.experiment_id
 
     def get_has_telemetry(self, obj) -> bool:
         """Whether any attempt of the job ever sent a metric sample (a script that does not use the

@@ -18,7 +18,7 @@ from jobs.core.errors import TooManyRequests, TransitionError
 from jobs.attempts.rows import checkpoint_row, event_row
 from jobs.core.throttles import submit_refusal
 from jobs.runs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from jobs.models import Job, MetricSample
+from jobs.models import Job, MetricSample, Trial
 from trainyard.spec import SpecError, parse_text
 
 
@@ -184,7 +184,7 @@ def job_detail(request, pk: int):
     mesh = job.plan.get("mesh") or {}
     plan_mesh = " × ".join(f"{d}={mesh[d]}" for d in job.plan.get("order", ()) if d in mesh)
     return render(request, "jobs/job_detail.html", {
-        "job": job, "attempts": attempts, "nodes_over_time": _node_timeline(job, attempts, timezone.now()), "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
+        "job": job, "trial": Trial.objects.filter(job=job).select_related("experiment").first(), "attempts": attempts, "nodes_over_time": _node_timeline(job, attempts, timezone.now()), "plan_mesh": plan_mesh, "events": events, "checkpoints": checkpoints, "summary": summary,
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
         "logs": telemetry_selectors.job_log_lines(job.pk, limit=200), "config": config,
         "telemetry_unavailable": job.status in Job.TERMINAL and not has_telemetry,

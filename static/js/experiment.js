@@ -50,6 +50,9 @@ function chartCard(id, title, sub) {
 }
 
 function layout() {
+  // The server-rendered best trial and trial table are the page without this script: replaced here.
+  const fallback = document.getElementById('experiment-static');
+  if (fallback) fallback.hidden = true;
   app.replaceChildren(
     el('section', { class: 'card exp-best', id: 'exp-best' },
       el('span', { id: 'exp-status' }), el('span', { id: 'exp-best-text', class: 'muted' }, 'No best trial yet.'),
@@ -132,10 +135,27 @@ function renderTable(exp) {
     class: t.job === best ? 'best' : null },
   el('td', {}, el('a', { href: `/jobs/${t.job}/` }, `#${t.job}`)),
   ...params.map((p) => el('td', { class: 'num' }, show((t.values || {})[p]))),
-  el('td', {}, statusBadge(t.status)),
+  el('td', {}, statusBadge(t.status), continueButton(exp, t)),
   el('td', { class: 'num' }, show(t.metric)),
   el('td', { class: 'num' }, show(t.steps)),
   el('td', { class: 'num' }, show(t.rung)))));
+}
+
+// An early-stopped trial's owner (or staff: data-can-change) may continue it from its checkpoint.
+function continueButton(exp, t) {
+  if (app.dataset.canChange !== '1' || t.status !== 'early_stopped' || exp.status === 'stopped' || !t.job) return '';
+  const button = el('button', { type: 'button', class: 'exp-continue', 'data-job': t.job }, 'Continue');
+  button.addEventListener('click', async () => {
+    button.disabled = true;
+    try {
+      await postJSON(`${app.dataset.api}trials/${t.job}/continue/`);
+      refresh();
+    } catch (err) {
+      button.disabled = false;
+      note(`Trial #${t.job} could not be continued: ${errorText(err)}`);
+    }
+  });
+  return button;
 }
 
 function bindSort() {

@@ -289,3 +289,12 @@ def plan(request_file, top, as_json):
     console = _console()
     for part in plans_view(result, top):
         console.print(text(part) if isinstance(part, str) else part)
+
+
+def _experiments():
+    from .experiment import experiment
+
+    cli.add_command(experiment)
+
+
+_experiments()

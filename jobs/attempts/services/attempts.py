@@ -64,6 +64,16 @@ def attempt_maybe_finish(attempt: Attempt) -> bool:
     elif outcome == "cancelled":
         job_set_status(job, Job.ACTIVE, Job.Status.CANCELLED, "cancelled")
         job_event(job, "cancelled", "all processes stopped", attempt=attempt)
+    elif outcome == "early_stopped":
+        # an experiment's stop (jobs/experiments): checkpointed like a preemption, but it ends here;
+        # the job can be continued from that checkpoint later (trial_continue)
+        point = resume_checkpoint(job)
+        at = f"checkpoint at step {point.step}" if point else "no checkpoint"
+        job_set_status(job, Job.ACTIVE, Job.Status.CANCELLED, f"early stopped: {attempt.preempt_reason}; {at}"[:500],
+                       borrowing=False)
+        job_event(job, "early_stopped", f"early stopped: {attempt.preempt_reason}; {at}", attempt=attempt,
+                  reason=attempt.preempt_reason, step=point.step if point else None,
+                  checkpoint=point.pk if point else None)
     elif outcome == "preempted":
         point = resume_checkpoint(job)
         origin = f"resumes from the checkpoint at step {point.step}" if point else "no checkpoint: restarts from step 0"
@@ -112,8 +122,10 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
         return "cancelled", {}
     if reason == "rollback":
         return "rolled_back", {}
-    if reason in ("", "preempt") and reports and all(r.get("exit_code") == 0 for r in reports):
+    if reason in ("", "preempt", "early_stop") and reports and all(r.get("exit_code") == 0 for r in reports):
         return "succeeded", {}  # a job that finished during its preemption grace period simply finished
+    if reason == "early_stop":
+        return "early_stopped", {}
     if reason == "preempt":
         return "preempted", {"class": "preempted", "retry": True, "message": attempt.preempt_reason}
     if reason == "hang":
@@ -133,13 +145,17 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
                      "exclude": list(d.exclude)}
 
 
-def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None) -> bool:
+def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None, end: bool = False) -> bool:
     """Ask a running attempt to checkpoint and exit (cooperative preemption). It ends `preempted`,
     and its job goes back to the queue and resumes from that checkpoint. One still launching
-    cannot checkpoint yet and is stopped at once. False if it is already stopping."""
+    cannot checkpoint yet and is stopped at once. False if it is already stopping.
+
+    `end`: the same stop, but the job then ends (outcome `early_stopped`, job CANCELLED with its
+    checkpoint): an experiment's early stop (jobs/experiments), which may continue it later."""
     now = timezone.now()
+    kind = "early_stop" if end else "preempt"
     if not Attempt.objects.filter(pk=attempt.pk, status__in=(Attempt.Status.STARTING, Attempt.Status.RUNNING),
-                                  stop_reason="").update(stop_reason="preempt", preempt_requested_at=now,
+                                  stop_reason="").update(stop_reason=kind, preempt_requested_at=now,
                                                          preempt_reason=reason[:500], preempt_for=for_job):
         return False
     attempt.refresh_from_db()
@@ -147,10 +163,10 @@ def attempt_preempt(attempt: Attempt, *, reason: str, for_job: int | None = None
     grace = settings.TRAINYARD_PREEMPT_GRACE_S
     Job.objects.filter(pk=job.pk).update(status_reason=f"preempting: {reason}"[:500])
     job.refresh_from_db()
-    job_event(job, "preempt_requested", f"preemption requested: {reason}", attempt=attempt, reason=reason,
-           for_job=for_job, grace_s=grace)
+    job_event(job, "preempt_requested", f"{'early stop' if end else 'preemption'} requested: {reason}",
+              attempt=attempt, reason=reason, for_job=for_job, grace_s=grace, end=end)
     if attempt.status == Attempt.Status.STARTING:
-        attempt_stop(attempt, reason="preempt")
+        attempt_stop(attempt, reason=kind)
     else:
         transaction.on_commit(partial(dispatch.request_preempt, attempt.pk, reason, grace))
     job_publish_status(job)
@@ -177,7 +193,7 @@ def attempts_check() -> dict:
     now = timezone.now()
     hung, flagged, profiles = [], {}, {}
     grace = timedelta(seconds=settings.TRAINYARD_PREEMPT_GRACE_S)
-    for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING, stop_reason="preempt",
+    for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING, stop_reason__in=("preempt", "early_stop"),
                                           preempt_requested_at__lt=now - grace).select_related("job"):
         with transaction.atomic():  # it did not checkpoint and exit in time: stop it
             job_event(attempt.job, "preempt_forced", f"attempt {attempt.number} did not exit within "

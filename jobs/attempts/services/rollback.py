@@ -10,7 +10,7 @@ from jobs.core.errors import RollbackCheckpointError, TransitionError
 from jobs.models import Attempt, Checkpoint, Job
 from jobs.attempts.policy import checkpoints as ckpt_policy
 from jobs.attempts.services.attempts import attempt_stop
-from jobs.attempts.services.checkpoints import checkpoint_publish, checkpoint_states
+from jobs.attempts.services.checkpoints import checkpoint_publish, checkpoint_states, resume_checkpoint
 from jobs.attempts.services.events import job_event, job_set_status
 
 
@@ -68,5 +68,26 @@ def job_rollback(job: Job, *, user: AbstractUser, checkpoint_id: int | str) -> J
             else:
                 job_set_status(job, Job.Status.STOPPING, Job.Status.QUEUED, reason)
                 transaction.on_commit(dispatch.request_tick)
+    job.refresh_from_db()
+    return job
+
+
+def job_resume(job: Job, *, user: AbstractUser, reason: str) -> Job:
+    """A cancelled job (an experiment's early-stopped trial) queued again; its next attempt resumes
+    from its latest checkpoint, as after a preemption. Raises TransitionError when the job is not
+    CANCELLED or has no checkpoint to resume from (it would start over, which is a new job)."""
+    with transaction.atomic():
+        job = Job.objects.get(pk=job.pk)
+        if job.status != Job.Status.CANCELLED:
+            raise TransitionError(f"job {job.pk} is {job.status}: only a cancelled or early-stopped job continues")
+        point = resume_checkpoint(job)
+        if point is None:
+            raise TransitionError(f"job {job.pk} has no checkpoint to continue from", field="job")
+        text = f"{reason}: continuing from the checkpoint at step {point.step} ({user.get_username()})"
+        if not job_set_status(job, Job.Status.CANCELLED, Job.Status.QUEUED, text[:500], finished_at=None, restarts=0,
+                              cancel_requested=False, avoid_nodes=[]):
+            raise TransitionError(f"job {job.pk} changed meanwhile; try again")
+        job_event(job, "continued", text, actor=user, checkpoint=point.pk, step=point.step)
+        transaction.on_commit(dispatch.request_tick)
     job.refresh_from_db()
     return job

@@ -76,6 +76,15 @@ MATRIX = {
     "api-job-series": row("GET", 401, 200, 200, 404, 200),
     "api-series": row("GET", 401, 200, 200, 200, 200),
     "api-series-metrics": row("GET", 401, 200, 200, 200, 200),
+    # experiments (issue 25): the owner stops first, so staff then finds it stopped (409)
+    "experiment-list": row("GET", LOGIN, 200, 200, 200, 200),
+    "experiment-detail": row("GET", LOGIN, 200, 200, 404, 200),
+    "experiment-stop": row("POST", LOGIN, 302, 302, 404, 302),
+    "experiment-trial-continue": row("POST", LOGIN, 302, 302, 404, 302),
+    "api-experiment-list": row("GET", 401, 200, 200, 200, 200),
+    "api-experiment-detail": row("GET", 401, 200, 200, 404, 200),
+    "api-experiment-stop": row("POST", 401, 202, 403, 404, 409),
+    "api-experiment-continue-trial": row("POST", 401, 409, 403, 404, 409),
 }
 
 KWARGS = {"job": ("pk",), "node": ("name",), "pin": ("pk", "checkpoint_id"), "digest": ("digest",)}
@@ -117,7 +126,11 @@ def world(django_user_model, nodes, settings):
     users["other"].groups.add(Group.objects.create(name="nlp"))
     job = Job.objects.create(name="j", owner=users["owner"], team=team, spec={"name": "j"}, slots=1,
                              status=Job.Status.RUNNING)
-    return {"users": users, "job": job, "node": nodes[0]}
+    from jobs.models import Experiment, Trial
+    experiment = Experiment.objects.create(name="e", owner=users["owner"], team=team, spec={"name": "e"},
+                                           search={"space": {"train.lr": {"choice": [0.1]}}})
+    Trial.objects.create(experiment=experiment, number=0, job=job, values={"train.lr": 0.1})
+    return {"users": users, "job": job, "node": nodes[0], "experiment": experiment}
 
 
 def client_as(world, role: str) -> Client:
@@ -144,6 +157,10 @@ def url_for(name: str, world) -> str:
         return f"{reverse(name)}?jobs={job.pk}&metric=loss"
     if name == "api-code-detail":
         return reverse(name, kwargs={"digest": "0" * 64})
+    if name in ("experiment-detail", "experiment-stop", "api-experiment-detail", "api-experiment-stop"):
+        return reverse(name, kwargs={"pk": world["experiment"].pk})
+    if name in ("experiment-trial-continue", "api-experiment-continue-trial"):
+        return reverse(name, kwargs={"pk": world["experiment"].pk, "job_id": job.pk})
     return reverse(name)
 
 
