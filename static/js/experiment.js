@@ -148,11 +148,12 @@ function continueButton(exp, t) {
   button.addEventListener('click', async () => {
     button.disabled = true;
     try {
-      await postJSON(`${app.dataset.api}trials/${t.job}/continue/`);
+      const r = await postJSON(`${app.dataset.api}trials/${t.job}/continue/`);
+      if (!r.ok) throw new Error(errorText(r.data, r.status));
       refresh();
     } catch (err) {
       button.disabled = false;
-      note(`Trial #${t.job} could not be continued: ${errorText(err)}`);
+      note(`Trial #${t.job} could not be continued: ${err.message}`);
     }
   });
   return button;
