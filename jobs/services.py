@@ -29,6 +29,7 @@ from jobs.fleet.services.nodes import node_clear, node_heartbeat, node_set_sched
 from jobs.scheduling.services.quotas import quota_audit, quotas_update
 from jobs.scheduling.services.tick import eta_refresh, schedule_tick
 from jobs.attempts.services.launch import launches_resend_due
+from jobs.notify.services import delivery_try, notify_event, notify_fanout
 
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "attempts_tune", "bundle_delete", "bundle_files",
@@ -38,5 +39,5 @@ __all__ = [
     "job_rollback", "attempt_access_reconcile",
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
     "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "submitted_spec",
-    "telemetry_ingest",
+    "telemetry_ingest", "delivery_try", "notify_event", "notify_fanout",
 ]

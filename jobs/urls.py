@@ -8,6 +8,7 @@ from jobs.access import api as api_auth
 from jobs.planning import api as api_calibration, api as api_knowledge, api as api_plan, views as views_knowledge
 from jobs.bundles import api as api_code
 from jobs.telemetry import views as views_relay
+from jobs.notify import api as notify_api, views as notify_views
 
 router = DefaultRouter()
 router.register("jobs", runs_api.JobViewSet, basename="api-job")
@@ -31,5 +32,13 @@ urlpatterns = [
     path("api/v1/plan/", api_plan.PlanView.as_view(), name="api-plan"),
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),
     path("api/v1/calibrations/", api_calibration.CalibrationView.as_view(), name="api-calibrations"),
+    path("notifications/", notify_views.notifications, name="notifications"),
+    path("api/v1/webhooks/", notify_api.WebhookListView.as_view(), name="api-webhooks"),
+    path("api/v1/webhooks/<int:pk>/", notify_api.WebhookDetailView.as_view(), name="api-webhook"),
+    path("api/v1/webhooks/<int:pk>/deliveries/", notify_api.DeliveryListView.as_view(), name="api-webhook-deliveries"),
+    path("api/v1/subscriptions/", notify_api.SubscriptionListView.as_view(), name="api-subscriptions"),
+    path("api/v1/subscriptions/<int:pk>/", notify_api.SubscriptionDetailView.as_view(), name="api-subscription"),
+    path("api/v1/subscriptions/<int:pk>/deliveries/", notify_api.DeliveryListView.as_view(),
+         name="api-subscription-deliveries"),
     path("api/v1/", include(router.urls)),
 ]
