@@ -35,10 +35,11 @@ urlpatterns = [
     path("notifications/", notify_views.notifications, name="notifications"),
     path("api/v1/webhooks/", notify_api.WebhookListView.as_view(), name="api-webhooks"),
     path("api/v1/webhooks/<int:pk>/", notify_api.WebhookDetailView.as_view(), name="api-webhook"),
-    path("api/v1/webhooks/<int:pk>/deliveries/", notify_api.DeliveryListView.as_view(), name="api-webhook-deliveries"),
+    path("api/v1/webhooks/<int:pk>/deliveries/", notify_api.WebhookDeliveryListView.as_view(),
+         name="api-webhook-deliveries"),
     path("api/v1/subscriptions/", notify_api.SubscriptionListView.as_view(), name="api-subscriptions"),
     path("api/v1/subscriptions/<int:pk>/", notify_api.SubscriptionDetailView.as_view(), name="api-subscription"),
-    path("api/v1/subscriptions/<int:pk>/deliveries/", notify_api.DeliveryListView.as_view(),
+    path("api/v1/subscriptions/<int:pk>/deliveries/", notify_api.SubscriptionDeliveryListView.as_view(),
          name="api-subscription-deliveries"),
     path("api/v1/", include(router.urls)),
 ]

@@ -4,7 +4,7 @@
 call one service, render; someone else's subscription is a 404, like one that does not exist."""
 from __future__ import annotations
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -45,12 +45,12 @@ def _page(view, request, qs, row):
 
 
 class WebhookListView(APIView):
-    @extend_schema(responses={200: {"type": "object"}})
+    @extend_schema(operation_id="webhooks_list", responses={200: {"type": "object"}})
     def get(self, request):
         """Your webhooks (never their secrets), newest first."""
         return _page(self, request, selectors.subscriptions_of(request.user, channel=WEBHOOK), subscription_row)
 
-    @extend_schema(request=HOOK_REQUEST, responses={201: {"type": "object"}})
+    @extend_schema(operation_id="webhooks_create", request=HOOK_REQUEST, responses={201: {"type": "object"}})
     def post(self, request):
         """A webhook: 201 with its `secret`, shown this once (the HMAC key of X-Trainyard-Signature)."""
         data = _body(request, {"url", "events", "team", "format"})
@@ -60,12 +60,12 @@ class WebhookListView(APIView):
 
 
 class SubscriptionListView(APIView):
-    @extend_schema(responses={200: {"type": "object"}})
+    @extend_schema(operation_id="subscriptions_list", responses={200: {"type": "object"}})
     def get(self, request):
         """Your email subscriptions, newest first."""
         return _page(self, request, selectors.subscriptions_of(request.user, channel=EMAIL), subscription_row)
 
-    @extend_schema(request=EMAIL_REQUEST, responses={201: {"type": "object"}})
+    @extend_schema(operation_id="subscriptions_create", request=EMAIL_REQUEST, responses={201: {"type": "object"}})
     def post(self, request):
         """An email subscription: to you, or (`team`) to every member of one of your teams."""
         data = _body(request, {"events", "team"})
@@ -94,17 +94,37 @@ class _Detail(APIView):
         return Response(status=204)
 
 
+def _detail_ids(prefix: str):
+    return extend_schema_view(get=extend_schema(operation_id=f"{prefix}_retrieve"),
+                              patch=extend_schema(operation_id=f"{prefix}_partial_update"),
+                              delete=extend_schema(operation_id=f"{prefix}_destroy"))
+
+
+@_detail_ids("webhooks")
 class WebhookDetailView(_Detail):
     channel = WEBHOOK
 
 
+@_detail_ids("subscriptions")
 class SubscriptionDetailView(_Detail):
     channel = EMAIL
 
 
 class DeliveryListView(APIView):
+    channel = WEBHOOK
+
     @extend_schema(responses={200: {"type": "object"}})
     def get(self, request, pk: int):
-        """The hook's delivery log, newest first: each delivery's status and every try (owner only)."""
-        sub = selectors.subscription_of(request.user, pk)
+        """The delivery log, newest first: each delivery's status and every try (owner only)."""
+        sub = selectors.subscription_of(request.user, pk, channel=self.channel)
         return _page(self, request, selectors.deliveries_of(sub), delivery_row)
+
+
+@extend_schema_view(get=extend_schema(operation_id="webhooks_deliveries_list"))
+class WebhookDeliveryListView(DeliveryListView):
+    channel = WEBHOOK
+
+
+@extend_schema_view(get=extend_schema(operation_id="subscriptions_deliveries_list"))
+class SubscriptionDeliveryListView(DeliveryListView):
+    channel = EMAIL
