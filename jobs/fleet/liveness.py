@@ -67,6 +67,10 @@ class ControlStamp(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c):
+        # Only the worker that serves `control` is the control worker: the notifications' worker
+        # (same app, -Q control.notify) must not keep the control worker's stamp alive.
+        if keys.CONTROL_QUEUE not in (c.app.amqp.queues.consume_from or {}):
+            return
         stamp("control")
         self.tref = c.timer.call_repeatedly(ttl_s() / 5, stamp, ("control",))
 

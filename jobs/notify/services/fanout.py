@@ -18,6 +18,8 @@ from jobs.models import Delivery, Job, Node, QuotaChange, Subscription
 from jobs.notify.policy import events as policy
 
 log = logging.getLogger(__name__)
+KEEP_DELIVERIES = 200
+"""Deliveries kept per subscription (the log its owner reads); older ones go as new ones come."""
 
 
 def notify_event(event: str, *, job: Job | None = None, team: Group | None = None, user=None,
@@ -122,5 +124,7 @@ def notify_fanout(message: dict) -> list[int]:
         for sub in hearing:
             d = Delivery.objects.create(subscription=sub, event=event.name, text=event.text[:500], body=event.body)
             ids.append(d.pk)
+            old = Delivery.objects.filter(subscription=sub).order_by("-id").values_list("id", flat=True)[KEEP_DELIVERIES:]
+            Delivery.objects.filter(pk__in=list(old)).delete()
             transaction.on_commit(partial(dispatch.send_delivery, d.pk))
     return ids

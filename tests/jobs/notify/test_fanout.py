@@ -140,3 +140,15 @@ def test_unknown_or_vanished_subjects_fan_out_to_nothing(user):
     assert notify.notify_fanout({"event": "job.exploded"}) == []
     assert notify.notify_fanout({"event": "job.ended", "job": 999999, "kind": "failed"}) == []
     assert notify.notify_fanout({"event": "node.lost", "node": "nope"}) == []
+
+
+def test_each_subscription_keeps_only_its_newest_deliveries(user, monkeypatch):
+    from jobs.notify.services import fanout
+
+    monkeypatch.setattr(fanout, "KEEP_DELIVERIES", 3)
+    sub, other_sub = subscribe(user, ["experiment.ended"]), subscribe(user, ["job.ended"])
+    kept = Delivery.objects.create(subscription=other_sub, event="job.ended", text="x")
+    ids = [notify.notify_fanout({"event": "experiment.ended", "user": user.pk, "data": {"text": str(i)}})[0]
+           for i in range(5)]
+    assert list(Delivery.objects.filter(subscription=sub).values_list("id", flat=True)) == ids[:-4:-1]
+    assert Delivery.objects.filter(pk=kept.pk).exists()

@@ -33,3 +33,26 @@ def test_a_notify_task_from_the_control_queue_is_refused_and_counted(monkeypatch
         assert task(5) == "delivered" and ran == [5]
     finally:
         task.pop_request()
+
+
+def test_only_the_worker_serving_control_stamps_the_control_workers_liveness(monkeypatch):
+    """The notifications' worker loads the same app (and its ControlStamp bootstep): were it to stamp
+    trainyard:alive:control, a dead control worker would look alive on /metrics."""
+    from types import SimpleNamespace
+
+    from jobs.fleet import liveness
+
+    stamped, scheduled = [], []
+    monkeypatch.setattr(liveness, "stamp", stamped.append)
+    timer = SimpleNamespace(call_repeatedly=lambda *a: scheduled.append(a) or "tref", cancel=lambda t: None)
+    queues = control_app.amqp.queues
+    saved = queues._consume_from
+    try:
+        for selected, expected in ((["control.notify"], []), (["control", "control.beat"], ["control"])):
+            queues.select(selected)
+            step = liveness.ControlStamp.__new__(liveness.ControlStamp)
+            step.tref = None
+            step.start(SimpleNamespace(app=control_app, timer=timer))
+            assert stamped == expected and (step.tref == "tref") == bool(expected)
+    finally:
+        queues._consume_from = saved
