@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from celery import Task
+from django.conf import settings
 from pydantic import ValidationError
 
 from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE
@@ -151,11 +152,16 @@ def calibration_report(envelope: dict) -> int | None:
 # schedule tick needs. A try is bounded by TRAINYARD_WEBHOOK_TIMEOUT_S per connect/read and 3x that in
 # all (jobs/notify/transport.py); the time limit is the backstop. Acked late: a fan-out or try lost
 # with a killed worker runs again (a receiver may see a delivery twice: X-Trainyard-Delivery dedups).
+# A try takes at most about 3x the timeout plus one read (and the mail server's EMAIL_TIMEOUT per step).
+_TRY_LIMIT_S = max(60, int(4 * max(settings.TRAINYARD_WEBHOOK_TIMEOUT_S, settings.EMAIL_TIMEOUT)) + 15)
+
+
 @app.task(name=NOTIFY_FANOUT_TASK, base=NotifyTask, shared=False, time_limit=60, soft_time_limit=50)
 def notify_fanout(message: dict) -> int:
     return len(services.notify_fanout(message))
 
 
-@app.task(name=NOTIFY_DELIVER_TASK, base=NotifyTask, shared=False, time_limit=60, soft_time_limit=50)
+@app.task(name=NOTIFY_DELIVER_TASK, base=NotifyTask, shared=False, time_limit=_TRY_LIMIT_S,
+          soft_time_limit=_TRY_LIMIT_S - 10)
 def notify_deliver(delivery_id: int) -> str:
     return services.delivery_try(delivery_id)

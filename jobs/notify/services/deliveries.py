@@ -10,7 +10,7 @@ from datetime import timedelta
 from functools import partial
 
 from django.conf import settings
-from django.core.mail import send_mail
+from django.core.mail import EmailMessage, get_connection
 from django.db import transaction
 from django.utils import timezone
 
@@ -60,8 +60,9 @@ def _email(d: Delivery) -> tuple[int | None, str]:
         return None, "no recipient has an email address"
     job = d.body.get("job") or {}
     subject, text = policy.email_message(policy.Event(d.event, d.text, None, None, d.body), link=job.get("url", ""))
-    try:
-        send_mail(subject, text, settings.DEFAULT_FROM_EMAIL, to, fail_silently=False)
+    try:  # one message per address: a team's members do not see each other's addresses
+        with get_connection(fail_silently=False) as connection:
+            connection.send_messages([EmailMessage(subject, text, settings.DEFAULT_FROM_EMAIL, [a]) for a in to])
     except Exception as exc:  # smtplib's and the socket's errors alike: logged on the try, retried
         return None, f"{type(exc).__name__}: {exc}"[:500]
     return 250, ""

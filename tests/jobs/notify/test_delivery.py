@@ -151,7 +151,8 @@ def test_email_reaches_the_smtp_sink(user, other, teams, smtp, settings, django_
     settings.TRAINYARD_WEBHOOK_TRIES = 3
     team_sub = Subscription.objects.create(user=user, team=teams[0], channel="email", events=["job.ended"])
     assert try_once(delivery(team_sub), django_capture_on_commit_callbacks) == "delivered"
-    assert sorted(smtp.messages[1][1]) == ["alice@example.com", "bob@example.com"]
+    assert sorted(to for _, (to,), _ in smtp.messages[1:]) == ["alice@example.com", "bob@example.com"]
+    assert all(m["To"] in ("alice@example.com", "bob@example.com") for _, _, m in smtp.messages[1:])  # one each
 
 
 def test_an_unreachable_mail_server_is_logged_and_retried(user, settings, sent, django_capture_on_commit_callbacks):
