@@ -30,12 +30,13 @@ class BeatTask(Task):
 
     only_queue = CONTROL_BEAT_QUEUE
     refused_kind = "periodic_on_control"
+    what = "periodic task"
 
     def __call__(self, *args, **kwargs):
         request = self.request
         queue = (request.delivery_info or {}).get("routing_key")
         if not request.called_directly and not request.is_eager and queue != self.only_queue:
-            log.warning("refused task %s delivered from queue %r (only %s runs it)", self.name,
+            log.warning("refused %s %s delivered from queue %r (only %s runs it)", self.what, self.name,
                         queue, self.only_queue)
             services.security_event(self.refused_kind, f"queue:{queue}",
                                     f"{self.name} arrived on {queue!r}, not {self.only_queue}")
@@ -49,6 +50,7 @@ class NotifyTask(BeatTask):
 
     only_queue = NOTIFY_QUEUE
     refused_kind = "notify_off_queue"
+    what = "notification task"
 
 
 # shared=False: registered with this side's app only (Celery shares tasks with every app in a
