@@ -35,9 +35,9 @@ def test_a_notify_task_from_the_control_queue_is_refused_and_counted(monkeypatch
         task.pop_request()
 
 
-def test_only_the_worker_serving_control_stamps_the_control_workers_liveness(monkeypatch):
+def test_each_worker_stamps_the_liveness_of_the_queues_it_serves(monkeypatch):
     """The notifications' worker loads the same app (and its ControlStamp bootstep): were it to stamp
-    trainyard:alive:control, a dead control worker would look alive on /metrics."""
+    trainyard:alive:control, a dead control worker would look alive on /metrics. It stamps `notify`."""
     from types import SimpleNamespace
 
     from jobs.fleet import liveness
@@ -48,11 +48,13 @@ def test_only_the_worker_serving_control_stamps_the_control_workers_liveness(mon
     queues = control_app.amqp.queues
     saved = queues._consume_from
     try:
-        for selected, expected in ((["control.notify"], []), (["control", "control.beat"], ["control"])):
+        for selected, expected in ((["control.notify"], ["notify"]), (["control", "control.beat"], ["control"]),
+                                   (["control.beat"], [])):
             queues.select(selected)
             step = liveness.ControlStamp.__new__(liveness.ControlStamp)
             step.tref = None
             step.start(SimpleNamespace(app=control_app, timer=timer))
             assert stamped == expected and (step.tref == "tref") == bool(expected)
+            stamped.clear()
     finally:
         queues._consume_from = saved
