@@ -155,6 +155,35 @@ SPECTACULAR_SETTINGS = {
 # Celery: the control plane's app (jobs/core/celery_app.py); node agents run their own (workers/celery_app.py).
 CELERY_BROKER_URL = REDIS_URL
 
+# Notifications (issue 25 section 4; jobs/notify/). TRAINYARD_WEBHOOK_ALLOW: comma-separated host names,
+# addresses or CIDRs a webhook may reach (empty: none); checked at create and at every delivery.
+TRAINYARD_WEBHOOK_ALLOW = security.env_list(os.environ, "TRAINYARD_WEBHOOK_ALLOW")
+try:
+    from jobs.notify.policy.targets import TargetError, parse_allow  # stdlib only: safe before apps load
+
+    parse_allow(TRAINYARD_WEBHOOK_ALLOW)
+except TargetError as exc:
+    raise ImproperlyConfigured(str(exc)) from None
+# A hook's secret is HMAC(this key, the hook's salt): the database alone cannot sign (as node credentials).
+TRAINYARD_WEBHOOK_KEY = os.environ.get("TRAINYARD_WEBHOOK_KEY", "") or security.derived_key(SECRET_KEY, "webhook-secrets")
+# One try: connect and each read bounded by this; at most TRAINYARD_WEBHOOK_TRIES tries, waiting
+# TRAINYARD_WEBHOOK_BACKOFF_S, then twice that, ... between them.
+TRAINYARD_WEBHOOK_TIMEOUT_S = float(os.environ.get("TRAINYARD_WEBHOOK_TIMEOUT_S", "5"))
+TRAINYARD_WEBHOOK_TRIES = int(os.environ.get("TRAINYARD_WEBHOOK_TRIES", "4"))
+TRAINYARD_WEBHOOK_BACKOFF_S = float(os.environ.get("TRAINYARD_WEBHOOK_BACKOFF_S", "10"))
+# Links in notifications (e.g. https://trainyard.example.com); empty: none.
+TRAINYARD_PUBLIC_URL = os.environ.get("TRAINYARD_PUBLIC_URL", "").rstrip("/")
+# Email: Django's mail backends, configured from the environment (EMAIL_HOST, EMAIL_PORT, ...).
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_PORT = int(os.environ.get("EMAIL_PORT", "25"))
+EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = os.environ.get("EMAIL_USE_TLS", "0") == "1"
+EMAIL_USE_SSL = os.environ.get("EMAIL_USE_SSL", "0") == "1"
+EMAIL_TIMEOUT = float(os.environ.get("EMAIL_TIMEOUT", "10"))
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "trainyard@localhost")
+
 # Trainyard knobs.
 # Resolved by trainyard.keys from the same environment the node agents read, so both name a
 # job's checkpoint directory alike (absolute; TRAINYARD_*_ROOT, else under TRAINYARD_VAR_DIR).

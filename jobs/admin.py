@@ -260,3 +260,29 @@ class TrialAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):
         return False  # trials are made by their experiment's searcher
+# Notifications (jobs/notify/): read-only here; users manage their own at /notifications/ and the API.
+from jobs.models import Delivery, DeliveryAttempt, Subscription  # noqa: E402
+
+
+@admin.register(Subscription)
+class SubscriptionAdmin(admin.ModelAdmin):
+    list_display = ("id", "user", "team", "channel", "url", "active", "created_at")
+    list_filter = ("channel", "active")
+    exclude = ("secret_salt",)
+    readonly_fields = ("user", "team", "channel", "url", "events", "payload_format", "created_at")
+
+
+class DeliveryAttemptInline(admin.TabularInline):
+    model = DeliveryAttempt
+    extra = 0
+    can_delete = False
+    readonly_fields = ("number", "started_at", "duration_s", "status_code", "error", "address")
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(admin.ModelAdmin):
+    list_display = ("id", "subscription", "event", "status", "tries", "last_status_code", "created_at")
+    list_filter = ("status", "event")
+    readonly_fields = ("subscription", "event", "text", "body", "status", "tries", "next_try_at", "last_status_code",
+                       "last_error", "created_at", "finished_at")
+    inlines = [DeliveryAttemptInline]

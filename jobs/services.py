@@ -31,6 +31,7 @@ from jobs.scheduling.services.tick import eta_refresh, schedule_tick
 from jobs.attempts.services.launch import launches_resend_due
 from jobs.experiments.services import (experiment_stop, experiment_submit, experiments_advance,
                                       trial_continue)
+from jobs.notify.services import delivery_try, notify_event, notify_fanout
 
 __all__ = [
     "attempt_node_exit", "attempt_preempt", "attempt_ranks", "attempts_check", "attempts_tune", "bundle_delete", "bundle_files",
@@ -41,4 +42,5 @@ __all__ = [
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
     "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "submitted_spec",
     "telemetry_ingest", "experiment_stop", "experiment_submit", "experiments_advance", "trial_continue",
+    "delivery_try", "notify_event", "notify_fanout",
 ]

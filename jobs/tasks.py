@@ -6,16 +6,17 @@ from __future__ import annotations
 import logging
 
 from celery import Task
+from django.conf import settings
 from pydantic import ValidationError
 
-from trainyard.keys import CONTROL_BEAT_QUEUE
+from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
                               CalibrationReport, ExitReport, Heartbeat, RanksReport)
 
 from jobs.core import dispatch
 from jobs import services
-from jobs.core.celery_app import app
+from jobs.core.celery_app import NOTIFY_DELIVER_TASK, NOTIFY_FANOUT_TASK, app
 
 log = logging.getLogger("trainyard.security")
 
@@ -27,16 +28,29 @@ class BeatTask(Task):
     logged and counted as a security event. The queue is the one the message was popped from
     (trainyard.celery_redis stamps it), not what its sender wrote. Called in-process, it runs."""
 
+    only_queue = CONTROL_BEAT_QUEUE
+    refused_kind = "periodic_on_control"
+    what = "periodic task"
+
     def __call__(self, *args, **kwargs):
         request = self.request
         queue = (request.delivery_info or {}).get("routing_key")
-        if not request.called_directly and not request.is_eager and queue != CONTROL_BEAT_QUEUE:
-            log.warning("refused periodic task %s delivered from queue %r (only %s runs it)", self.name,
-                        queue, CONTROL_BEAT_QUEUE)
-            services.security_event("periodic_on_control", f"queue:{queue}",
-                                    f"{self.name} arrived on {queue!r}, not {CONTROL_BEAT_QUEUE}")
+        if not request.called_directly and not request.is_eager and queue != self.only_queue:
+            log.warning("refused %s %s delivered from queue %r (only %s runs it)", self.what, self.name,
+                        queue, self.only_queue)
+            services.security_event(self.refused_kind, f"queue:{queue}",
+                                    f"{self.name} arrived on {queue!r}, not {self.only_queue}")
             return None
         return super().__call__(*args, **kwargs)
+
+
+class NotifyTask(BeatTask):
+    """A notification task: runs only when delivered from NOTIFY_QUEUE (the control plane's own), so
+    a node cannot make the control plane POST or mail anything by pushing onto `control`."""
+
+    only_queue = NOTIFY_QUEUE
+    refused_kind = "notify_off_queue"
+    what = "notification task"
 
 
 # shared=False: registered with this side's app only (Celery shares tasks with every app in a
@@ -136,3 +150,22 @@ def calibration_report(envelope: dict) -> int | None:
         return None
     row = services.calibration_report(report)
     return row.pk if row is not None else None
+
+
+# Notifications (jobs/notify/): their own queue and worker, so a hung receiver never holds a slot the
+# schedule tick needs. A try is bounded by TRAINYARD_WEBHOOK_TIMEOUT_S per connect/read and 3x that in
+# all (jobs/notify/transport.py); the time limit is the backstop. Acked late: a fan-out or try lost
+# with a killed worker runs again (a receiver may see a delivery twice: X-Trainyard-Delivery dedups).
+# A try takes at most about 3x the timeout plus one read (and the mail server's EMAIL_TIMEOUT per step).
+_TRY_LIMIT_S = max(60, int(4 * max(settings.TRAINYARD_WEBHOOK_TIMEOUT_S, settings.EMAIL_TIMEOUT)) + 15)
+
+
+@app.task(name=NOTIFY_FANOUT_TASK, base=NotifyTask, shared=False, time_limit=60, soft_time_limit=50)
+def notify_fanout(message: dict) -> int:
+    return len(services.notify_fanout(message))
+
+
+@app.task(name=NOTIFY_DELIVER_TASK, base=NotifyTask, shared=False, time_limit=_TRY_LIMIT_S,
+          soft_time_limit=_TRY_LIMIT_S - 10)
+def notify_deliver(delivery_id: int) -> str:
+    return services.delivery_try(delivery_id)

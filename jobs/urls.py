@@ -9,6 +9,7 @@ from jobs.planning import api as api_calibration, api as api_knowledge, api as a
 from jobs.bundles import api as api_code
 from jobs.experiments import api as experiments_api, views as experiments_views
 from jobs.telemetry import api_series, views as views_relay
+from jobs.notify import api as notify_api, views as notify_views
 
 router = DefaultRouter()
 router.register("jobs", runs_api.JobViewSet, basename="api-job")
@@ -42,5 +43,14 @@ urlpatterns = [
     path("api/v1/jobs/<int:pk>/series/", api_series.JobSeriesView.as_view(), name="api-job-series"),
     path("api/v1/series/", api_series.SeriesView.as_view(), name="api-series"),
     path("api/v1/series/metrics/", api_series.SeriesMetricsView.as_view(), name="api-series-metrics"),
+    path("notifications/", notify_views.notifications, name="notifications"),
+    path("api/v1/webhooks/", notify_api.WebhookListView.as_view(), name="api-webhooks"),
+    path("api/v1/webhooks/<int:pk>/", notify_api.WebhookDetailView.as_view(), name="api-webhook"),
+    path("api/v1/webhooks/<int:pk>/deliveries/", notify_api.WebhookDeliveryListView.as_view(),
+         name="api-webhook-deliveries"),
+    path("api/v1/subscriptions/", notify_api.SubscriptionListView.as_view(), name="api-subscriptions"),
+    path("api/v1/subscriptions/<int:pk>/", notify_api.SubscriptionDetailView.as_view(), name="api-subscription"),
+    path("api/v1/subscriptions/<int:pk>/deliveries/", notify_api.SubscriptionDeliveryListView.as_view(),
+         name="api-subscription-deliveries"),
     path("api/v1/", include(router.urls)),
 ]

@@ -26,7 +26,7 @@ ENV_EXAMPLES = REPO / "deploy" / "env"
 GUIDE = REPO / "docs" / "deploy.md"
 PREFIX = "/opt/trainyard"  # where the units expect the repository (docs/deploy.md)
 UNIT_NAMES = ["trainyard-web.service", "trainyard-control.service", "trainyard-beat.service",
-              "trainyard-relay.service", "trainyard-agent@.service"]
+              "trainyard-relay.service", "trainyard-agent@.service", "trainyard-notify.service"]
 # management commands and agent options the guide uses before their part of issue 16 has landed
 PENDING_COMMANDS: set[str] = set()  # node_add exists now
 PENDING_AGENT_OPTIONS: set[str] = set()  # --credential-file exists now
@@ -236,7 +236,7 @@ def procfile() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("name,proc", [("trainyard-control.service", "control"),
-                                       ("trainyard-beat.service", "beat")])
+                                       ("trainyard-beat.service", "beat"), ("trainyard-notify.service", "notify")])
 def test_celery_units_run_what_make_run_runs(name, proc):
     """The control worker and beat run with the same arguments as under `make run` (Procfile),
     which the integration tests start; only the schedule file's place differs."""

@@ -64,6 +64,8 @@ TABLE: list[tuple[tuple[str, ...], set[str]]] = [
     (("LPOP", "control"), {"control"}),
     (("LPUSH", "control.beat", "forged tick"), {"control"}),
     (("BRPOP", "control.beat", "1"), {"control"}),
+    (("LPUSH", "control.notify", "forged delivery"), {"control"}),  # notifications' queue (issue 25)
+    (("BRPOP", "control.notify", "1"), {"control"}),
     (("SADD", "_kombu.binding.control", f"control{SEP}{SEP}node.{N}"), {"control"}),
     (("SMEMBERS", "_kombu.binding.control"), {"control"}),
     # ---- other nodes' queues (gpu-1 must not match gpu-10 nor gpu-1.b)

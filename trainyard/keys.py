@@ -51,6 +51,12 @@ ticks). Only the control plane's Redis user can write it (trainyard/redis_acl.py
 that arrives on CONTROL_QUEUE, which every node may write, is refused (jobs/tasks.py)."""
 
 
+NOTIFY_QUEUE = "control.notify"
+"""Notifications (issue 25): fan-out and webhook/email deliveries, served by their own worker
+(`celery ... worker -Q control.notify`), so a slow receiver never holds up the schedule tick. Only
+the control plane's Redis user can write it; a notify task delivered from elsewhere is refused."""
+
+
 def node_queue(node: str) -> str:
     """The queue one node agent consumes (launch and stop of its share of attempts)."""
     return f"node.{node}"

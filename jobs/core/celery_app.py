@@ -9,17 +9,22 @@ from celery import Celery
 from django.conf import settings
 from kombu import Queue
 
-from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE
+from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE, NOTIFY_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CELERY_SETTINGS, ETA_REFRESH_TASK,
                               NODES_CHECK_TASK, SCHEDULE_TICK_TASK, drop_celery_builtins)
 
 BEAT_TASKS = (SCHEDULE_TICK_TASK, NODES_CHECK_TASK, ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, BUNDLES_GC_TASK)
 """Run only from CONTROL_BEAT_QUEUE (jobs.tasks.BeatTask): every node may push onto `control`."""
+NOTIFY_FANOUT_TASK = "jobs.tasks.notify_fanout"
+NOTIFY_DELIVER_TASK = "jobs.tasks.notify_deliver"
+NOTIFY_TASKS = (NOTIFY_FANOUT_TASK, NOTIFY_DELIVER_TASK)
+"""Run only from NOTIFY_QUEUE (jobs.tasks.NotifyTask), by the notifications' own worker."""
 
 app = Celery("trainyard-control", broker=settings.REDIS_URL, include=["jobs.tasks"])
 app.conf.update(CELERY_SETTINGS)
-app.conf.task_queues = (Queue(CONTROL_QUEUE), Queue(CONTROL_BEAT_QUEUE))
+app.conf.task_queues = (Queue(CONTROL_QUEUE), Queue(CONTROL_BEAT_QUEUE), Queue(NOTIFY_QUEUE))
 # Beat's sends and the control plane's own (jobs.core.dispatch.request_tick) go by the task's name.
-app.conf.task_routes = {name: {"queue": CONTROL_BEAT_QUEUE} for name in BEAT_TASKS}
+app.conf.task_routes = {**{name: {"queue": CONTROL_BEAT_QUEUE} for name in BEAT_TASKS},
+                        **{name: {"queue": NOTIFY_QUEUE} for name in NOTIFY_TASKS}}
 # Only jobs.tasks' own names run: Celery's builtins (celery.map runs any task with any arguments) go.
 app.on_after_finalize.connect(drop_celery_builtins, weak=False)

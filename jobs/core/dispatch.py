@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from trainyard.keys import CONTROL_BEAT_QUEUE, node_queue, preempt_key
+from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE, node_queue, preempt_key
 from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
                               CalibrateRequest, PreemptRequest, Stop)
 
@@ -54,6 +54,29 @@ def send_calibrate(node: str, *, quick: bool, requested_by: int | None) -> None:
 def request_tick() -> None:
     # control.beat: a schedule tick on `control` (which nodes may write) is refused (jobs.tasks.BeatTask).
     app.send_task(SCHEDULE_TICK_TASK, queue=CONTROL_BEAT_QUEUE, expires=10)
+
+
+def send_notify(event: str, **fields) -> None:
+    """Hand an event to the notifications (jobs/notify/; its own queue and worker): `fields` are ids and
+    JSON (job, team, user, kind, message, data, node, quota_change). Never raises: a writer's commit
+    is done, and a lost notification must not turn it into an error (logged instead)."""
+    from jobs.core.celery_app import NOTIFY_FANOUT_TASK
+
+    try:
+        app.send_task(NOTIFY_FANOUT_TASK, args=[{"event": event, **fields}], queue=NOTIFY_QUEUE)
+    except Exception as exc:  # Redis away: the event itself is in the database
+        log.warning("notification %s %s not sent: %s", event, fields.get("job") or fields.get("node") or "", exc)
+
+
+def send_delivery(delivery_id: int, countdown: float = 0.0) -> None:
+    """One try of a delivery (jobs.tasks.notify_deliver), now or after `countdown` seconds."""
+    from jobs.core.celery_app import NOTIFY_DELIVER_TASK
+
+    try:
+        app.send_task(NOTIFY_DELIVER_TASK, args=[delivery_id], queue=NOTIFY_QUEUE,
+                      countdown=countdown or None)
+    except Exception as exc:
+        log.warning("delivery %s not queued: %s", delivery_id, exc)
 
 
 def publish(group: str, message: dict) -> None:

@@ -3,6 +3,8 @@
 Each role proves it is alive itself, in Redis, so the judgement holds under systemd too:
     control   the control worker's event loop stamps trainyard:alive:control (ControlStamp, a consumer
               bootstep: a stuck or killed worker stops stamping)
+    notify    the notifications' worker (same app, -Q control.notify) stamps trainyard:alive:notify the
+              same way; each worker stamps only the roles of the queues it consumes
     beat      beat stamps trainyard:alive:beat on every scheduler tick (StampingScheduler, set as
               beat_scheduler in controlplane/celery.py), not through a task the worker runs, so a
               dead worker does not make beat look dead
@@ -34,7 +36,7 @@ from django.utils import timezone
 from trainyard import keys
 
 log = logging.getLogger(__name__)
-STAMPED = ("control", "beat")
+STAMPED = ("control", "notify", "beat")
 SUPERVISOR_STALE_S = 10.0  # the supervisor rewrites its file every second
 _clients: dict[str, redis.Redis] = {}
 
@@ -67,8 +69,19 @@ class ControlStamp(bootsteps.StartStopStep):
         super().__init__(c, **kwargs)
 
     def start(self, c):
-        stamp("control")
-        self.tref = c.timer.call_repeatedly(ttl_s() / 5, stamp, ("control",))
+        # A worker is the role of the queues it consumes: the notifications' worker (same app, -Q
+        # control.notify) must not keep the control worker's stamp alive, nor the reverse.
+        queues = c.app.amqp.queues.consume_from or {}
+        roles = [role for role, queue in (("control", keys.CONTROL_QUEUE), ("notify", keys.NOTIFY_QUEUE))
+                 if queue in queues]
+        if roles:
+            self._stamp(roles)
+            self.tref = c.timer.call_repeatedly(ttl_s() / 5, self._stamp, (roles,))
+
+    @staticmethod
+    def _stamp(roles: list[str]) -> None:
+        for role in roles:
+            stamp(role)
 
     def stop(self, c):
         if self.tref is not None:
@@ -96,7 +109,7 @@ def _stamps(r: redis.Redis) -> dict[str, float | None]:
 
 
 def processes() -> list[dict]:
-    """[{"process", "up", "age_s"}] for web, redis, control, beat, relay and every registered
+    """[{"process", "up", "age_s"}] for web, redis, control, notify, beat, relay and every registered
     agent ("agent:<node>"); age_s = seconds since the last stamp or heartbeat, None if none."""
     rows = [{"process": "web", "up": True, "age_s": 0.0}]
     try:

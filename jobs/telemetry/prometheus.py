@@ -258,7 +258,7 @@ def collect_processes(exp: Exposition) -> None:
     """Liveness of every process (jobs/fleet/liveness.py), and what `make run`'s supervisor adds."""
     for row in liveness.processes():
         exp.add("trainyard_process_up", "gauge", "1 if the process proved alive within its stamp TTL (web, redis, "
-                "control, beat, relay; agent:<node> by heartbeat), else 0.", row["up"], process=row["process"])
+                "control, notify, beat, relay; agent:<node> by heartbeat), else 0.", row["up"], process=row["process"])
         exp.add("trainyard_process_heartbeat_age_seconds", "gauge",
                 "Seconds since the process's last liveness stamp or heartbeat.", row["age_s"], process=row["process"])
     sup = liveness.supervisor()

@@ -26,6 +26,7 @@ def cluster(tmp_path_factory):
     each module's tests must not count on a cluster no other module used: they find their own
     jobs by id or name."""
     c = Cluster(tmp_path_factory.mktemp("browser-cluster"))
+    c.env["TRAINYARD_WEBHOOK_ALLOW"] = "127.0.0.1"  # the notifications page's hooks reach test receivers only
     try:
         c.start()
         for path in ("/static/css/trainyard.css", "/static/js/job.js", "/static/vendor/uplot-1.6.32/uPlot.esm.js"):

@@ -76,6 +76,9 @@ class Cluster:
                     "-p", str(self.port)],
             "control": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control,control.beat", "-n", "control@%h",
                         "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
+            # notifications (jobs/notify/): their own worker, so a hung webhook receiver never holds a tick's slot
+            "notify": [PY, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control.notify", "-n", "notify@%h",
+                       "-c", "2", "-l", "INFO", "--without-gossip", "--without-mingle"],
             "beat": [PY, "-m", "celery", "-A", "controlplane", "beat", "-l", "INFO",
                      "-s", str(self.dir / "celerybeat-schedule")],
             "relay": [PY, "manage.py", "relay"],

@@ -55,6 +55,8 @@ def test_killing_beat_then_the_control_worker_flips_each_to_down_within_the_ttl(
                  "-s", str(tmp_path / "celerybeat-schedule")],
         "control": [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control,control.beat",
                     "-n", "control@%h", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"],
+        "notify": [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-Q", "control.notify",
+                   "-n", "notify@%h", "-c", "1", "-l", "INFO", "--without-gossip", "--without-mingle"],
     }
     (tmp_path / "var").mkdir()
     procs, logs = {}, []
@@ -63,7 +65,8 @@ def test_killing_beat_then_the_control_worker_flips_each_to_down_within_the_ttl(
             logs.append(tmp_path / f"{name}.log")
             procs[name] = subprocess.Popen(argv, cwd=REPO, env=env, stdout=logs[-1].open("wb"),
                                            stderr=subprocess.STDOUT)
-        wait_for(lambda: (u := up(staff))["beat"] == 1 and u["control"] == 1, 60, "beat and control to stamp", logs)
+        wait_for(lambda: (u := up(staff))["beat"] == 1 and u["control"] == 1 and u["notify"] == 1, 60,
+                 "beat, control and notify to stamp", logs)
         procs["beat"].send_signal(signal.SIGKILL)
         procs["beat"].wait(10)
         killed = time.monotonic()
@@ -75,6 +78,7 @@ def test_killing_beat_then_the_control_worker_flips_each_to_down_within_the_ttl(
         killed = time.monotonic()
         down = wait_for(lambda: up(staff)["control"] == 0, TTL_S + 3, "control to show down", logs)
         assert down - killed <= TTL_S + 0.5
+        assert up(staff)["notify"] == 1  # the notifications' worker (same app) stamps only its own role
     finally:
         for p in procs.values():
             if p.poll() is None:

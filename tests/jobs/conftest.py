@@ -19,6 +19,9 @@ def sent(monkeypatch):
     monkeypatch.setattr(dispatch, "bus_user_grant", lambda attempt_id, job_id, password, fenced=False: calls.append(
         ("bus_user", attempt_id, "fenced" if fenced else "granted")))
     monkeypatch.setattr(dispatch, "bus_user_revoke", lambda ids: calls.extend(("bus_user", a, "revoked") for a in ids))
+    monkeypatch.setattr(dispatch, "send_notify", lambda event, **fields: calls.append(("notify", event, fields)))
+    monkeypatch.setattr(dispatch, "send_delivery", lambda delivery_id, countdown=0.0: calls.append(
+        ("delivery", delivery_id, countdown)))
     return calls
 
 

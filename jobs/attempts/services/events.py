@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 lifecycle = logging.getLogger("trainyard.lifecycle")
 LIFECYCLE = frozenset({"submitted", "running", "succeeded", "failed", "cancelled", "preempted", "restart", "rollback"})
+NOTIFIED = {"succeeded": "job.ended", "failed": "job.ended", "cancelled": "job.ended",
+            "hang_detected": "job.hung", "restart": "job.restarted"}
+"""The kinds that are notification events (jobs/notify/): handed over after commit, by name."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
@@ -44,6 +47,9 @@ def job_event(job: Job, kind: str, message: str = "", *, attempt: Attempt | None
     if kind in LIFECYCLE:
         transaction.on_commit(partial(lifecycle.info, "job %s %r %s: %s", job.pk, _one_line(job.name, 80), kind,
                                       _one_line(message, 300)))
+    if kind in NOTIFIED:
+        transaction.on_commit(partial(dispatch.send_notify, NOTIFIED[kind], job=job.pk, kind=kind,
+                                      message=message[:1000], failure_class=data.get("failure_class")))
     return event
 
 

@@ -5,8 +5,11 @@ from functools import partial
 
 from django.db import transaction
 
+from django.conf import settings
+
 from jobs.core import dispatch
 from jobs.models import Experiment, ExperimentEvent
+from jobs.notify.services import notify_event
 
 
 def experiment_event(experiment: Experiment, kind: str, message: str, **data) -> ExperimentEvent:
@@ -20,11 +23,16 @@ def experiment_event(experiment: Experiment, kind: str, message: str, **data) ->
 
 def _experiment_ended(experiment: Experiment) -> None:
     """The experiment reached an end (succeeded, failed, stopped): called once per ending, inside
-    the transaction that ended it. Writes the "ended" event; notifications hang off this call
-    (jobs/notify, wired at merge) and must send only after commit."""
+    the transaction that ended it. Writes the "ended" event and announces `experiment.ended` to its
+    owner's and team's subscriptions (jobs/notify: sent after commit)."""
     best = experiment.trials.exclude(metric=None).order_by("metric" if experiment.search.get("mode") != "max"
                                                            else "-metric", "number").first()
     experiment_event(experiment, "ended", f"experiment {experiment.status}"
                      + (f": {experiment.status_reason}" if experiment.status_reason else ""),
                      status=experiment.status, best_job=best.job_id if best else None,
                      best_metric=best.metric if best else None)
+    link = f"{settings.TRAINYARD_PUBLIC_URL}/experiments/{experiment.pk}/" if settings.TRAINYARD_PUBLIC_URL else ""
+    notify_event("experiment.ended", user=experiment.owner, team=experiment.team, data={
+        "experiment": experiment.pk, "name": experiment.name, "status": experiment.status,
+        "reason": experiment.status_reason, "metric": experiment.search.get("metric"), "url": link,
+        "best": {"job": best.job_id, "values": best.values, "metric": best.metric} if best else None})

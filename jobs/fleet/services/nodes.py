@@ -107,6 +107,7 @@ def node_maybe_quarantine(name: str, *, job: Job | None = None, attempt: Attempt
         return False
     Node.objects.filter(name=name).exclude(status=Node.Status.LOST).update(status=Node.Status.QUARANTINED)
     log.warning("node %s quarantined: %s", name, reason)
+    transaction.on_commit(partial(dispatch.send_notify, "node.quarantined", node=name, reason=reason[:500]))
     if job is not None:
         job_event(job, "node_quarantined", f"node {name} quarantined: {reason}; an admin clears it on the nodes page",
                   attempt=attempt, node=name, failures=[a.pk for a in hits], gpu_faults=[f.text() for f in faults])
@@ -171,6 +172,8 @@ def nodes_check() -> list[str]:
             transaction.on_commit(partial(log.warning, "node %s lost: no heartbeat since %s (TRAINYARD_NODE_LOST_S %g)",
                                           node.name, node.last_heartbeat.isoformat(timespec="seconds"),
                                           settings.TRAINYARD_NODE_LOST_S))
+            transaction.on_commit(partial(dispatch.send_notify, "node.lost", node=node.name,
+                                          reason=f"no heartbeat since {node.last_heartbeat.isoformat(timespec='seconds')}"))
             for alloc in Allocation.objects.filter(node=node, active=True).select_related("attempt"):
                 Allocation.objects.filter(pk=alloc.pk).update(
                     active=False, ended_at=now, result={"node": node.name, "node_lost": True, "exit_code": None})

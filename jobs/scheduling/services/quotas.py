@@ -91,7 +91,8 @@ def quota_audit(quota: Quota, *, actor: AbstractUser, old: dict | None) -> None:
     if new == old:
         return
     subject = f"team:{quota.team.name}" if quota.team_id else f"user:{quota.user.get_username()}"
-    QuotaChange.objects.create(team=quota.team, user=quota.user, subject=subject, old=old, new=new, actor=actor)
+    change = QuotaChange.objects.create(team=quota.team, user=quota.user, subject=subject, old=old, new=new, actor=actor)
+    transaction.on_commit(partial(dispatch.send_notify, "quota.changed", quota_change=change.pk))
     log.info("quota %s: %s -> %s by %s", subject, old, new, actor)
     transaction.on_commit(dispatch.request_tick)
     transaction.on_commit(partial(dispatch.publish_cluster_changed, "quotas"))

@@ -85,6 +85,14 @@ MATRIX = {
     "api-experiment-detail": row("GET", 401, 200, 200, 404, 200),
     "api-experiment-stop": row("POST", 401, 202, 403, 404, 409),
     "api-experiment-continue-trial": row("POST", 401, 409, 403, 404, 409),
+    # notifications (issue 25): everyone lists their own; a subscription is its maker's alone
+    "notifications": row("GET", LOGIN, 200, 200, 200, 200),
+    "api-webhooks": row("GET", 401, 200, 200, 200, 200),
+    "api-webhook": row("GET", 401, 200, 404, 404, 404),
+    "api-webhook-deliveries": row("GET", 401, 200, 404, 404, 404),
+    "api-subscriptions": row("GET", 401, 200, 200, 200, 200),
+    "api-subscription": row("GET", 401, 200, 404, 404, 404),
+    "api-subscription-deliveries": row("GET", 401, 200, 404, 404, 404),
 }
 
 KWARGS = {"job": ("pk",), "node": ("name",), "pin": ("pk", "checkpoint_id"), "digest": ("digest",)}
@@ -142,6 +150,11 @@ def client_as(world, role: str) -> Client:
 
 def url_for(name: str, world) -> str:
     job, node = world["job"], world["node"]
+    if name in ("api-webhook", "api-webhook-deliveries", "api-subscription", "api-subscription-deliveries"):
+        from jobs.models import Subscription
+        sub, _ = Subscription.objects.get_or_create(user=world["users"]["owner"], events=["job.ended"],
+                                                    channel="webhook" if "webhook" in name else "email")
+        return reverse(name, kwargs={"pk": sub.pk})
     if name in ("job-detail", "job-cancel", "api-job-detail", "api-job-apply-recommendation", "api-job-cancel",
                 "api-job-checkpoints", "api-job-events", "api-job-logs", "api-job-metrics", "api-job-rollback"):
         return reverse(name, kwargs={"pk": job.pk})

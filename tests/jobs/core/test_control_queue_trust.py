@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import services, tasks
-from jobs.core.celery_app import BEAT_TASKS
+from jobs.core.celery_app import BEAT_TASKS, NOTIFY_TASKS
 from jobs.core.celery_app import app as control_app
 from jobs.models import SecurityEvent
 from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE
@@ -68,6 +68,6 @@ def test_each_app_registers_only_its_own_tasks():
     from workers.celery_app import app as node_app
 
     assert sorted(control_app.tasks) == sorted({*BEAT_TASKS, HEARTBEAT_TASK, RANKS_TASK, NODE_EXIT_TASK,
-                                                CALIBRATION_REPORT_TASK})
+                                                CALIBRATION_REPORT_TASK, *NOTIFY_TASKS})
     assert sorted(node_app.tasks) == ["workers.tasks.node_calibrate", "workers.tasks.node_launch",
                                       "workers.tasks.node_stop"]

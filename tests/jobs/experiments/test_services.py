@@ -274,3 +274,14 @@ def test_a_trial_whose_job_was_deleted_is_cancelled_and_replaced(submit_experime
     Job.objects.filter(pk=t0.job_id).delete()
     assert experiment_advance(e.pk) == {"trials_ended": [0], "created": [2]}
     assert Trial.objects.get(pk=t0.pk).status == "cancelled"
+
+
+def test_the_end_of_an_experiment_is_announced_to_notifications_after_commit(
+        submit_experiment, user, sent, preempts, django_capture_on_commit_callbacks):
+    e = submit_experiment()
+    with django_capture_on_commit_callbacks(execute=True):
+        services.experiment_stop(e, user=user)
+    (call,) = [c for c in sent if c[0] == "notify" and c[1] == "experiment.ended"]
+    fields = call[2]
+    assert fields["user"] == e.owner_id and fields["team"] == e.team_id and fields["job"] is None
+    assert fields["data"]["experiment"] == e.pk and fields["data"]["status"] == "stopped"

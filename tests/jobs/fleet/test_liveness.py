@@ -54,7 +54,7 @@ def test_without_redis_every_stamped_role_is_down_and_agents_go_by_heartbeat(sta
     agents()
     fams = metrics(staff)
     up = {lab["process"]: v for lab, v in fams["trainyard_process_up"]["samples"]}
-    assert up == {"web": 1, "redis": 0, "control": 0, "beat": 0, "relay": 0, "agent:node-a": 1, "agent:node-b": 0}
+    assert up == {"web": 1, "redis": 0, "control": 0, "notify": 0, "beat": 0, "relay": 0, "agent:node-a": 1, "agent:node-b": 0}
     assert fams["trainyard_process_up"]["type"] == "gauge"
     # no supervisor on this host (systemd, say): declared, no sample, so nothing alerts on it
     assert "samples" not in fams["trainyard_supervisor_up"]
@@ -110,5 +110,5 @@ def test_nodes_page_has_a_control_plane_panel(staff, user, var_dir):
     # pids and exit codes are for staff; everyone signed in sees what is up
     c.force_login(user)
     data = c.get("/nodes/control-plane/").json()
-    assert data["supervisor"] is None and len(data["processes"]) == 7
+    assert data["supervisor"] is None and len(data["processes"]) == 8
     assert "4242" not in c.get("/nodes/").content.decode()
