@@ -24,6 +24,7 @@ urlpatterns = [
     path("jobs/<int:pk>/cancel/", runs_views.job_cancel, name="job-cancel"),
     path("compare/", views_compare.compare, name="compare"),
     path("experiments/", experiments_views.experiment_list, name="experiment-list"),
+    path("experiments/new/", experiments_views.experiment_new, name="experiment-new"),
     path("experiments/<int:pk>/", experiments_views.experiment_detail, name="experiment-detail"),
     path("experiments/<int:pk>/stop/", experiments_views.experiment_stop, name="experiment-stop"),
     path("experiments/<int:pk>/trials/<int:job_id>/continue/", experiments_views.trial_continue,

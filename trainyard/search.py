@@ -282,3 +282,28 @@ def default_name(spec: dict) -> str:
 
 __all__ = ["Asha", "Domain", "JobSpec", "SearchSpec", "check_space", "parse_experiment", "parse_search",
            "set_path", "trial_spec"]
+
+
+def experiment_document(doc: object) -> dict:
+    """{name, spec, search} from an experiment document (a file the CLI reads, the form's text):
+    either that mapping as the API takes it, or a JobSpec with a top-level `search` block (the
+    JobSpec is the template). SpecError with the field the problem is at."""
+    if not isinstance(doc, dict):
+        raise SpecError({"spec": ["an experiment is a mapping: {name, spec, search}, or a JobSpec with a search "
+                                  "block"]})
+    if "spec" in doc:
+        unknown = sorted(set(doc) - {"name", "spec", "search"})
+        if unknown:
+            raise SpecError({k: ["unknown key next to spec (expected name, spec, search)"] for k in unknown})
+        body = dict(doc)
+    else:
+        spec = dict(doc)
+        search = spec.pop("search", None)
+        body = {"name": spec.get("name"), "spec": spec, "search": search}
+    if body.get("search") is None:
+        raise SpecError({"search": ["no search block (search: {metric, mode, space, algorithm, max_trials, ...})"]})
+    try:
+        json.dumps(body, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise SpecError({"spec": [f"every value must be plain JSON data ({exc}); quote it as a string"]}) from None
+    return body

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from trainyard.rules import SpecError
+from trainyard.search import experiment_document
+from trainyard.spec import parse_text
+
 from jobs.core.errors import DomainError
+from jobs.core.throttles import submit_refusal
 from jobs.experiments import selectors, services
 from jobs.experiments.serializers import best_row, trial_row
 from jobs.models import Experiment
@@ -27,6 +33,40 @@ def experiment_list(request):
         e.total = e.search.get("max_trials")
         e.best = best_row(e, rows)
     return render(request, "jobs/experiment_list.html", {"experiments": experiments})
+
+
+EXAMPLE = settings.BASE_DIR / "examples" / "experiments" / "lr_search.yaml"
+MAX_TEXT = 256 * 1024  # an experiment document is a spec and a search: far smaller
+
+
+@login_required
+def experiment_new(request):
+    """The experiment form: one text, YAML or JSON, as `trainyard experiment submit` reads a file (a
+    JobSpec with a `search` block, or {name, spec, search}); its errors are listed by field and
+    nothing is created."""
+    errors: dict[str, list[str]] = {}
+    status = 200
+    text = EXAMPLE.read_text() if request.method != "POST" else request.POST.get("document", "")
+    if request.method == "POST":
+        status = 400
+        refusal = submit_refusal(request)
+        try:
+            if refusal is not None:
+                status, errors = 429, {"document": [refusal]}
+            elif len(text) > MAX_TEXT:
+                errors = {"document": [f"at most {MAX_TEXT // 1024} KiB"]}
+            else:
+                body = experiment_document(parse_text(text))
+                experiment = services.experiment_submit(user=request.user, **body)
+                messages.success(request, f"Experiment {experiment.pk} submitted: "
+                                          f"{experiment.trials.count()} trials started.")
+                return redirect("experiment-detail", pk=experiment.pk)
+        except SpecError as exc:
+            errors = exc.errors
+        except DomainError as exc:  # the queued-job cap (429) and any other refusal of a trial's job
+            status, errors = exc.status_code, exc.errors
+    return render(request, "jobs/experiment_new.html", {"document": text, "errors": sorted(errors.items())},
+                  status=status)
 
 
 @login_required

@@ -12,6 +12,8 @@ from . import config
 from .client import Api
 from .errors import CliError
 from .safe import clean, text
+from ..rules import SpecError
+from ..search import experiment_document
 
 
 class _App:
@@ -56,24 +58,10 @@ def _app() -> type[_App]:
 
 def experiment_body(doc: object, where: str) -> dict:
     """{name, spec, search} from an experiment file's document, or CliError naming the problem."""
-    if not isinstance(doc, dict):
-        raise CliError(f"{where}: an experiment is a mapping: {{name, spec, search}}, or a JobSpec with a search block")
-    if "spec" in doc:
-        unknown = sorted(set(doc) - {"name", "spec", "search"})
-        if unknown:
-            raise CliError(f"{where}: unknown key(s) {', '.join(unknown)} next to spec (expected name, spec, search)")
-        body = dict(doc)
-    else:
-        spec = dict(doc)
-        search = spec.pop("search", None)
-        body = {"name": spec.get("name"), "spec": spec, "search": search}
-    if body.get("search") is None:
-        raise CliError(f"{where}: no search block (search: {{metric, mode, space, algorithm, max_trials, ...}})")
     try:
-        json.dumps(body, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise CliError(f"{where}: every value must be plain JSON data ({exc}); quote it as a string") from None
-    return body
+        return experiment_document(doc)
+    except SpecError as exc:
+        raise CliError("; ".join(f"{where}: {path}: {' '.join(msgs)}" for path, msgs in exc.errors.items())) from None
 
 
 def _fmt(v) -> str:

@@ -78,6 +78,7 @@ MATRIX = {
     "api-series-metrics": row("GET", 401, 200, 200, 200, 200),
     # experiments (issue 25): the owner stops first, so staff then finds it stopped (409)
     "experiment-list": row("GET", LOGIN, 200, 200, 200, 200),
+    "experiment-new": row("GET", LOGIN, 200, 200, 200, 200),
     "experiment-detail": row("GET", LOGIN, 200, 200, 404, 200),
     "experiment-stop": row("POST", LOGIN, 302, 302, 404, 302),
     "experiment-trial-continue": row("POST", LOGIN, 302, 302, 404, 302),
