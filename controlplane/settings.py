@@ -150,6 +150,10 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Trainyard API",
     "VERSION": "1.0.0",
     "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAuthenticated"],
+    # Jobs, experiments and trials each have a `status` with its own values: named, not hashed.
+    "ENUM_NAME_OVERRIDES": {"JobStatusEnum": "jobs.models.runs.Job.Status",
+                            "ExperimentStatusEnum": "jobs.models.experiments.Experiment.Status",
+                            "TrialStatusEnum": "jobs.models.experiments.Trial.Status"},
 }
 
 # Celery: the control plane's app (jobs/core/celery_app.py); node agents run their own (workers/celery_app.py).
