@@ -19,6 +19,7 @@ urlpatterns = [
     path("jobs/new/", runs_views.job_new, name="job-new"),
     path("jobs/<int:pk>/", runs_views.job_detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", runs_views.job_cancel, name="job-cancel"),
+    path("jobs/<int:pk>/annotate/", runs_views.job_annotate, name="job-annotate"),
     path("nodes/", fleet_views.node_list, name="node-list"),
     path("nodes/control-plane/", fleet_views.control_plane, name="control-plane"),
     path("quotas/", scheduling_views.quota_list, name="quota-list"),

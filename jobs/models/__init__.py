@@ -6,10 +6,10 @@ from jobs.models.attempts import Allocation, Attempt, Checkpoint, JobEvent
 from jobs.models.bundles import CodeBundle
 from jobs.models.fleet import ControlPlaneClock, Node, NodeJoinRequest, SecurityEvent
 from jobs.models.planning import AdaptationOutcome, Calibration, KnowledgeRecord
-from jobs.models.runs import Job
+from jobs.models.runs import Job, JobTag
 from jobs.models.scheduling import Quota, QuotaChange, SchedulerLock
 from jobs.models.telemetry import MetricSample
 
 __all__ = ["AdaptationOutcome", "Allocation", "ApiToken", "Attempt", "Calibration", "Checkpoint", "CodeBundle",
-           "ControlPlaneClock", "Job", "JobEvent", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota",
+           "ControlPlaneClock", "Job", "JobEvent", "JobTag", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota",
            "QuotaChange", "SchedulerLock", "SecurityEvent"]
