@@ -21,7 +21,7 @@ from .mesh import param_count
 from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
 from .spec_parallel import MAX_STEPS, CommSpec, ParallelSpec
 from .spec_resources import MAX_LABELS as MAX_LABELS, ResourcesSpec
-from .tags import MAX_NOTE_CHARS, MAX_TAGS, note_problem, tags_problems
+from .tags import MAX_NOTE_CHARS, MAX_TAGS, Note, Tags
 from .textdoc import DocError, load_text
 from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
@@ -348,10 +348,10 @@ class JobSpec(_Strict):
     hang_timeout_s: Union[Literal["auto"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
         "auto", description="seconds without a step before an attempt counts as hung; auto: from its "
                             "own step times")
-    tags: list[str] = Field(default_factory=list, description=f"at most {MAX_TAGS} short labels for finding the "
+    tags: Tags = Field(default_factory=list, description=f"at most {MAX_TAGS} short labels for finding the "
                             "job in the list (`/jobs/?tag=x`, `trainyard ls --tag x`): a-z, 0-9, '.', '_', '-', "
                             "1-40 characters each; editable after submit by the owner and team")
-    note: str = Field("", description=f"free text about the job (at most {MAX_NOTE_CHARS} characters); editable "
+    note: Note = Field("", description=f"free text about the job (at most {MAX_NOTE_CHARS} characters); editable "
                                       "after submit like tags")
 
     @field_validator("name")
@@ -359,22 +359,6 @@ class JobSpec(_Strict):
     def _name(cls, v: str) -> str:
         if any(ord(c) < 32 for c in v):
             raise ValueError("name must not contain control characters")
-        return v
-
-    @field_validator("tags", mode="before")
-    @classmethod
-    def _tags(cls, v: Any) -> Any:
-        problems = tags_problems(v)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return v
-
-    @field_validator("note", mode="before")
-    @classmethod
-    def _note(cls, v: Any) -> Any:
-        problem = note_problem(v)
-        if problem:
-            raise ValueError(problem)
         return v
 
     @model_validator(mode="before")

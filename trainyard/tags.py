@@ -10,7 +10,9 @@ other control characters) up to MAX_NOTE_CHARS.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
 
 MAX_TAGS = 16
 MAX_TAG_CHARS = 40
@@ -65,3 +67,22 @@ def split_tags(text: str) -> list[str]:
     """Tags typed in one box ("lr-sweep, v2  baseline"): split on commas and whitespace, empty
     parts dropped, order kept, repeats once."""
     return list(dict.fromkeys(t for t in re.split(r"[,\s]+", text) if t))
+
+
+def _check_tags(value: Any) -> Any:
+    problems = tags_problems(value)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return value
+
+
+def _check_note(value: Any) -> Any:
+    problem = note_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+# The JobSpec's `tags` and `note` fields (checked before pydantic's own coercion, so the message is ours)
+Tags = Annotated[list[str], BeforeValidator(_check_tags)]
+Note = Annotated[str, BeforeValidator(_check_note)]

@@ -40,6 +40,12 @@ class JobListPagination(PageNumberPagination):
     page_size_query_param = "page_size"
     max_page_size = 500
 
+    def paginate_queryset(self, queryset, request, view=None):
+        # pages over the ids alone, then fetches the page's rows (runs_selectors.page_ids: the sort
+        # of a deep page moves ids, not specs)
+        ids = super().paginate_queryset(runs_selectors.page_ids(queryset), request, view)
+        return None if ids is None else runs_selectors.page_rows(queryset, ids)
+
 
 _LIST_PARAMETERS = [
     *(OpenApiParameter(f.name, str, many=f.name in ("status", "owner", "team", "node", "tag"), description=f.help)

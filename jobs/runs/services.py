@@ -237,7 +237,7 @@ def job_annotate(job: Job, *, user: AbstractUser, tags: list[str] | None = None,
         errors["tags"] = ["send either tags (the whole new set) or add/remove, not both"]
     if tags is not None:
         errors.update({"tags": problems} if (problems := tags_problems(tags)) else {})
-    for field, values in (("add", add), ("remove", remove)):
+    for field, values in (("tags_add", add), ("tags_remove", remove)):  # as the API names them
         if not isinstance(values, (list, tuple)):
             errors[field] = ["a list of tags"]
             continue
@@ -253,7 +253,7 @@ def job_annotate(job: Job, *, user: AbstractUser, tags: list[str] | None = None,
         after = list(dict.fromkeys(tags)) if tags is not None else \
             [t for t in dict.fromkeys([*before, *add]) if t not in set(remove)]
         if len(after) > len(before) and (problems := tags_problems(after)):
-            raise InvalidInput({"tags" if tags is not None else "add": problems})
+            raise InvalidInput({"tags" if tags is not None else "tags_add": problems})
         added = [t for t in after if t not in before]
         removed = [t for t in before if t not in after]
         note_changed = note is not None and note != job.note

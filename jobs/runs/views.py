@@ -70,7 +70,7 @@ def _link(params, **changes) -> str:
     q.pop("page", None)
     for key, value in changes.items():
         q.pop(key, None)
-        if value is not None:
+        if value is not None and not (key == "page" and value == 1):
             q[key] = str(value)
     return "?" + q.urlencode() if q else "?"
 
@@ -94,11 +94,9 @@ def job_list(request):
         query = runs_selectors.job_query(request.GET)
     except InvalidInput as exc:
         query, errors = runs_selectors.JobQuery(), {**exc.errors, **errors}
-    if errors:
-        page = Paginator(Job.objects.none(), size).get_page(1)
-    else:
-        page = Paginator(runs_selectors.jobs_listed(request.user, query), size).get_page(request.GET.get("page"))
-    jobs = list(page.object_list)
+    listed = Job.objects.none() if errors else runs_selectors.jobs_listed(request.user, query)
+    page = Paginator(runs_selectors.page_ids(listed), size).get_page(request.GET.get("page"))
+    jobs = runs_selectors.page_rows(listed, page.object_list)
     sps = _throughputs([j.pk for j in jobs])
     positions = scheduling_selectors.queue_positions() if any(j.status == Job.Status.QUEUED for j in jobs) else {}
     now = timezone.now()
