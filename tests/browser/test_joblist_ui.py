@@ -91,3 +91,17 @@ def test_bad_filter_shows_the_field_and_no_rows(page, base, tagged):
     assert "status" in page.locator("#filter-errors").text_content()
     assert page.locator("#job-table tbody tr[data-job]").count() == 0
     assert page.js_errors == [], page.js_errors
+
+
+def test_the_list_with_its_filters_fits_a_phone(browser, context, base, tagged):
+    phone = browser.new_context(viewport={"width": 390, "height": 844}, storage_state=context.storage_state(),
+                                is_mobile=True, has_touch=True)
+    page = phone.new_page()
+    try:
+        page.goto(f"{base}/jobs/?tag={tagged[0]}&page_size=25")
+        assert page.locator("#job-table tbody tr[data-job]").count() == 25
+        sizes = page.evaluate("() => ({body: document.body.scrollWidth, doc: document.documentElement.scrollWidth,"
+                              " inner: window.innerWidth})")
+        assert sizes["body"] <= sizes["inner"] + 1 and sizes["doc"] <= sizes["inner"] + 1, sizes
+    finally:
+        phone.close()
