@@ -1,6 +1,7 @@
 """Server-rendered pages of jobs: the cluster overview, the job list, submit, the job page, cancel.
 """
 from __future__ import annotations
+from urllib.parse import quote
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import Group
@@ -101,13 +102,15 @@ def job_list(request):
     positions = scheduling_selectors.queue_positions() if any(j.status == Job.Status.QUEUED for j in jobs) else {}
     now = timezone.now()
     params = request.GET
+    chip_base = _link(params, tag=None)  # a tag chip: this query with its tag instead of the tag filter
+    chip_base += "&" if chip_base != "?" else ""
     for j in jobs:
         j.queue_position = positions.get(j.pk)
         j.eta = _eta_text(j.predicted_start_at, now)
         per_rank = sps.get(j.pk)
         j.throughput = per_rank * j.slots if per_rank is not None else None
         j.progress_pct = min(100.0, 100.0 * j.step / j.total_steps) if j.total_steps else 0.0
-        j.tag_links = [(t.name, _link(params, tag=t.name)) for t in j.tags.all()]
+        j.tag_links = [(t.name, f"{chip_base}tag={quote(t.name)}") for t in j.tags.all()]
     current = query.ordering
     columns = []
     for key, label in (("id", "Job"), ("owner", "Owner"), ("status", "Status"), ("steps", "Progress"),
