@@ -21,7 +21,7 @@ from jobs.bundles.services import bundle_files
 from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
-from trainyard.tags import note_problem, tag_problem, tags_problems
+from trainyard.tags import MAX_TAGS, note_problem, tag_problem, tags_problems
 
 
 if TYPE_CHECKING:
@@ -223,7 +223,6 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
     return job
 
 
-
 def job_annotate(job: Job, *, user: AbstractUser, tags: list[str] | None = None, add: list[str] | tuple = (),
                  remove: list[str] | tuple = (), note: str | None = None) -> Job:
     """Change a job's tags and note after submit (its owner, their team, staff: whoever may see the
@@ -238,8 +237,8 @@ def job_annotate(job: Job, *, user: AbstractUser, tags: list[str] | None = None,
     if tags is not None:
         errors.update({"tags": problems} if (problems := tags_problems(tags)) else {})
     for field, values in (("tags_add", add), ("tags_remove", remove)):  # as the API names them
-        if not isinstance(values, (list, tuple)):
-            errors[field] = ["a list of tags"]
+        if not isinstance(values, (list, tuple)) or len(values) > MAX_TAGS:
+            errors[field] = [f"a list of at most {MAX_TAGS} tags"]
             continue
         if problems := [p for p in map(tag_problem, values) if p]:
             errors[field] = problems[:5]

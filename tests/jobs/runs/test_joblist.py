@@ -203,6 +203,7 @@ def test_annotate_changes_tags_and_note_with_one_event(world, user, mate):
     ({"tags": ["a"], "add": ["b"]}, "tags"),
     ({"add": ["fine", "Not fine"]}, "tags_add"),
     ({"remove": "baseline"}, "tags_remove"),
+    ({"remove": ["x"] * 100_000}, "tags_remove"),
     ({"note": "x" * 2001}, "note"),
     ({"add": [f"n{i}" for i in range(15)]}, "tags_add"),  # 2 + 15 > 16
 ])
