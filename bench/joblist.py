@@ -5,6 +5,7 @@
     python bench/joblist.py               # ~2-4 min on 2 shared cores
     python bench/joblist.py --quick       # 2,000 jobs, fewer repeats (~40 s)
     python bench/joblist.py --jobs 20000 --repeat 25
+    python bench/joblist.py --postgres    # the same on a PostgreSQL server started for the run
 
 A fresh SQLite database in a temporary directory (WAL, as `make run`), migrated by `migrate`, then
 bulk-created: `--jobs` jobs over 90 days from 12 users in 4 teams (the stored spec of a real
@@ -53,10 +54,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def setup_django(tmp: Path) -> None:
+def setup_django(tmp: Path, database_url: str | None = None) -> None:
     os.environ["TRAINYARD_VAR_DIR"] = str(tmp)
     os.environ["TRAINYARD_DB"] = str(tmp / "bench.sqlite3")
     os.environ.pop("DATABASE_URL", None)
+    if database_url:
+        os.environ["DATABASE_URL"] = database_url
     os.environ["TRAINYARD_THROTTLE_USER"] = "100000000/min"  # the bench is one user asking fast, on purpose
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     import django
@@ -286,12 +289,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="2,000 jobs, 5 repeats")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (the database)")
+    ap.add_argument("--postgres", action="store_true", help="on a PostgreSQL server started for the run "
+                    "(Debian's postgresql, as `make test-postgres`) instead of SQLite")
     args = ap.parse_args()
     if args.quick:
         args.jobs, args.repeat = 2000, 5
     tmp = Path(tempfile.mkdtemp(prefix="trainyard-joblist-"))
+    pg = None
     try:
-        setup_django(tmp)
+        if args.postgres:  # Debian's PostgreSQL in the temporary directory, as `make test-postgres` runs it
+            from tests.postgres import PostgresServer
+
+            pg = PostgresServer().start()  # its own directory under /tmp (the server runs as nobody)
+        setup_django(tmp, pg.create_database("joblist") if pg else None)
         from django.db import connection
 
         from jobs.models import Job
@@ -301,7 +311,7 @@ def main() -> None:
         log(f"populated in {time.perf_counter() - t0:.1f} s: {made['jobs']} jobs, {made['tags']} tags, "
             f"{made['attempts']} attempts, {made['allocations']} allocations")
         with connection.cursor() as c:
-            c.execute("ANALYZE")  # what a long-lived database has (SQLite's planner uses sqlite_stat1)
+            c.execute("ANALYZE")  # what a long-lived database has (the planners' statistics)
         urls, clients = build_urls(made["users"])
         load_before = os.getloadavg()[0]
         got = measure(urls, clients, made["users"], args.repeat)
@@ -314,6 +324,11 @@ def main() -> None:
                **summarize(urls, got, made["users"])}
         print(json.dumps(out, indent=1))
     finally:
+        if pg is not None:
+            from django.db import connections
+
+            connections.close_all()
+            pg.stop(keep_data=args.keep)
         if args.keep:
             log(f"kept {tmp}")
         else:
