@@ -88,6 +88,7 @@ bench: venv deps
 	$(BIN)/python bench/load.py $(BENCH_ARGS)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/joblist.py
 	$(BIN)/python bench/hetero.py
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/localsgd.py

@@ -29,6 +29,7 @@ urlpatterns = [
     path("experiments/<int:pk>/stop/", experiments_views.experiment_stop, name="experiment-stop"),
     path("experiments/<int:pk>/trials/<int:job_id>/continue/", experiments_views.trial_continue,
          name="experiment-trial-continue"),
+    path("jobs/<int:pk>/annotate/", runs_views.job_annotate, name="job-annotate"),
     path("nodes/", fleet_views.node_list, name="node-list"),
     path("nodes/control-plane/", fleet_views.control_plane, name="control-plane"),
     path("quotas/", scheduling_views.quota_list, name="quota-list"),

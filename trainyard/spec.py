@@ -21,6 +21,7 @@ from .mesh import param_count
 from .rules import Rule as Rule, SpecError as SpecError  # re-exported: the spec's public names
 from .spec_parallel import MAX_STEPS, CommSpec, ParallelSpec
 from .spec_resources import MAX_LABELS as MAX_LABELS, ResourcesSpec
+from .tags import MAX_NOTE_CHARS, MAX_TAGS, Note, Tags
 from .textdoc import DocError, load_text
 from .usercode import CodeSpec, Config, EntrypointSpec, EnvVars, PythonPath
 
@@ -347,6 +348,11 @@ class JobSpec(_Strict):
     hang_timeout_s: Union[Literal["auto"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
         "auto", description="seconds without a step before an attempt counts as hung; auto: from its "
                             "own step times")
+    tags: Tags = Field(default_factory=list, description=f"at most {MAX_TAGS} short labels for finding the "
+                            "job in the list (`/jobs/?tag=x`, `trainyard ls --tag x`): a-z, 0-9, '.', '_', '-', "
+                            "1-40 characters each; editable after submit by the owner and team")
+    note: Note = Field("", description=f"free text about the job (at most {MAX_NOTE_CHARS} characters); editable "
+                                      "after submit like tags")
 
     @field_validator("name")
     @classmethod

@@ -9,5 +9,7 @@ def jobs_visible_to(user) -> QuerySet[Job]:
     qs = Job.objects.select_related("owner")
     if user.is_staff:
         return qs
-    # Users see their own jobs and their teams' jobs.
-    return qs.filter(Q(owner=user) | Q(team__in=user.groups.all())).distinct()
+    # Users see their own jobs and their teams' jobs. A job has one team, and the user's teams are a
+    # subquery (team_id IN (SELECT ...)), not a join: no row can repeat, so no DISTINCT, which made
+    # the database compare whole rows, spec JSON included (bench/joblist.py: the 10,000-job list).
+    return qs.filter(Q(owner=user) | Q(team__in=user.groups.all()))

@@ -8,11 +8,11 @@ from jobs.models.experiments import Experiment, ExperimentEvent, Trial
 from jobs.models.fleet import ControlPlaneClock, Node, NodeJoinRequest, SecurityEvent
 from jobs.models.notify import Delivery, DeliveryAttempt, Subscription
 from jobs.models.planning import AdaptationOutcome, Calibration, KnowledgeRecord
-from jobs.models.runs import Job
+from jobs.models.runs import Job, JobTag
 from jobs.models.scheduling import Quota, QuotaChange, SchedulerLock
 from jobs.models.telemetry import MetricSample
 
 __all__ = ["AdaptationOutcome", "Allocation", "ApiToken", "Attempt", "Calibration", "Checkpoint", "CodeBundle",
            "ControlPlaneClock", "Delivery", "DeliveryAttempt", "Experiment", "ExperimentEvent", "Job", "JobEvent",
-           "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota", "QuotaChange", "SchedulerLock",
-           "SecurityEvent", "Subscription", "Trial"]
+           "JobTag", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota", "QuotaChange",
+           "SchedulerLock", "SecurityEvent", "Subscription", "Trial"]

@@ -42,6 +42,7 @@ class Job(models.Model):
     elastic_restart = models.BooleanField(default=False)
     adaptations = models.JSONField(default=list, blank=True,
                                    help_text="adapt auto: each automatic plan change, oldest first (jobs/attempts/services/adapt.py)")
+    note = models.TextField(blank=True, default="", help_text="free text by the owner or team (trainyard/tags.py)")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -59,3 +60,21 @@ class Job(models.Model):
     @property
     def total_steps(self) -> int:
         return int(self.spec.get("train", {}).get("steps", 0))
+
+
+class JobTag(models.Model):
+    """One tag of a job (trainyard/tags.py), a row rather than a JSON list so that the job list's tag
+    filter is an indexed lookup on SQLite as on PostgreSQL (a JSONField `__contains` is not
+    supported on SQLite). Written only by jobs/runs/services.py (submit, job_annotate)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="tags")
+    name = models.CharField(max_length=40)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["job", "name"], name="jobtag_job_name_unique")]
+        # the filter: "jobs with tag x" walks this index (name, then job)
+        indexes = [models.Index(fields=["name", "job"], name="jobtag_name_job_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}:{self.name}"

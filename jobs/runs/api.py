@@ -15,7 +15,7 @@ from jobs.core.http import int_param, require_staff
 from jobs.telemetry import keptlogs, selectors as telemetry_selectors
 from jobs.access import selectors as access_selectors
 from jobs.attempts.services import checkpoints as attempts_services_checkpoints, rollback as attempts_services_rollback
-from jobs.runs import services
+from jobs.runs import selectors as runs_selectors, services
 from jobs.core.errors import Forbidden, InvalidInput, NotFound
 from jobs.attempts.rows import event_row
 from jobs.runs.serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer
@@ -35,16 +35,68 @@ class CheckpointPagination(PageNumberPagination):  # also the events timeline
     max_page_size = 500
 
 
+class JobListPagination(PageNumberPagination):
+    page_size = 50  # the API's default page (REST_FRAMEWORK PAGE_SIZE), as before filters came
+    page_size_query_param = "page_size"
+    max_page_size = 500
+
+    def paginate_queryset(self, queryset, request, view=None):
+        # pages over the ids alone, then fetches the page's rows (runs_selectors.page_ids: the sort
+        # of a deep page moves ids, not specs)
+        ids = super().paginate_queryset(runs_selectors.page_ids(queryset), request, view)
+        return None if ids is None else runs_selectors.page_rows(queryset, ids)
+
+
+_LIST_PARAMETERS = [
+    *(OpenApiParameter(f.name, str, many=f.name in ("status", "owner", "team", "node", "tag"), description=f.help)
+      for f in runs_selectors.FILTERS),
+    OpenApiParameter("q", str, description="name contains (case-insensitive)"),
+    OpenApiParameter("ordering", str, description=f"one of {', '.join(runs_selectors.ORDERINGS)}; a leading - "
+                                                  f"for descending (default {runs_selectors.DEFAULT_ORDERING})"),
+]
+_EDIT_FIELDS = {"tags", "note", "tags_add", "tags_remove"}
+
+
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = JobSerializer
+    pagination_class = JobListPagination
 
     def get_throttles(self):
         # a submission counts against the stricter submit rate as well as the user's own
         return [*super().get_throttles(), *([SubmitThrottle()] if self.action == "create" else [])]
 
     def get_queryset(self):
-        return access_selectors.jobs_visible_to(self.request.user).select_related("trial").prefetch_related(
-            "attempts__allocations__node").annotate(has_telemetry=telemetry_selectors.has_telemetry_expr()).order_by("-id")
+        if self.action == "list":  # filters, search and ordering (jobs/runs/selectors.py; 400 naming a bad one)
+            jobs = runs_selectors.jobs_listed(self.request.user, runs_selectors.job_query(self.request.query_params))
+        else:
+            jobs = access_selectors.jobs_visible_to(self.request.user).prefetch_related("tags").order_by("-id")
+        return jobs.select_related("trial").prefetch_related("attempts__allocations__node").annotate(
+            has_telemetry=telemetry_selectors.has_telemetry_expr())
+
+    @extend_schema(parameters=_LIST_PARAMETERS)
+    def list(self, request, *args, **kwargs):
+        """The jobs you can see (yours, your teams'; staff: all), filtered, searched and ordered
+        by the query parameters, a page at a time (`page`, `page_size` up to 500)."""
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(request={"application/json": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "description": "the whole new set"},
+        "tags_add": {"type": "array", "items": {"type": "string"}},
+        "tags_remove": {"type": "array", "items": {"type": "string"}},
+        "note": {"type": "string"}}}}, responses={200: JobSerializer})
+    def partial_update(self, request, pk=None):
+        """Edit a job's tags and note (its owner, their team, staff): `tags` replaces the set, or
+        `tags_add`/`tags_remove` change it; `note` replaces the note. One "annotated" event."""
+        job = self.get_object()
+        data = request.data
+        if not isinstance(data, dict) or not data:
+            raise InvalidInput({"body": [f"send a JSON object with any of {', '.join(sorted(_EDIT_FIELDS))}"]})
+        unknown = sorted(set(data) - _EDIT_FIELDS)
+        if unknown:
+            raise InvalidInput({k: [f"not editable: only {', '.join(sorted(_EDIT_FIELDS))}"] for k in unknown[:10]})
+        services.job_annotate(job, user=request.user, tags=data.get("tags"), add=data.get("tags_add") or (),
+                              remove=data.get("tags_remove") or (), note=data.get("note"))
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk), context={"request": request}).data)
 
     @extend_schema(request={"application/json": {"type": "object", "description": "JobSpec (docs/architecture.md, section 7)"}},
                    responses={201: JobSubmittedSerializer})

@@ -41,10 +41,12 @@ class JobSerializer(serializers.ModelSerializer):
     has_telemetry = serializers.SerializerMethodField()
     profile = serializers.SerializerMethodField()
     experiment = serializers.SerializerMethodField()
+    team = serializers.CharField(source="team.name", read_only=True, allow_null=True, default=None)
+    tags = serializers.SerializerMethodField()
 
     class Meta:
         model = Job
-        fields = ["id", "name", "status", "status_reason", "owner", "spec", "plan", "step", "total_steps",
+        fields = ["id", "name", "status", "status_reason", "owner", "team", "tags", "note", "spec", "plan", "step", "total_steps",
                   "priority", "restarts", "created_at", "started_at", "finished_at", "queue_position",
                   "predicted_start_at", "predicted_s", "borrowing", "avoid_nodes", "node_history", "adaptations", "stragglers",
                   "health",
@@ -57,6 +59,10 @@ class JobSerializer(serializers.ModelSerializer):
         except Trial.DoesNotExist:
             return None
         return trial.experiment_id
+
+    def get_tags(self, obj) -> list[str]:
+        """The job's tags now (editable after submit: PATCH; the spec keeps those it was submitted with)."""
+        return [t.name for t in obj.tags.all()]  # prefetched by the API's queryset
 
     def get_has_telemetry(self, obj) -> bool:
         """Whether any attempt of the job ever sent a metric sample (a script that does not use the

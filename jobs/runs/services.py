@@ -9,8 +9,8 @@ from django.db import transaction
 from jobs.planning import autoplan, selectors as planning_selectors
 from jobs.core import dispatch
 from jobs.scheduling import selectors
-from jobs.core.errors import TooManyRequests, TransitionError
-from jobs.models import Attempt, Job
+from jobs.core.errors import InvalidInput, TooManyRequests, TransitionError
+from jobs.models import Attempt, Job, JobTag
 from jobs.planning.policy import adaptations, planner, predictor
 from jobs.attempts.policy import profiling
 from jobs.scheduling import policy as scheduling
@@ -21,6 +21,7 @@ from jobs.bundles.services import bundle_files
 from jobs.attempts.services.elastic import check_counts, fixed_at
 from jobs.attempts.services.events import job_event, job_set_status
 from trainyard.spec import JobSpec, SpecError, parse_job_spec
+from trainyard.tags import MAX_TAGS, note_problem, tag_problem, tags_problems
 
 
 if TYPE_CHECKING:
@@ -105,7 +106,9 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
     with transaction.atomic():
         job = Job.objects.create(
             name=parsed.name, owner=user, team=team, spec=stored, plan=plan, predicted_s=prediction.seconds,
-            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size, status_reason="; ".join(warnings)[:500])
+            priority=Job.PRIORITIES[parsed.priority], slots=r.world_size, status_reason="; ".join(warnings)[:500],
+            note=parsed.note)
+        JobTag.objects.bulk_create([JobTag(job=job, name=t) for t in parsed.tags])
         job_event(job, "submitted", f"submitted by {user.get_username()}", actor=user, plan_source=plan["source"],
                   **({"warnings": warnings} if warnings else {}))
         if learned is not None:
@@ -219,3 +222,50 @@ def job_apply_recommendation(job: Job, *, user: AbstractUser, change: dict | Non
     job.refresh_from_db()
     return job
 
+
+def job_annotate(job: Job, *, user: AbstractUser, tags: list[str] | None = None, add: list[str] | tuple = (),
+                 remove: list[str] | tuple = (), note: str | None = None) -> Job:
+    """Change a job's tags and note after submit (its owner, their team, staff: whoever may see the
+    job; the caller checks that): `tags` replaces the whole set, or `add`/`remove` change it in
+    the same transaction as the read (two people tagging at once both keep their tag); `note`
+    replaces the note. InvalidInput (nothing changes) names each bad field: a tag outside
+    trainyard/tags.py's charset, more than MAX_TAGS in the end, a note too long. One "annotated"
+    event records what changed; an edit that changes nothing writes nothing."""
+    errors: dict[str, list[str]] = {}
+    if tags is not None and (add or remove):
+        errors["tags"] = ["send either tags (the whole new set) or add/remove, not both"]
+    if tags is not None:
+        errors.update({"tags": problems} if (problems := tags_problems(tags)) else {})
+    for field, values in (("tags_add", add), ("tags_remove", remove)):  # as the API names them
+        if not isinstance(values, (list, tuple)) or len(values) > MAX_TAGS:
+            errors[field] = [f"a list of at most {MAX_TAGS} tags"]
+            continue
+        if problems := [p for p in map(tag_problem, values) if p]:
+            errors[field] = problems[:5]
+    if note is not None and (problem := note_problem(note)):
+        errors["note"] = [problem]
+    if errors:
+        raise InvalidInput(errors)
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        before = list(job.tags.values_list("name", flat=True))
+        after = list(dict.fromkeys(tags)) if tags is not None else \
+            [t for t in dict.fromkeys([*before, *add]) if t not in set(remove)]
+        if len(after) > len(before) and (problems := tags_problems(after)):
+            raise InvalidInput({"tags" if tags is not None else "tags_add": problems})
+        added = [t for t in after if t not in before]
+        removed = [t for t in before if t not in after]
+        note_changed = note is not None and note != job.note
+        if not (added or removed or note_changed):
+            return job
+        job.tags.filter(name__in=removed).delete()
+        JobTag.objects.bulk_create([JobTag(job=job, name=t) for t in added])
+        what = [*(f"+{t}" for t in added), *(f"-{t}" for t in removed)]
+        data: dict = {"tags": sorted(after), "added": added, "removed": removed}
+        if note_changed:
+            Job.objects.filter(pk=job.pk).update(note=note)
+            job.note = note
+            what.append("note cleared" if not note else "note changed")
+            data["note"] = note
+        job_event(job, "annotated", f"{user.get_username()} edited: {', '.join(what)}", actor=user, **data)
+    return job

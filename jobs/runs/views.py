@@ -1,8 +1,11 @@
 """Server-rendered pages of jobs: the cluster overview, the job list, submit, the job page, cancel.
 """
 from __future__ import annotations
+from urllib.parse import quote
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import Group
+from django.core.paginator import Paginator
 from django.db.models import Avg, OuterRef, Subquery
 from django.http import Http404
 from django.utils import timezone
@@ -14,12 +17,14 @@ from jobs.attempts import selectors as attempts_selectors
 from jobs.scheduling import selectors as scheduling_selectors
 from jobs.telemetry import selectors as telemetry_selectors
 from jobs.runs import services
-from jobs.core.errors import TooManyRequests, TransitionError
+from jobs.core.errors import InvalidInput, TooManyRequests, TransitionError
+from jobs.runs import selectors as runs_selectors
 from jobs.attempts.rows import checkpoint_row, event_row
 from jobs.core.throttles import submit_refusal
 from jobs.runs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from jobs.models import Job, MetricSample, Trial
+from jobs.models import Job, MetricSample, Node, Trial
 from trainyard.spec import SpecError, parse_text
+from trainyard.tags import MAX_NOTE_CHARS, MAX_TAGS, split_tags
 
 
 @login_required
@@ -46,17 +51,91 @@ def _with_throughput(jobs):
     return jobs.annotate(per_rank_sps=Subquery(mean))
 
 
+PAGE_SIZES = (25, 50, 100, 200)
+DEFAULT_PAGE_SIZE = 50
+# Columns the list sorts by (jobs/runs/selectors.py ORDERINGS) and the direction of a first click:
+# newest/most first for times and numbers, A-Z for words.
+_SORT_FIRST_DESC = {"id", "submitted", "started", "finished", "steps"}
+
+
+def _throughputs(ids: list[int]) -> dict[int, float | None]:
+    """Per-rank samples/s of the page's jobs (`_with_throughput`), one query for the page's ids only:
+    the correlated subqueries never run over the whole filtered list."""
+    return dict(_with_throughput(Job.objects.filter(pk__in=ids)).values_list("pk", "per_rank_sps"))
+
+
+def _link(params, **changes) -> str:
+    """The list's query string with `changes` applied (None removes a parameter); page resets to 1
+    unless set, so a new filter or order starts on its first page."""
+    q = params.copy()
+    q.pop("page", None)
+    for key, value in changes.items():
+        q.pop(key, None)
+        if value is not None and not (key == "page" and value == 1):
+            q[key] = str(value)
+    return "?" + q.urlencode() if q else "?"
+
+
+def _page_size(request) -> tuple[int, dict]:
+    raw = request.GET.get("page_size", "")
+    if raw in ("", str(DEFAULT_PAGE_SIZE)):
+        return DEFAULT_PAGE_SIZE, {}
+    if raw.isdigit() and int(raw) in PAGE_SIZES:
+        return int(raw), {}
+    return DEFAULT_PAGE_SIZE, {"page_size": [f"one of {', '.join(map(str, PAGE_SIZES))}"]}
+
+
 @login_required
 def job_list(request):
-    jobs = list(_with_throughput(access_selectors.jobs_visible_to(request.user)).order_by("-id")[:200])
-    positions = scheduling_selectors.queue_positions()
+    """The jobs the user may see, a page at a time: filters, name search and ordering from the query
+    string (jobs/runs/selectors.py, the same as GET /api/v1/jobs/), every link keeping them.
+    A bad parameter answers 400 with the page and its field errors, and no rows."""
+    size, errors = _page_size(request)
+    try:
+        query = runs_selectors.job_query(request.GET)
+    except InvalidInput as exc:
+        query, errors = runs_selectors.JobQuery(), {**exc.errors, **errors}
+    listed = Job.objects.none() if errors else runs_selectors.jobs_listed(request.user, query)
+    page = Paginator(runs_selectors.page_ids(listed), size).get_page(request.GET.get("page"))
+    jobs = runs_selectors.page_rows(listed, page.object_list)
+    sps = _throughputs([j.pk for j in jobs])
+    positions = scheduling_selectors.queue_positions() if any(j.status == Job.Status.QUEUED for j in jobs) else {}
     now = timezone.now()
+    params = request.GET
+    chip_base = _link(params, tag=None)  # a tag chip: this query with its tag instead of the tag filter
+    chip_base += "&" if chip_base != "?" else ""
     for j in jobs:
         j.queue_position = positions.get(j.pk)
         j.eta = _eta_text(j.predicted_start_at, now)
-        j.throughput = j.per_rank_sps * j.slots if j.per_rank_sps is not None else None
+        per_rank = sps.get(j.pk)
+        j.throughput = per_rank * j.slots if per_rank is not None else None
         j.progress_pct = min(100.0, 100.0 * j.step / j.total_steps) if j.total_steps else 0.0
-    return render(request, "jobs/job_list.html", {"jobs": jobs})
+        j.tag_links = [(t.name, f"{chip_base}tag={quote(t.name)}") for t in j.tags.all()]
+    current = query.ordering
+    columns = []
+    for key, label in (("id", "Job"), ("owner", "Owner"), ("status", "Status"), ("steps", "Progress"),
+                       ("submitted", "Submitted"), ("started", "Started"), ("finished", "Finished")):
+        nxt = (key if current == f"-{key}" else f"-{key}" if current == key or key in _SORT_FIRST_DESC else key)
+        arrow = "\u2191" if current == key else "\u2193" if current == f"-{key}" else ""
+        columns.append({"key": key, "label": label, "href": _link(params, ordering=nxt), "arrow": arrow})
+    visible_teams = (Group.objects.all() if request.user.is_staff else request.user.groups.all()).order_by("name")
+    return render(request, "jobs/job_list.html", {
+        "jobs": jobs, "page": page, "columns": columns, "name_sort": _link(params, ordering="-name" if current == "name" else "name"),
+        "name_arrow": "\u2191" if current == "name" else "\u2193" if current == "-name" else "",
+        "errors": errors, "f": _form_values(request.GET), "statuses": Job.Status.values, "page_sizes": PAGE_SIZES,
+        "page_size": size, "teams": list(visible_teams.values_list("name", flat=True)),
+        "nodes": list(Node.objects.order_by("name").values_list("name", flat=True)),
+        "filtered": query.is_filtered(), "ordering": current,
+        "prev_link": _link(params, page=page.previous_page_number()) if page.has_previous() else None,
+        "next_link": _link(params, page=page.next_page_number()) if page.has_next() else None,
+        "first_link": _link(params, page=1), "last_link": _link(params, page=page.paginator.num_pages),
+    }, status=400 if errors else 200)
+
+
+def _form_values(params) -> dict[str, str]:
+    """What the filter form shows back: each parameter as typed (a list joined with commas)."""
+    return {name: ",".join(v for v in params.getlist(name) if v)
+            for name in ("q", "status", "owner", "team", "node", "tag", "experiment", "since", "until")}
 
 
 def _eta_text(when, now) -> str:
@@ -188,6 +267,7 @@ def job_detail(request, pk: int):
         "step": step, "progress_pct": min(100.0, 100.0 * step / job.total_steps) if job.total_steps else 0.0,
         "logs": telemetry_selectors.job_log_lines(job.pk, limit=200), "config": config,
         "telemetry_unavailable": job.status in Job.TERMINAL and not has_telemetry,
+        "tags": list(job.tags.values_list("name", flat=True)), "max_tags": MAX_TAGS, "max_note": MAX_NOTE_CHARS,
         "can_cancel": can_cancel and job.status not in Job.TERMINAL and job.status != Job.Status.STOPPING,
     })
 
@@ -204,4 +284,21 @@ def job_cancel(request, pk: int):
             messages.success(request, f"Cancel requested for job {job.pk}.")
         except TransitionError as exc:
             messages.error(request, exc.message)
+    return redirect("job-detail", pk=job.pk)
+
+
+@login_required
+@require_POST
+def job_annotate(request, pk: int):
+    """The job page's tags and note form: the whole tag set (comma or space separated) and the note,
+    by whoever may see the job (owner, team, staff); errors come back as messages, nothing changed."""
+    job = _visible_job(request, pk)
+    tags = split_tags(request.POST.get("tags", ""))
+    try:
+        services.job_annotate(job, user=request.user, tags=tags, note=request.POST.get("note", "").replace("\r\n", "\n"))
+    except InvalidInput as exc:
+        for field, problems in exc.errors.items():
+            messages.error(request, f"{field}: {'; '.join(problems)}")
+    else:
+        messages.success(request, f"Saved the tags and note of job {job.pk}.")
     return redirect("job-detail", pk=job.pk)

@@ -165,20 +165,78 @@ def submit(spec_file, code_dir, watch_job, as_json):
 
 
 @cli.command("ls", context_settings=CONTEXT)
+@click.option("--tag", "tags", multiple=True, help="only jobs carrying this tag (repeat: all of them)")
+@click.option("--status", "statuses", multiple=True, help="only jobs in this status, e.g. running (repeat: any)")
+@click.option("--owner", help="only this user's jobs")
+@click.option("--team", help="only this team's jobs")
+@click.option("--node", help="only jobs that ran on this node")
+@click.option("--experiment", type=click.IntRange(min=1), help="only the trials of this experiment (its id)")
+@click.option("-s", "--search", help="only jobs whose name contains this text")
+@click.option("--since", help="submitted on or after (2026-12-06 or 2026-12-06T14:30)")
+@click.option("--until", help="submitted on or before (a date: to its end)")
+@click.option("--sort", "ordering", help="id, name, status, owner, submitted, started, finished or steps; "
+                                         "-name for descending (default: -id, newest first)")
+@click.option("--page", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--page-size", type=click.IntRange(1, 500), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
-def ls(as_json):
-    """List the jobs you can see (yours and your teams'; staff: all), newest first."""
+def ls(tags, statuses, owner, team, node, experiment, search, since, until, ordering, page, page_size, as_json):
+    """List the jobs you can see (yours and your teams'; staff: all), newest first, a page at a time."""
     from .render import jobs_table
 
-    page = _api().get("/api/v1/jobs/", doing="job list")
+    params = {"tag": ",".join(tags) or None, "status": ",".join(s.upper() for s in statuses) or None,
+              "owner": owner, "team": team, "node": node, "experiment": experiment, "q": search, "since": since, "until": until,
+              "ordering": ordering, "page": page if page > 1 else None,
+              "page_size": page_size if page_size != 50 else None}
+    result = _api().get("/api/v1/jobs/", params=params, doing="job list")
     if as_json:
-        return _print_json(page["results"])
-    if not page["results"]:
-        return click.echo("no jobs yet: `trainyard submit SPEC.yaml` starts one")
+        return _print_json(result["results"])
+    filtered = any(params[k] for k in ("tag", "status", "owner", "team", "node", "experiment", "q", "since", "until"))
+    if not result["results"]:
+        return click.echo("no jobs match" if filtered or page > 1 else
+                          "no jobs yet: `trainyard submit SPEC.yaml` starts one")
     console = _console()
-    console.print(jobs_table(page["results"]))
-    if page.get("next"):
-        console.print(text(f"({len(page['results'])} newest of {page['count']})"))
+    console.print(jobs_table(result["results"]))
+    if result.get("next") or result.get("previous"):
+        pages = -(-result["count"] // page_size)
+        console.print(text(f"(page {page} of {pages}, {result['count']} jobs; --page N for another)"))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.option("--add", "add", multiple=True, metavar="TAG", help="add this tag (repeatable)")
+@click.option("--remove", "remove", multiple=True, metavar="TAG", help="remove this tag (repeatable)")
+@click.option("--set", "replace", metavar="TAGS", help="replace every tag with these (comma separated; '' clears)")
+def tag(job_id, add, remove, replace):
+    """Show or change a job's tags (its owner, their team, staff): `tag 7 --add lr-sweep --remove old`."""
+    api = _api()
+    if replace is not None and (add or remove):
+        raise CliError("--set replaces every tag: give it alone, or use --add/--remove")
+    if replace is not None:
+        job = api.patch(f"/api/v1/jobs/{job_id}/", {"tags": [t for t in replace.replace(" ", ",").split(",") if t]},
+                        doing=f"tags of job {job_id}")
+    elif add or remove:
+        job = api.patch(f"/api/v1/jobs/{job_id}/", {"tags_add": list(add), "tags_remove": list(remove)},
+                        doing=f"tags of job {job_id}")
+    else:
+        job = api.get(f"/api/v1/jobs/{job_id}/", doing=f"job {job_id}")
+    click.echo(f"job {job_id}: " + (clean(", ".join(job.get("tags") or [])) or "no tags"))
+
+
+@cli.command(context_settings=CONTEXT)
+@click.argument("job_id", metavar="ID", type=int)
+@click.argument("note_text", metavar="TEXT", required=False)
+@click.option("--clear", is_flag=True, help="remove the note")
+def note(job_id, note_text, clear):
+    """Show or set a job's note (its owner, their team, staff): `note 7 "lr too high, diverged at 2k"`."""
+    api = _api()
+    if clear and note_text is not None:
+        raise CliError("give TEXT or --clear, not both")
+    if note_text is None and not clear:
+        job = api.get(f"/api/v1/jobs/{job_id}/", doing=f"job {job_id}")
+        lines = (job.get("note") or "").split("\n")  # a note's own newlines kept, nothing else raw
+        return click.echo("\n".join(map(clean, lines)).strip() or f"job {job_id} has no note")
+    api.patch(f"/api/v1/jobs/{job_id}/", {"note": "" if clear else note_text}, doing=f"note of job {job_id}")
+    click.echo(f"job {job_id}: note {'cleared' if clear else 'saved'}")
 
 
 @cli.command(context_settings=CONTEXT)

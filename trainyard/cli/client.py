@@ -87,6 +87,9 @@ class Api:
     def post(self, path: str, body=None, *, doing: str = ""):
         return self.request("POST", path, body=body if body is not None else {}, doing=doing)
 
+    def patch(self, path: str, body: dict, *, doing: str = ""):
+        return self.request("PATCH", path, body=body, doing=doing)
+
     def upload(self, path: str, field: str, filename: str, payload: bytes, *, doing: str = ""):
         """POST one file as multipart/form-data."""
         boundary = f"trainyard-{uuid.uuid4().hex}"

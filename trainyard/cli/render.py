@@ -34,11 +34,11 @@ def _size(n: int | None) -> str:
 
 def jobs_table(jobs: list[dict]) -> Table:
     t = Table(box=None, header_style="bold")
-    for col in ("ID", "NAME", "STATUS", "OWNER", "STEP", "RESTARTS", "CREATED"):
-        t.add_column(col, no_wrap=col != "NAME")
+    for col in ("ID", "NAME", "STATUS", "OWNER", "STEP", "RESTARTS", "CREATED", "TAGS"):
+        t.add_column(col, no_wrap=col not in ("NAME", "TAGS"))
     for j in jobs:
         _row(t, str(j["id"]), j.get("name", ""), j.get("status", ""), j.get("owner", ""), _steps(j),
-                str(j.get("restarts", 0)), _when(j.get("created_at")))
+                str(j.get("restarts", 0)), _when(j.get("created_at")), ",".join(j.get("tags") or []))
     return t
 
 

@@ -42,6 +42,7 @@ MATRIX = {
     "job-new": row("GET", LOGIN, 200, 200, 200, 200),
     "job-detail": row("GET", LOGIN, 200, 200, 404, 200),
     "job-cancel": row("POST", LOGIN, 302, 302, 404, 302),
+    "job-annotate": row("POST", LOGIN, 302, 302, 404, 302),  # tags and note: the owner, the team, staff
     "node-list": row("GET", LOGIN, 200, 200, 200, 200),
     "control-plane": row("GET", LOGIN, 200, 200, 200, 200),
     "quota-list": row("GET", LOGIN, 403, 403, 403, 200),
@@ -156,7 +157,7 @@ def url_for(name: str, world) -> str:
         sub, _ = Subscription.objects.get_or_create(user=world["users"]["owner"], events=["job.ended"],
                                                     channel="webhook" if "webhook" in name else "email")
         return reverse(name, kwargs={"pk": sub.pk})
-    if name in ("job-detail", "job-cancel", "api-job-detail", "api-job-apply-recommendation", "api-job-cancel",
+    if name in ("job-detail", "job-cancel", "job-annotate", "api-job-detail", "api-job-apply-recommendation", "api-job-cancel",
                 "api-job-checkpoints", "api-job-events", "api-job-logs", "api-job-metrics", "api-job-rollback"):
         return reverse(name, kwargs={"pk": job.pk})
     if name == "api-job-pin":

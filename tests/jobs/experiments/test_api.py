@@ -140,3 +140,23 @@ def test_openapi_lists_the_experiment_endpoints(user, client_for):
     assert "/api/v1/experiments/" in paths and "post" in paths["/api/v1/experiments/"]
     assert "/api/v1/experiments/{id}/stop/" in paths
     assert "/api/v1/experiments/{id}/trials/{job_id}/continue/" in paths
+
+
+def test_the_job_list_filters_by_experiment(user, nodes, client_for, client):
+    c = client_for(user)
+    first = post(c, {"name": "a", "spec": TEMPLATE, "search": SEARCH}).json()["id"]
+    second = post(c, {"name": "b", "spec": TEMPLATE, "search": SEARCH}).json()["id"]
+    c.post("/api/v1/jobs/", {"name": "plain"}, format="json")
+    trials = {e: sorted(Trial.objects.filter(experiment_id=e).values_list("job_id", flat=True)) for e in (first, second)}
+    for e, jobs in trials.items():
+        r = c.get(f"/api/v1/jobs/?experiment={e}")
+        assert r.status_code == 200 and sorted(j["id"] for j in r.json()["results"]) == jobs
+        assert {j["experiment"] for j in r.json()["results"]} == {e}
+    both = c.get(f"/api/v1/jobs/?experiment={first},{second}").json()["results"]
+    assert sorted(j["id"] for j in both) == sorted(trials[first] + trials[second])
+    bad = c.get("/api/v1/jobs/?experiment=abc")
+    assert bad.status_code == 400 and "experiment" in bad.json()["errors"]
+    client.force_login(user)
+    page = client.get(f"/jobs/?experiment={first}")
+    assert page.status_code == 200
+    assert sorted(j.pk for j in page.context["jobs"]) == trials[first]
