@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.test_experiments import GOOD, SEARCH as INTEGRATION_SEARCH, TEMPLATE, TINY
+
 from .test_dashboard import wait_js
 
 pytestmark = [pytest.mark.procs, pytest.mark.timeout(600)]
 
-GOOD, TINY = 3e-3, 1e-7
-TEMPLATE = {
-    "name": "ui-lr-search",
-    "model": {"kind": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 64},
-    "train": {"steps": 300, "global_batch": 16},
-    "resources": {"nodes": 1, "procs_per_node": 1}, "parallel": {"dp": 1},
-    "checkpoint": {"every_steps": 10, "keep": 2},
-}
-# Seed 4 draws GOOD, TINY, TINY first (tests/integration/test_experiments.py); reduction 8 keeps only
-# the leader at the rung at step 20.
-SEARCH = {"metric": "loss", "mode": "min", "algorithm": "random", "max_trials": 3, "max_concurrent": 2, "seed": 4,
-          "space": {"train.lr": {"choice": [GOOD, TINY]}},
-          "early_stopping": {"asha": {"min_steps": 20, "reduction": 8}}}
+# The integration test's search (seed 4 draws GOOD, TINY, TINY first; reduction 8 keeps only the
+# leader at the rung at step 20), three trials of it.
+SEARCH = {**INTEGRATION_SEARCH, "max_trials": 3}
 
 
 def test_experiment_page_shows_trials_curves_and_parallel_coordinates_live(page, base, cluster):

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from . import config
+from . import common, config
 from .client import Api
 from .errors import CliError
 from .safe import clean, text
@@ -49,19 +49,7 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _api() -> Api:
-    login = config.load()
-    return Api(login.url, login.token)
-
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    return Console(stderr=stderr, highlight=False)
-
-
-def _print_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True))
+_api, _console, _print_json = common.api, common.console, common.print_json
 
 
 @click.group(cls=TrainyardGroup, context_settings=CONTEXT)
@@ -98,24 +86,7 @@ def login(url, token, username):
             click.echo(f"note: {name} is set and overrides the saved value", err=True)
 
 
-def _load_doc(path: str, where: str, text: str | None = None):
-    """The YAML (or JSON) document in `path` (or `text`), bounded like the server's
-    (trainyard/textdoc.py: size, depth, no anchors or aliases), or CliError."""
-    from trainyard.textdoc import DocError, load_yaml
-
-    try:
-        if text is None:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        return load_yaml(text)
-    except OSError as exc:
-        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except DocError as exc:
-        if exc.where is not None:
-            raise CliError(f"{where} is not valid YAML{exc.where}: {exc.problem}") from None
-        raise CliError(f"{where}: {exc}") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{where} is not UTF-8 text") from None
+_load_doc = common.load_doc
 
 
 def _load_spec(path: str) -> dict:

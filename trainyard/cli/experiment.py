@@ -8,52 +8,11 @@ import json
 import click
 from rich.table import Table
 
-from . import config
-from .client import Api
+from . import common
 from .errors import CliError
 from .safe import clean, text
 from ..rules import SpecError
 from ..search import experiment_document
-
-
-class _App:
-    """What the commands share with the main group's (app.py imports this module: no import back)."""
-
-    @staticmethod
-    def _api() -> Api:
-        login = config.load()
-        return Api(login.url, login.token)
-
-    @staticmethod
-    def _console():
-        from rich.console import Console
-
-        return Console(highlight=False)
-
-    @staticmethod
-    def _print_json(data) -> None:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
-
-    @staticmethod
-    def _load_doc(path: str, where: str):
-        """The YAML/JSON document in `path`, bounded like the server's (trainyard/textdoc.py)."""
-        from trainyard.textdoc import DocError, load_yaml
-
-        try:
-            with open(path, encoding="utf-8") as f:
-                return load_yaml(f.read())
-        except OSError as exc:
-            raise CliError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except DocError as exc:
-            if exc.where is not None:
-                raise CliError(f"{where} is not valid YAML{exc.where}: {exc.problem}") from None
-            raise CliError(f"{where}: {exc}") from None
-        except UnicodeDecodeError:
-            raise CliError(f"{where} is not UTF-8 text") from None
-
-
-def _app() -> type[_App]:
-    return _App
 
 
 def experiment_body(doc: object, where: str) -> dict:
@@ -96,11 +55,10 @@ def experiment():
 @click.option("--json", "as_json", is_flag=True, help="print the experiment as JSON instead of its id")
 def submit(file, as_json):
     """Submit the experiment in FILE and print its id."""
-    app = _app()
-    body = experiment_body(app._load_doc(file, file), file)
-    e = app._api().post("/api/v1/experiments/", body, doing="experiment refused")
+    body = experiment_body(common.load_doc(file, file), file)
+    e = common.api().post("/api/v1/experiments/", body, doing="experiment refused")
     if as_json:
-        return app._print_json(e)
+        return common.print_json(e)
     click.echo(clean(e["id"]))
     click.echo(f"experiment {clean(e['id'])}: {len(e.get('trials') or [])} trial(s) queued "
                f"(jobs {', '.join(clean(t['job']) for t in e.get('trials') or [])})", err=True)
@@ -110,10 +68,9 @@ def submit(file, as_json):
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
 def ls(as_json):
     """List the experiments you can see (yours and your teams'), newest first."""
-    app = _app()
-    page = app._api().get("/api/v1/experiments/", doing="experiment list")
+    page = common.api().get("/api/v1/experiments/", doing="experiment list")
     if as_json:
-        return app._print_json(page["results"])
+        return common.print_json(page["results"])
     if not page["results"]:
         return click.echo("no experiments yet: `trainyard experiment submit FILE.yaml` starts one")
     t = Table(box=None, header_style="bold")
@@ -123,7 +80,7 @@ def ls(as_json):
         counts = ", ".join(f"{n} {s}" for s, n in (e.get("trials") or {}).items())
         t.add_row(*(text(c) for c in (e["id"], e.get("name", ""), e.get("status", ""), e.get("owner", ""),
                                       counts, (e.get("created_at") or "")[:19].replace("T", " "))))
-    app._console().print(t)
+    common.console().print(t)
 
 
 @experiment.command("show")
@@ -131,11 +88,10 @@ def ls(as_json):
 @click.option("--json", "as_json", is_flag=True, help="print the API's JSON")
 def show(experiment_id, as_json):
     """Show one experiment: status, best trial, every trial."""
-    app = _app()
-    e = app._api().get(f"/api/v1/experiments/{experiment_id}/", doing=f"experiment {experiment_id}")
+    e = common.api().get(f"/api/v1/experiments/{experiment_id}/", doing=f"experiment {experiment_id}")
     if as_json:
-        return app._print_json(e)
-    console = app._console()
+        return common.print_json(e)
+    console = common.console()
     s = e.get("search") or {}
     console.print(text(f"experiment {e['id']} {e.get('name', '')}: {e.get('status')}"
                        + (f" ({e['status_reason']})" if e.get("status_reason") else "")))
@@ -152,7 +108,7 @@ def show(experiment_id, as_json):
 @click.argument("experiment_id", metavar="ID", type=int)
 def stop(experiment_id):
     """Stop an experiment: its running trials are cancelled, no new ones start."""
-    e = _app()._api().post(f"/api/v1/experiments/{experiment_id}/stop/", doing=f"stop of experiment {experiment_id}")
+    e = common.api().post(f"/api/v1/experiments/{experiment_id}/stop/", doing=f"stop of experiment {experiment_id}")
     click.echo(f"experiment {experiment_id}: {clean(e['status'])}")
 
 
@@ -160,7 +116,7 @@ def stop(experiment_id):
 @click.argument("experiment_id", metavar="ID", type=int)
 def best(experiment_id):
     """Print the best trial's JobSpec (JSON, which is YAML too), ready for `trainyard submit`."""
-    e = _app()._api().get(f"/api/v1/experiments/{experiment_id}/", doing=f"experiment {experiment_id}")
+    e = common.api().get(f"/api/v1/experiments/{experiment_id}/", doing=f"experiment {experiment_id}")
     if not e.get("best_spec"):
         raise CliError(f"experiment {experiment_id} has no best trial yet: no trial reported "
                        f"{(e.get('search') or {}).get('metric', 'its metric')}")
@@ -172,6 +128,6 @@ def best(experiment_id):
 @click.argument("job_id", metavar="JOB", type=int)
 def continue_trial(experiment_id, job_id):
     """Continue an early-stopped trial (its job JOB) from its checkpoint."""
-    _app()._api().post(f"/api/v1/experiments/{experiment_id}/trials/{job_id}/continue/",
+    common.api().post(f"/api/v1/experiments/{experiment_id}/trials/{job_id}/continue/",
                        doing=f"continue of job {job_id}")
     click.echo(f"experiment {experiment_id}: job {job_id} queued again, resuming from its checkpoint")
