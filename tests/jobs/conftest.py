@@ -26,6 +26,14 @@ def sent(monkeypatch):
 
 
 @pytest.fixture
+def preempts(monkeypatch):
+    """The (attempt, reason) of each preemption request a service would send (dispatch.request_preempt)."""
+    asked = []
+    monkeypatch.setattr(dispatch, "request_preempt", lambda a, reason, grace: asked.append((a, reason)))
+    return asked
+
+
+@pytest.fixture
 def user(django_user_model):
     return django_user_model.objects.create_user("alice", password="pw-alice-123")
 

@@ -1,20 +1,12 @@
 import pytest
 
 from jobs import services
-from jobs.core import dispatch
 from jobs.models import Experiment
 
 TEMPLATE = {"name": "exp", "train": {"steps": 40}, "checkpoint": {"every_steps": 5}}
 SEARCH = {"metric": "loss", "mode": "min", "algorithm": "random", "max_trials": 4, "max_concurrent": 2, "seed": 1,
           "space": {"train.lr": {"choice": [0.003, 1e-7]}},
           "early_stopping": {"asha": {"min_steps": 10, "reduction": 2}}}
-
-
-@pytest.fixture
-def preempts(monkeypatch):
-    asked = []
-    monkeypatch.setattr(dispatch, "request_preempt", lambda a, reason, grace: asked.append((a, reason)))
-    return asked
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import pytest
 from django.utils import timezone
 
 from jobs import services
-from jobs.core import dispatch
 from jobs.models import Job, Node, Quota
 
 from tests.jobs.runs.test_services import start, submit
@@ -25,13 +24,6 @@ BUSY = {"resources": {"nodes": 1, "procs_per_node": 2}, "train": {"steps": 1_000
 
 def launches(sent, job):
     return [p for kind, *rest in sent if kind == "launch" for node, p in [rest] if p["job_id"] == job.pk]
-
-
-@pytest.fixture
-def preempts(monkeypatch):
-    asked = []
-    monkeypatch.setattr(dispatch, "request_preempt", lambda a, reason, grace: asked.append((a, reason)))
-    return asked
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 quota changes taking effect at the next tick, ETAs, the predictor at submit."""
 import pytest
 
-from jobs.core import dispatch
 from jobs import services
 from jobs.models import Attempt, Job, JobEvent, Quota
 
@@ -12,13 +11,6 @@ pytestmark = pytest.mark.django_db
 
 FOUR = {"resources": {"nodes": 2, "procs_per_node": 2}, "parallel": {"dp": 4}}
 TWO = {"resources": {"nodes": 1, "procs_per_node": 2}, "parallel": {"dp": 2}}
-
-
-@pytest.fixture
-def preempts(monkeypatch):
-    asked = []
-    monkeypatch.setattr(dispatch, "request_preempt", lambda a, reason, grace: asked.append((a, reason)))
-    return asked
 
 
 def finish_preempted(attempt):
