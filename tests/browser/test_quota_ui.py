@@ -224,7 +224,7 @@ def test_queued_job_shows_position_predicted_start_borrowing_and_preemptions(pag
         job = cluster.submit({"name": "waits", "train": {"steps": 5}})
         page.goto(f"{base}/jobs/")
         tr = page.locator(f'#job-table tr[data-job="{job["id"]}"]')
-        assert "#1" in tr.locator("td:nth-child(6)").text_content()
+        assert "#1" in tr.locator("td.queue-pos").text_content()
         assert tr.locator(".eta-text").text_content() == "unknown"
         assert tr.locator(".eta-text").get_attribute("title") == "no prediction yet"
 

@@ -62,7 +62,6 @@ def rung_reached(cfg: AshaConfig, step: int) -> int | None:
     return r[-1] if r else None
 
 
-
 def decide(cfg: AshaConfig, trials: tuple[TrialRungs, ...]) -> tuple[Decision, ...]:
     """One decision per running trial and rung it has a value for and was not judged at yet,
     lowest rung first; a trial stopped at a rung is not judged at a higher one. `keep` is
@@ -85,8 +84,9 @@ def decide(cfg: AshaConfig, trials: tuple[TrialRungs, ...]) -> tuple[Decision, .
             ranked = sorted(peers, key=lambda p: (p[1] if cfg.mode == "min" else -p[1], p[0]))
             kept = ranked[:keep]
             stop = math.isnan(value) or all(p[0] != t.trial for p in kept)
+            # a NaN (diverged) first trial at its rung has no peer to compare with: cutoff NaN
             out.append(Decision(trial=t.trial, rung=rung, step=steps[rung], stop=stop, value=value,
-                                cutoff=kept[-1][1], peers=len(peers), keep=keep))
+                                cutoff=kept[-1][1] if kept else math.nan, peers=len(peers), keep=keep))
             if stop:
                 break
     return tuple(out)

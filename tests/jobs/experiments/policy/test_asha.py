@@ -48,6 +48,8 @@ CFG3 = AshaConfig(10, 3, 100, "min")
     (CFG, [T(0, [(0, 1.0)], judged=0), T(1, [(0, 5.0), (1, 0.1)])], [(1, 0, True)]),
     # a NaN metric (diverged) is stopped
     (CFG, [T(0, [(0, 1.0)], judged=0), T(1, [(0, math.nan)])], [(1, 0, True)]),
+    # ... also when it is the first (and only) trial at its rung
+    (CFG, [T(0, [(0, math.nan)])], [(0, 0, True)]),
     # ties go to the earlier trial
     (CFG, [T(0, [(0, 1.0)], judged=0), T(1, [(0, 1.0)])], [(1, 0, True)]),
 ])
