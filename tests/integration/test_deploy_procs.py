@@ -54,7 +54,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
         name = path.name.replace("@.service", "@gpu-1.service")  # verify an instance of the template
         (units / name).write_text(path.read_text().replace("/opt/trainyard", str(root)))
         names.append(name)
-    assert len(names) == 5, names
+    assert len(names) == 6, names  # agent, beat, control, notify, relay, web
     proc = subprocess.run([exe, "verify", *names], cwd=units, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, SYSTEMD_LOG_LEVEL="notice"))
     report = (proc.stdout + proc.stderr).strip()
