@@ -33,6 +33,18 @@ def trials(e):
     return list(Trial.objects.filter(experiment=e).select_related("job").order_by("number"))
 
 
+def second_behind_at_the_first_rung(e):
+    """Both trials running; trial 0 reaches the step-10 rung first (1.0), trial 1 after it, worse
+    (2.0): ASHA stops trial 1. Returns the trials and their attempts."""
+    t0, t1 = trials(e)
+    a0, a1 = start(t0.job), start(t1.job)
+    losses(a0, {10: 1.0})
+    experiment_advance(e.pk)
+    losses(a1, {10: 2.0})
+    experiment_advance(e.pk)
+    return t0, t1, a0, a1
+
+
 def test_submit_creates_the_first_trials_as_ordinary_jobs(submit_experiment, user, sent,
                                                           django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
@@ -143,12 +155,7 @@ def test_asha_stops_the_worse_trial_through_the_preemption_path_and_it_can_conti
 def test_early_stop_of_a_queued_trial_cancels_it_and_finishing_in_the_grace_period_succeeds(
         submit_experiment, preempts):
     e = submit_experiment()
-    t0, t1 = trials(e)
-    a0, a1 = start(t0.job), start(t1.job)
-    losses(a0, {10: 1.0})
-    experiment_advance(e.pk)
-    losses(a1, {10: 2.0})
-    experiment_advance(e.pk)
+    t0, t1, a0, a1 = second_behind_at_the_first_rung(e)
     assert Trial.objects.get(pk=t1.pk).status == "early_stopped"
     ok_exit(a1)  # it finished before it saw the stop: a finished trial
     experiment_advance(e.pk)
@@ -251,12 +258,7 @@ def test_attempts_check_task_advances_experiments(submit_experiment):
 
 def test_the_experiment_ends_only_once_every_trials_job_has(submit_experiment, preempts, ckpt_root):
     e = submit_experiment(search={"max_trials": 2})
-    t0, t1 = trials(e)
-    a0, a1 = start(t0.job), start(t1.job)
-    losses(a0, {10: 1.0})
-    experiment_advance(e.pk)
-    losses(a1, {10: 2.0})
-    experiment_advance(e.pk)
+    t0, t1, a0, a1 = second_behind_at_the_first_rung(e)
     ok_exit(a0)
     experiment_advance(e.pk)
     # trial 1 is early_stopped but its job is still checkpointing: not the end yet
