@@ -10,9 +10,9 @@ from jobs.models.notify import Delivery, DeliveryAttempt, Subscription
 from jobs.models.planning import AdaptationOutcome, Calibration, KnowledgeRecord
 from jobs.models.runs import Job, JobTag
 from jobs.models.scheduling import Quota, QuotaChange, SchedulerLock
-from jobs.models.telemetry import MetricSample
+from jobs.models.telemetry import MetricSample, MetricStep, RetentionPolicy
 
 __all__ = ["AdaptationOutcome", "Allocation", "ApiToken", "Attempt", "Calibration", "Checkpoint", "CodeBundle",
            "ControlPlaneClock", "Delivery", "DeliveryAttempt", "Experiment", "ExperimentEvent", "Job", "JobEvent",
-           "JobTag", "KnowledgeRecord", "MetricSample", "Node", "NodeJoinRequest", "Quota", "QuotaChange",
-           "SchedulerLock", "SecurityEvent", "Subscription", "Trial"]
+           "JobTag", "KnowledgeRecord", "MetricSample", "MetricStep", "Node", "NodeJoinRequest", "Quota", "QuotaChange",
+           "RetentionPolicy", "SchedulerLock", "SecurityEvent", "Subscription", "Trial"]

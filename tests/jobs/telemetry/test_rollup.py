@@ -1,0 +1,120 @@
+"""The per-step rollup (issue 26): MetricStep is exactly the reduction of the stored per-rank samples,
+whatever the rounds they arrive in and however often a round is replayed (SQLite and, under
+`make test-postgres`, PostgreSQL's COPY path)."""
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from jobs.models import MetricSample, MetricStep
+from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
+from jobs.telemetry import ingest
+
+from tests.jobs.runs.test_services import start, submit
+
+
+def sample(attempt, rank, step, rng):
+    s = {"attempt": attempt.pk, "rank": rank, "step": step, "ts": 1000.0 + step + rank / 100,
+         "loss": rng.uniform(1, 3), "step_s": rng.uniform(0.1, 0.5), "compute_s": rng.uniform(0.05, 0.2),
+         "bytes_sent": rng.randrange(1, 1 << 40), "mem_bytes": rng.randrange(1, 1 << 34)}
+    if rng.random() < 0.3:
+        s["comm_s"] = None  # a field a rank did not report counts nowhere
+    else:
+        s["comm_s"] = rng.uniform(0, 0.1)
+    if rank in (1, 2):
+        s["metrics"] = {"acc": rank + step / 1000}
+    return s
+
+
+def expected(rows: list[dict]) -> dict:
+    out = {"ranks": len(rows), "ts": max(r["ts"] for r in rows)}
+    for f in REDUCED_FIELDS:
+        vals = [(r[f], r["rank"]) for r in rows if r.get(f) is not None]
+        out[f"{f}_n"] = len(vals)
+        if vals:
+            out[f"{f}_min"], out[f"{f}_max"] = min(v for v, _ in vals), max(v for v, _ in vals)
+            out[f"{f}_mean"] = statistics.fmean(v for v, _ in vals)
+            if f in RANKED_FIELDS:
+                out[f"{f}_min_rank"] = min(vals)[1]
+                out[f"{f}_max_rank"] = max(vals, key=lambda x: (x[0], -x[1]))[1]
+        else:
+            out[f"{f}_min"] = out[f"{f}_max"] = out[f"{f}_mean"] = None
+    with_extra = sorted((r for r in rows if r.get("metrics")), key=lambda r: r["rank"])
+    out["extra"] = with_extra[0]["metrics"] if with_extra else None
+    return out
+
+
+def check(attempt, stored: dict[int, list[dict]]) -> None:
+    got = {r.step: r for r in MetricStep.objects.filter(attempt=attempt)}
+    assert sorted(got) == sorted(stored)
+    for step, rows in stored.items():
+        want, row = expected(rows), got[step]
+        for key, value in want.items():
+            actual = getattr(row, key)
+            if isinstance(value, float):
+                assert actual == pytest.approx(value, rel=1e-9), (step, key)
+            else:
+                assert actual == value, (step, key)
+        assert row.job_id == attempt.job_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_steps_arriving_in_many_rounds_with_replays_reduce_exactly_once(user, nodes):
+    rng = random.Random(7)
+    job = submit(user)
+    attempt = start(job)
+    ranks, steps = 8, 30
+    samples = [sample(attempt, r, s, rng) for s in range(1, steps + 1) for r in range(ranks)]
+    rng.shuffle(samples)  # each step's ranks spread over many rounds
+    cuts = sorted(rng.sample(range(1, len(samples)), 15))
+    rounds = [samples[a:b] for a, b in zip([0, *cuts], [*cuts, len(samples)])]
+    stored: dict[int, list[dict]] = {}
+    seen: set[tuple[int, int]] = set()
+    for i, batch in enumerate(rounds):
+        ingest.telemetry_ingest([dict(s) for s in batch], events=[])
+        for s in batch:
+            if (s["rank"], s["step"]) not in seen:
+                seen.add((s["rank"], s["step"]))
+                stored.setdefault(s["step"], []).append(s)
+        if i % 3 == 0:  # a replayed round (relay killed before the ack), and a sample twice in one round
+            ingest.telemetry_ingest([dict(s) for s in batch] + [dict(batch[0])], events=[])
+    assert MetricSample.objects.filter(attempt=attempt).count() == ranks * steps
+    check(attempt, stored)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ties_keep_the_lowest_rank_and_the_lowest_rank_user_metrics_win(user, nodes):
+    job = submit(user)
+    attempt = start(job)
+    base = {"attempt": attempt.pk, "step": 5, "ts": 1.0, "step_s": 0.2, "loss": 1.0, "compute_s": 0.1}
+    ingest.telemetry_ingest([{**base, "rank": 3, "metrics": {"acc": 3.0}}], events=[])
+    ingest.telemetry_ingest([{**base, "rank": 1, "metrics": {"acc": 1.0}}, {**base, "rank": 2}], events=[])
+    ingest.telemetry_ingest([{**base, "rank": 4, "step_s": 0.9, "metrics": {"acc": 4.0}}], events=[])
+    row = MetricStep.objects.get(attempt=attempt, step=5)
+    assert (row.ranks, row.step_s_n, row.step_s_max, row.step_s_max_rank) == (4, 4, 0.9, 4)
+    assert row.step_s_min_rank == 3  # the tie at 0.2 was first held by rank 3, and a tie keeps what is there
+    assert (row.extra, row.extra_rank) == ({"acc": 1.0}, 1)
+    assert row.step_s_mean == pytest.approx((0.2 * 3 + 0.9) / 4)
+    assert row.data_s_n == 0 and row.data_s_mean is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_backfill_reduces_samples_stored_before_the_rollup(user, nodes):
+    from django.db import connection
+
+    from jobs.telemetry.rollup import backfill_sql
+
+    rng = random.Random(3)
+    job = submit(user)
+    attempt = start(job)
+    samples = [sample(attempt, r, s, rng) for s in range(1, 6) for r in range(4)]
+    ingest.telemetry_ingest([dict(s) for s in samples], events=[])
+    MetricStep.objects.all().delete()  # as a database migrated before MetricStep existed
+    with connection.cursor() as cur:
+        cur.execute(backfill_sql(connection.vendor))
+    stored: dict[int, list[dict]] = {}
+    for s in samples:
+        stored.setdefault(s["step"], []).append(s)
+    check(attempt, stored)
