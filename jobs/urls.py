@@ -43,6 +43,7 @@ urlpatterns = [
     path("api/v1/code/<str:digest>/", api_code.CodeDetailView.as_view(), name="api-code-detail"),
     path("api/v1/calibrations/", api_calibration.CalibrationView.as_view(), name="api-calibrations"),
     path("api/v1/jobs/<int:pk>/series/", api_series.JobSeriesView.as_view(), name="api-job-series"),
+    path("api/v1/jobs/<int:pk>/ranks/", api_series.JobRanksView.as_view(), name="api-job-ranks"),
     path("api/v1/series/", api_series.SeriesView.as_view(), name="api-series"),
     path("api/v1/series/metrics/", api_series.SeriesMetricsView.as_view(), name="api-series-metrics"),
     path("notifications/", notify_views.notifications, name="notifications"),

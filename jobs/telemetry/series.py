@@ -1,31 +1,39 @@
-"""Bucketed series of one metric of a job (issue 25, section 2): at most `max_points` buckets over step
-or time, each `{x, min, max, last}`, computed in the database.
+"""Bucketed series of one metric of a job (issue 25, section 2; issue 26): at most `max_points` buckets
+over step or time, each `{x, min, max, last}`, computed in the database.
 
 A metric is either a standard field of the sample (a MetricSample column: the built-in trainer's
 `loss`, `step_s`, `samples_per_s`, ...) or one of the user's own (`run.log(step, val_loss=...)`, kept in
-MetricSample.extra under a name matching ingest.USER_METRIC_NAME; a name of a standard field never
-lands in `extra`: the SDK puts it in its column). Samples are read along the job's lineage
-(selectors.lineage_filter: each step once per rank after restarts and rollbacks).
+`extra` under a name matching ingest.USER_METRIC_NAME; a name of a standard field never lands in
+`extra`: the SDK puts it in its column).
+
+What is read (issue 26): by default the per-step rows (MetricStep, one per (attempt, step), kept for the
+job's life, written by the relay's rollup) along the job's lineage (selectors.lineage_filter: each step
+once after restarts and rollbacks). A standard field's bucket `min` is the least `<f>_min`, `max` the
+largest `<f>_max` (so one rank's spike at one step survives any bucketing), `last` the `<f>_mean` at the
+bucket's last step (the mean over ranks there). A user metric is read from MetricStep.extra: the
+metrics of the lowest rank that logged any at that step (usually rank 0), so min/max/last are over
+that rank's values. `samples` counts the per-rank samples summarised (the sum of `<f>_n`; for a user
+metric, the steps that have it). With `rank=`, one rank's MetricSample rows (the drill-down; per-rank
+rows are kept only for a recent window and thinned before it: retention).
 
 Buckets: over `step`, bucket (step - lo) * max_points // (hi - lo + 1) (whole steps: a job with fewer
 steps than max_points gets one bucket per step, i.e. its exact series; a longer one max_points
-when it reported every step);
-over `time` (the sample's `ts`, epoch seconds), into max_points equal spans. Each bucket's `min`
-and `max` are over every rank's sample in it, `x` is its last sample's step (or ts), and `last` is
-the mean over ranks of the metric at the bucket's last step. Queries: the first and the last step
-with the metric (the (job, step) index), their ts, one GROUP BY over the bucket expression (min, max,
-last step, last ts, count) and one AVG at those last steps. Python holds at most ~max_points rows
-whatever the job's length: bench/series.py measures 1,000,000 samples (SQLite and PostgreSQL).
+when it reported every step); over `time` (epoch seconds: a step's `ts` is its latest rank's sample
+time), into max_points equal spans. `x` is the bucket's last step (or ts). Queries: the first and
+the last step with the metric (the (job, step) index), their ts, one GROUP BY over the bucket
+expression and one read of the value at the buckets' last steps. Python holds at most ~max_points rows
+whatever the job's length: bench/series.py and bench/charts.py measure it (SQLite and PostgreSQL).
 """
 from __future__ import annotations
 
 import re
 
-from django.db.models import (Avg, BigIntegerField, Count, ExpressionWrapper, F, FloatField, Func, Max, Min,
+from django.db.models import (Avg, BigIntegerField, Count, ExpressionWrapper, F, FloatField, Func, Max, Min, Sum,
                               Value)
 from django.db.models.functions import Greatest, Least
 
-from jobs.models import MetricSample
+from jobs.models import MetricSample, MetricStep
+from jobs.models.telemetry import RANKED_FIELDS
 from jobs.telemetry.selectors import lineage_filter
 
 MAX_POINTS = 1500
@@ -79,67 +87,161 @@ def valid_metric_name(name: str) -> bool:
     return name in BUILTIN_METRICS or bool(METRIC_NAME.fullmatch(name))
 
 
-def _samples(job_id: int, metric: str, rank: int | None):
-    qs = MetricSample.objects.filter(job_id=job_id).filter(lineage_filter(job_id))
-    if rank is not None:
-        qs = qs.filter(rank=rank)
+def _samples(job_id: int, metric: str, rank: int):
+    """One rank's samples (the drill-down) with the metric as `v`."""
+    qs = MetricSample.objects.filter(job_id=job_id, rank=rank).filter(lineage_filter(job_id))
     return qs.annotate(v=metric_value(metric)).filter(v__isnull=False)
+
+
+class _Reading:
+    """How one metric is read from a queryset: its rows, and the expressions of a row's least value,
+    largest value, mean and count (what a bucket aggregates)."""
+
+    def __init__(self, qs, lo, hi, mean, n):
+        self.qs, self.lo, self.hi, self.mean, self.n = qs, lo, hi, mean, n
+
+
+def _reading(job_id: int, metric: str, rank: int | None) -> _Reading:
+    if rank is not None:
+        return _Reading(_samples(job_id, metric, rank), "v", "v", "v", None)
+    qs = MetricStep.objects.filter(job_id=job_id).filter(lineage_filter(job_id))
+    if metric in BUILTIN_METRICS:
+        return _Reading(qs.filter(**{f"{metric}_mean__isnull": False}), f"{metric}_min", f"{metric}_max",
+                        f"{metric}_mean", f"{metric}_n")
+    return _Reading(qs.annotate(v=UserMetric(metric)).filter(v__isnull=False), "v", "v", "v", None)
+
+
+def _step_bucket(first: int, last: int, n: int):
+    """(step - first) * n // (last - first + 1), in integer arithmetic: in [0, n - 1], and every
+    bucket holds a step once the span is at least n (whole steps of ceil(span / n) would leave as
+    few as n / 2 buckets)."""
+    return ExpressionWrapper((F("step") - Value(first)) * Value(n) / Value(last - first + 1),
+                             output_field=BigIntegerField())
+
+
+def _time_bucket(lo: float, hi: float, n: int):
+    width = (hi - lo) / n or 1.0
+    # ts == hi lands on index n exactly: Least folds it into the last bucket.
+    return Greatest(Least(_FloorNonNegative((F("ts") - Value(lo)) / Value(width)),
+                          Value(n - 1), output_field=BigIntegerField()),
+                    Value(0), output_field=BigIntegerField())
+
+
+def _means_at(reading: _Reading, steps: list[int]) -> dict[int, float]:
+    """{step: the metric's mean over ranks there} at the given steps (a step twice along the lineage,
+    never written by the relay, would average its rows weighted by their counts)."""
+    qs = reading.qs.filter(step__in=steps).values("step").order_by("step")
+    if reading.n is None:
+        return dict(qs.annotate(mean=Avg(reading.mean)).values_list("step", "mean"))
+    rows = qs.annotate(total=Sum(F(reading.mean) * F(reading.n), output_field=FloatField()), count=Sum(reading.n))
+    return {r["step"]: r["total"] / r["count"] for r in rows if r["count"]}
 
 
 def job_series(job_id: int, metric: str, *, x: str = "step", max_points: int = MAX_POINTS,
                rank: int | None = None) -> dict:
     """{"buckets": [{x, min, max, last}, ...] in x order (at most max_points), "samples": how many
-    samples they summarise, "first_ts": the first such sample's ts or None}. `rank`: one rank's
-    samples only (default: every rank's)."""
+    per-rank samples they summarise, "first_ts": the first step's ts or None}. Default: the per-step
+    rows (MetricStep, every rank reduced); `rank`: that rank's own samples only (MetricSample)."""
     if x not in X_AXES:
         raise ValueError(f"x must be one of {X_AXES}, got {x!r}")
     if max_points < 1:
         raise ValueError("max_points must be at least 1")
-    qs = _samples(job_id, metric, rank)
-    # The bounds from the first and the last step with the metric: the (job, step) index finds them
-    # without a scan. Along a lineage a later step is a later sample (an attempt resumes after the
-    # one it replaces), so the time bounds are the extreme ts at those two steps; a rank's clock
-    # a little off is clamped into the first or last bucket.
+    reading = _reading(job_id, metric, rank)
+    qs = reading.qs
+    # The bounds from the first and the last step with the metric: the (job, step) index (MetricStep's,
+    # or MetricSample's (job, rank, step)) finds them without a scan. Along a lineage a later step is a
+    # later sample (an attempt resumes after the one it replaces), so the time bounds are the extreme
+    # ts at those two steps; a clock a little off is clamped into the first or last bucket.
     first = qs.order_by("step").values_list("step", flat=True).first()
     if first is None:
         return {"buckets": [], "samples": 0, "first_ts": None}
     last = qs.order_by("-step").values_list("step", flat=True).first()
     ts = qs.filter(step__in=[first, last]).aggregate(lo=Min("ts"), hi=Max("ts"))
-    if x == "step":
-        # integer arithmetic: (step - lo) * n // span is in [0, n - 1], and every bucket holds a step
-        # once span >= n (whole steps of ceil(span / n) would leave as few as n / 2 buckets)
-        bucket = ExpressionWrapper((F("step") - Value(first)) * Value(max_points) / Value(last - first + 1),
-                                   output_field=BigIntegerField())
-    else:
-        width = (ts["hi"] - ts["lo"]) / max_points or 1.0
-        # ts == hi lands on index max_points exactly: Least folds it into the last bucket.
-        bucket = Greatest(Least(_FloorNonNegative((F("ts") - Value(ts["lo"])) / Value(width)),
-                                Value(max_points - 1), output_field=BigIntegerField()),
-                          Value(0), output_field=BigIntegerField())
+    bucket = (_step_bucket(first, last, max_points) if x == "step"
+              else _time_bucket(ts["lo"], ts["hi"], max_points))
+    count = Count("id") if reading.n is None else Sum(reading.n)
     rows = list(qs.annotate(b=bucket).values("b").order_by("b")
-                .annotate(lo_v=Min("v"), hi_v=Max("v"), last_step=Max("step"), last_ts=Max("ts"), n=Count("id")))
-    means = dict(qs.filter(step__in=[r["last_step"] for r in rows]).values("step").order_by("step")
-                 .annotate(mean=Avg("v")).values_list("step", "mean"))
+                .annotate(lo_v=Min(reading.lo), hi_v=Max(reading.hi), last_step=Max("step"), last_ts=Max("ts"),
+                          n=count))
+    means = _means_at(reading, [r["last_step"] for r in rows])
     key = "last_step" if x == "step" else "last_ts"
     buckets = [{"x": r[key], "min": r["lo_v"], "max": r["hi_v"], "last": means.get(r["last_step"])} for r in rows]
     return {"buckets": buckets, "samples": sum(r["n"] for r in rows), "first_ts": ts["lo"]}
 
 
+# ---------------------------------------------------------------- the per-rank view (issue 26)
+
+RANK_WINDOW_STEPS = 2000  # the default window: the per-rank rows kept at full resolution (retention)
+MAX_RANK_WINDOW_STEPS = 10_000_000
+RANKS_LISTED = 5  # the slowest and the fastest ranks named
+
+
+def job_rank_view(job_id: int, metric: str, *, steps: int = RANK_WINDOW_STEPS, max_points: int = MAX_POINTS,
+                  top: int = RANKS_LISTED) -> dict:
+    """How the ranks of a job spread over its last `steps` steps (along its lineage), for one of
+    RANKED_FIELDS (step_s, loss, compute_s):
+
+    - `band`: at most max_points buckets over step, each {x (its last step), min (the least value of any
+      rank), mean (the mean over ranks, weighted by each step's count), max (the largest of any rank)},
+      from MetricStep. The band's centre is the mean, not the median: a median is not mergeable
+      across relay rounds (the ranks of one step may arrive in several, and each is reduced once),
+      a count-weighted mean is.
+    - `slowest` / `fastest`: the `top` ranks that were most often the step's `<f>_max_rank` /
+      `<f>_min_rank` in the window (for loss: highest / lowest), each {rank, steps (how often), share
+      (of the window's steps with the metric), mean (the rank's own mean over the window from its
+      MetricSample rows, None when retention kept none)}.
+    - `window`: {from, to, steps} the steps read (`steps`: how many had the metric).
+    """
+    if metric not in RANKED_FIELDS:
+        raise ValueError(f"metric must be one of {RANKED_FIELDS}, got {metric!r}")
+    lineage = lineage_filter(job_id)
+    qs = (MetricStep.objects.filter(job_id=job_id).filter(lineage)
+          .filter(**{f"{metric}_mean__isnull": False}))
+    last = qs.order_by("-step").values_list("step", flat=True).first()
+    if last is None:
+        return {"window": {"from": None, "to": None, "steps": 0}, "band": [], "slowest": [], "fastest": []}
+    qs = qs.filter(step__gt=last - steps)
+    first = qs.order_by("step").values_list("step", flat=True).first()
+    mean, n = F(f"{metric}_mean"), F(f"{metric}_n")
+    rows = list(qs.annotate(b=_step_bucket(first, last, max_points)).values("b").order_by("b")
+                .annotate(lo=Min(f"{metric}_min"), hi=Max(f"{metric}_max"), last_step=Max("step"),
+                          total=Sum(mean * n, output_field=FloatField()), count=Sum(n), rows=Count("id")))
+    band = [{"x": r["last_step"], "min": r["lo"], "mean": r["total"] / r["count"] if r["count"] else None,
+             "max": r["hi"]} for r in rows]
+    window_steps = sum(r["rows"] for r in rows)
+
+    def most_often(column: str) -> list[dict]:
+        ranked = list(qs.filter(**{f"{column}__isnull": False}).values(column).order_by()
+                      .annotate(times=Count("id")).order_by("-times", column)[:top])
+        return [{"rank": r[column], "steps": r["times"], "share": r["times"] / window_steps} for r in ranked]
+
+    slowest, fastest = most_often(f"{metric}_max_rank"), most_often(f"{metric}_min_rank")
+    named = sorted({r["rank"] for r in slowest + fastest})
+    own = dict(MetricSample.objects.filter(job_id=job_id, rank__in=named, step__gte=first, step__lte=last)
+               .filter(lineage).filter(**{f"{metric}__isnull": False})
+               .values("rank").order_by("rank").annotate(m=Avg(metric)).values_list("rank", "m")) if named else {}
+    for r in slowest + fastest:
+        r["mean"] = own.get(r["rank"])
+    return {"window": {"from": first, "to": last, "steps": window_steps}, "band": band,
+            "slowest": slowest, "fastest": fastest}
+
+
 def job_metric_names(job_ids: list[int]) -> dict[int, list[str]]:
-    """{job id: the metric names it reported, sorted}: the standard fields any of its samples has a
-    value for, and every key of its samples' user metrics. One aggregate per job (COUNT of each
-    column skips NULLs) and one DISTINCT over the JSON keys for all of them (json_each on SQLite,
-    jsonb_object_keys on PostgreSQL): scans of the jobs' rows in the database, nothing loaded."""
+    """{job id: the metric names it reported, sorted}: the standard fields any rank reported at some
+    step, and every key of the user metrics its per-step rows hold (MetricStep.extra: what the series
+    reads). One aggregate per job (MAX of each field's count) and one DISTINCT over the JSON keys for
+    all of them (json_each on SQLite, jsonb_object_keys on PostgreSQL): scans of the jobs' per-step
+    rows in the database, nothing loaded."""
     from django.db import connection
 
     out: dict[int, set[str]] = {pk: set() for pk in job_ids}
     if not job_ids:
         return {}
-    counts = (MetricSample.objects.filter(job_id__in=job_ids).values("job_id").order_by("job_id")
-              .annotate(**{f"n_{f}": Count(f) for f in BUILTIN_METRICS}))
+    counts = (MetricStep.objects.filter(job_id__in=job_ids).values("job_id").order_by("job_id")
+              .annotate(**{f"n_{f}": Max(f"{f}_n") for f in BUILTIN_METRICS}))
     for row in counts:
         out[row["job_id"]].update(f for f in BUILTIN_METRICS if row[f"n_{f}"])
-    table = MetricSample._meta.db_table
+    table = MetricStep._meta.db_table
     marks = ", ".join(["%s"] * len(job_ids))
     if connection.vendor == "postgresql":
         sql = (f"SELECT DISTINCT job_id, jsonb_object_keys(extra) FROM {table} "
@@ -153,4 +255,3 @@ def job_metric_names(job_ids: list[int]) -> dict[int, list[str]]:
             if isinstance(name, str) and METRIC_NAME.fullmatch(name):
                 out[job_id].add(name)
     return {pk: sorted(names) for pk, names in out.items()}
-
