@@ -3,7 +3,7 @@
 from __future__ import annotations
 from django.conf import settings
 from django.http import FileResponse
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -19,7 +19,7 @@ from jobs.runs import selectors as runs_selectors, services
 from jobs.core.errors import Forbidden, InvalidInput, NotFound
 from jobs.attempts.rows import event_row
 from jobs.runs.serializers import CheckpointSerializer, JobSerializer, JobSubmittedSerializer
-from jobs.telemetry.serializers import MetricSerializer
+from jobs.telemetry.serializers import MetricSerializer, MetricStepSerializer
 from jobs.core.throttles import SubmitThrottle
 
 
@@ -115,19 +115,34 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         job = services.job_cancel(job, user=request.user)
         return Response(JobSerializer(job, context={"request": request}).data, status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(parameters=[OpenApiParameter("since_step", int), OpenApiParameter("rank", int),
+    @extend_schema(parameters=[OpenApiParameter("since_step", int),
+                               OpenApiParameter("rank", int, description="that rank's own samples (MetricSample "
+                                                "rows: kept for a recent window of steps, thinned before it)"),
+                               OpenApiParameter("per_rank", bool, description="every rank's own samples (one row "
+                                                "per rank and step, as rank= gives one rank's)"),
                                OpenApiParameter("limit", int),
-                               OpenApiParameter("attempt", int, description="one attempt's own samples; by default "
+                               OpenApiParameter("attempt", int, description="one attempt's own rows; by default "
                                                 "each step once, as the charts show it after restarts/rollbacks")],
-                   responses=MetricSerializer(many=True))
+                   responses={200: OpenApiResponse(MetricStepSerializer(many=True), description=(
+                       "Default: one row per step, every rank reduced (MetricStepSerializer: each standard field "
+                       "is the mean over ranks, with its _min, _max and _n; rank is null). With rank= or "
+                       "per_rank=true: per-rank samples (MetricSerializer: rank, step, ts, the fields, attempt, "
+                       "metrics)."))})
     @action(detail=True, methods=["get"], pagination_class=None)
     def metrics(self, request, pk=None):
+        """The job's metrics: per step (every rank reduced, kept for the job's life) by default, or
+        per rank (`rank=`, `per_rank=true`: the drill-down, kept for a recent window)."""
         job = self.get_object()
+        per_rank = request.query_params.get("per_rank", "")
+        if per_rank not in ("", "0", "1", "true", "false"):
+            raise InvalidInput({"per_rank": ["must be true or false"]})
+        rank = int_param(request, "rank")
+        per_rank = per_rank in ("1", "true") or rank is not None
         rows = telemetry_selectors.job_metrics(
-            job, since_step=int_param(request, "since_step"), rank=int_param(request, "rank"),
+            job, since_step=int_param(request, "since_step"), rank=rank, per_rank=per_rank,
             limit=int_param(request, "limit", minimum=1, maximum=MAX_METRICS_LIMIT, default=1000),
             attempt=int_param(request, "attempt"))
-        return Response(MetricSerializer(rows, many=True).data)
+        return Response((MetricSerializer if per_rank else MetricStepSerializer)(rows, many=True).data)
 
     @extend_schema(responses={200: {"type": "object"}})
     @action(detail=True, methods=["get"], pagination_class=CheckpointPagination)

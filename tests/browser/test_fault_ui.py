@@ -590,7 +590,7 @@ def test_sdk_script_rolled_back_from_the_page_resumes_at_the_target_and_runs_eve
     second = sorted(final["attempts"], key=lambda a: a["number"])[1]
     assert second["resumed_from_step"] == target_step and second["resumed_from"] == target, second
     # run.restore returned the target's step: the new attempt's first sample is the step after it.
-    status, samples = cluster.request("GET", f"/api/v1/jobs/{job_id}/metrics/?attempt={second['id']}&limit=10000")
+    status, samples = cluster.request("GET", f"/api/v1/jobs/{job_id}/metrics/?per_rank=1&attempt={second['id']}&limit=10000")
     assert status == 200 and min(s["step"] for s in samples) == target_step + 1, samples[:3]
     assert all("lr" in s["metrics"] for s in samples)  # the script's own metric, after the resume too
     wait_js(page, f"() => Object.values(window.trainyard.stats()).every(s => s.max === {steps})", 30, "the last step")

@@ -231,7 +231,7 @@ class Cluster:
         return self.get(f"/api/v1/jobs/{job_id}/")
 
     def metrics(self, job_id: int) -> list[dict]:
-        return self.get(f"/api/v1/jobs/{job_id}/metrics/?limit=10000")
+        return self.get(f"/api/v1/jobs/{job_id}/metrics/?per_rank=1&limit=10000")  # every rank's samples
 
     def wait_for(self, cond, timeout_s: float, what: str, interval_s: float = 0.2, job_id: int | None = None):
         deadline = time.monotonic() + timeout_s

@@ -38,7 +38,7 @@ def launcher_of(pid: int) -> list[str]:
 
 
 def first_step_ts(cluster: Cluster, job_id: int, attempt_id: int) -> float | None:
-    rows = cluster.get(f"/api/v1/jobs/{job_id}/metrics/?attempt={attempt_id}&limit=1")
+    rows = cluster.get(f"/api/v1/jobs/{job_id}/metrics/?per_rank=1&attempt={attempt_id}&limit=1")
     return rows[0]["ts"] if rows else None
 
 

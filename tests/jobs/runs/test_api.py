@@ -118,15 +118,24 @@ def test_metrics_shape_and_filters(user, nodes, client_for):
          "step_s": 0.1, "data_s": 0.0, "compute_s": 0.05, "comm_s": 0.01, "optim_s": 0.01, "bytes_sent": 4,
          "mem_bytes": 8, "attempt": attempt.pk} for s in range(1, 11) for r in (0, 1)], events=[])
     c = client_for(user)
+    sample_fields = {"rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
+                     "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share",
+                     "attempt", "metrics"}
+    # default: one row per step, every rank reduced; a sample's field names hold the means (issue 26)
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/").json()
-    assert isinstance(rows, list) and len(rows) == 20
-    assert set(rows[0]) == {"rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s",
-                            "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share", "attempt",
-                            "metrics"}
-    assert rows[0]["metrics"] is None
+    assert isinstance(rows, list) and [x["step"] for x in rows] == list(range(1, 11))
+    assert sample_fields < set(rows[0]) and {"ranks", "loss_min", "loss_max", "loss_n", "step_s_max_rank",
+                                             "metrics_rank"} < set(rows[0])
+    assert rows[0]["rank"] is None and rows[0]["ranks"] == 2 and rows[0]["metrics"] is None
+    assert rows[0]["loss"] == rows[0]["loss_min"] == rows[0]["loss_max"] == 3.0 and rows[0]["bytes_sent"] == 4
+    assert rows[0]["loss_n"] == 2 and rows[0]["share_n"] == 0 and rows[0]["share"] is None
+    rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/?per_rank=true").json()
+    assert len(rows) == 20 and set(rows[0]) == sample_fields and rows[0]["metrics"] is None
+    assert [(x["step"], x["rank"]) for x in rows[:3]] == [(1, 0), (1, 1), (2, 0)]
     rows = c.get(f"/api/v1/jobs/{job.pk}/metrics/?since_step=8&rank=1&limit=5").json()
     assert [(x["step"], x["rank"]) for x in rows] == [(9, 1), (10, 1)]
-    for bad in ("since_step=abc", "limit=0", "limit=999999", "rank=-1"):
+    assert [x["step"] for x in c.get(f"/api/v1/jobs/{job.pk}/metrics/?since_step=8").json()] == [9, 10]
+    for bad in ("since_step=abc", "limit=0", "limit=999999", "rank=-1", "per_rank=maybe"):
         r = c.get(f"/api/v1/jobs/{job.pk}/metrics/?{bad}")
         assert r.status_code == 400 and r.json()["errors"], bad
 

@@ -61,9 +61,12 @@ def test_ingest_stores_them_and_never_fails_the_batch(running, caplog, client_fo
     assert "dropped 10 user metric values" in caplog.text
     # cleaned in place: the relay fans out exactly what was stored
     assert batch[0]["metrics"] == {"acc": 0.25} and batch[3]["metrics"] is None
-    api = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
+    api = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/?per_rank=1").json()
     assert [(r["rank"], r["step"], r["metrics"]) for r in api[:4]] == [
         (0, 1, {"acc": 0.25}), (1, 1, {"acc": 0.5, "grad/norm": 3.0}), (0, 2, None), (1, 2, None)]
+    # per step (the default): the user metrics of the lowest rank that logged any
+    steps = client_for(user).get(f"/api/v1/jobs/{job.pk}/metrics/").json()
+    assert [(r["step"], r["metrics"], r["metrics_rank"]) for r in steps[:2]] == [(1, {"acc": 0.25}, 0), (2, None, None)]
     window, _ = telemetry_payloads.metric_window(job.pk)
     assert window[1]["metrics"] == {"acc": 0.5, "grad/norm": 3.0} and "extra" not in window[1]
 
