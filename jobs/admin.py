@@ -1,7 +1,7 @@
 from django.contrib import admin, messages
 
 from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Experiment, ExperimentEvent, Job, JobEvent,
-                         MetricSample, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent, Trial)
+                         MetricSample, MetricStep, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent, Trial)
 
 
 @admin.register(Node)
@@ -152,6 +152,27 @@ class MetricSampleAdmin(admin.ModelAdmin):
     list_display = ("id", "job", "attempt", "rank", "step", "loss", "samples_per_s", "step_s")
     list_filter = ("rank",)
     search_fields = ("job__name",)
+
+
+@admin.register(MetricStep)
+class MetricStepAdmin(admin.ModelAdmin):
+    """One row per (attempt, step), every rank reduced (issue 26): written only by the relay's rollup,
+    so read-only here (an edit would no longer be the reduction of the stored samples)."""
+
+    list_display = ("id", "job", "attempt", "step", "ranks", "loss_mean", "step_s_mean", "step_s_max",
+                    "step_s_max_rank")
+    search_fields = ("job__name",)
+    list_select_related = ("job", "attempt")
+    show_full_result_count = False  # a COUNT(*) over every job's steps on each page
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(CodeBundle)

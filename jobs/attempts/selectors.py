@@ -27,9 +27,30 @@ STRAGGLER_WINDOW_STEPS = 20
 
 def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
     """The attempt's samples of its last STRAGGLER_WINDOW_STEPS steps, every rank (the window
-    of the hang, straggler and profiling checks)."""
-    return list(MetricSample.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
-                .values("rank", "step", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
+    of the hang, straggler and profiling checks).
+
+    Per-rank rows (MetricSample), not the per-step ones: the checks compare the ranks (a straggler
+    is one rank's own work against its peers' median, which MetricStep's min/max/mean and the rank
+    of the extreme cannot give: a rank can be the slowest at every step and still within 20% of
+    the median). The window is far inside the per-rank rows retention keeps at full resolution (the
+    last 2,000 steps by default). Read rank by rank on the unique (attempt, rank, step) index: with
+    the attempt's ranks named, each is one index range of ~STRAGGLER_WINDOW_STEPS entries, instead
+    of a scan of every per-rank row the attempt still has (1,024 ranks x the retained steps)."""
+    qs = MetricSample.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
+    ranks = _attempt_ranks(attempt_id)
+    if ranks:
+        qs = qs.filter(rank__in=ranks)
+    return list(qs.values("rank", "step", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
+
+
+def _attempt_ranks(attempt_id: int) -> list[int]:
+    """The attempt's ranks: 0 .. world - 1 (world: its processes, one per slot of its allocations),
+    and any other rank its nodes reported; empty for an attempt without allocations."""
+    world, reported = 0, set()
+    for slot_ids, ranks in Allocation.objects.filter(attempt_id=attempt_id).values_list("slot_ids", "ranks"):
+        world += len(slot_ids or ())
+        reported |= {r["rank"] for r in ranks or () if isinstance(r, dict) and isinstance(r.get("rank"), int)}
+    return sorted(reported.union(range(world)))
 
 
 def attempt_rank_rows(attempt) -> list[dict]:

@@ -6,10 +6,10 @@ import math
 from django.db.models import Q, QuerySet
 
 from jobs.experiments.policy import asha
-from jobs.models import Experiment, MetricSample, Trial
+from jobs.models import Experiment, MetricStep, Trial
 
-# One pass reads at most this many of a trial's new samples (rank 0's): a trial far ahead is
-# caught up over a few passes rather than in one long transaction.
+# One pass reads at most this many of a trial's new steps: a trial far ahead is caught up over a few
+# passes rather than in one long transaction.
 READ_LIMIT = 5000
 
 
@@ -31,13 +31,16 @@ def metric_value(metric: str, loss: float | None, extra: dict | None) -> float |
 
 
 def trial_new_samples(trial: Trial, metric: str) -> tuple[int, list[tuple[int, float]]]:
-    """(the last step read, [(step, value)]) of rank 0's samples after `trial.steps`, in step
-    order, the steps without the metric left out. Rank 0 alone: every rank logs a sample per
-    step, and rank 0's are committed in step order, so a step read once never gains a value."""
+    """(the last step read, [(step, value)]) of the trial job's per-step rows (MetricStep, kept for the
+    job's life) after `trial.steps`, in step order, the steps without the metric left out: `loss` is
+    the mean over the ranks that reported it, a user metric the value of the lowest rank that logged
+    any at that step (rank 0's when it logs). Each step once, read once: a step whose ranks arrive in
+    several relay rounds is read as it stands then (its user metric already final when rank 0's came
+    first, as the ranks' samples of one step usually do)."""
     if trial.job_id is None:
         return trial.steps, []
-    rows = list(MetricSample.objects.filter(job_id=trial.job_id, rank=0, step__gt=trial.steps)
-                .order_by("step", "attempt_id").values_list("step", "loss", "extra")[:READ_LIMIT])
+    rows = list(MetricStep.objects.filter(job_id=trial.job_id, step__gt=trial.steps)
+                .order_by("step", "attempt_id").values_list("step", "loss_mean", "extra")[:READ_LIMIT])
     last = trial.steps
     out = []
     for step, loss, extra in rows:

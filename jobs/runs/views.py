@@ -6,7 +6,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import Group
 from django.core.paginator import Paginator
-from django.db.models import Avg, OuterRef, Subquery
+from django.db.models import OuterRef, Subquery
 from django.http import Http404
 from django.utils import timezone
 from django.shortcuts import redirect, render
@@ -22,7 +22,7 @@ from jobs.runs import selectors as runs_selectors
 from jobs.attempts.rows import checkpoint_row, event_row
 from jobs.core.throttles import submit_refusal
 from jobs.runs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
-from jobs.models import Job, MetricSample, Node, Trial
+from jobs.models import Job, MetricStep, Node, Trial
 from trainyard.spec import SpecError, parse_text
 from trainyard.tags import MAX_NOTE_CHARS, MAX_TAGS, split_tags
 
@@ -40,15 +40,11 @@ def overview(request):
 
 def _with_throughput(jobs):
     """Annotate each job with `per_rank_sps`: the mean samples/s over the ranks of its newest step
-    (newest attempt). Correlated subqueries on the (job, step) index, so the whole list is one query
-    however many samples the jobs have; job throughput is that mean times the job's world size."""
-    newest = MetricSample.objects.filter(job=OuterRef("pk")).order_by("-step", "-attempt_id")
-    jobs = jobs.annotate(latest_step=Subquery(newest.values("step")[:1]),
-                         latest_attempt=Subquery(newest.values("attempt_id")[:1]))
-    mean = (MetricSample.objects.filter(job=OuterRef("pk"), step=OuterRef("latest_step"),
-                                        attempt_id=OuterRef("latest_attempt"))
-            .order_by().values("job").annotate(v=Avg("samples_per_s")).values("v"))
-    return jobs.annotate(per_rank_sps=Subquery(mean))
+    (newest attempt), from its per-step rows (MetricStep.samples_per_s_mean). One correlated subquery
+    on the (job, step) index, so the whole list is one query however long the jobs ran; job
+    throughput is that mean times the job's world size."""
+    newest = MetricStep.objects.filter(job=OuterRef("pk")).order_by("-step", "-attempt_id")
+    return jobs.annotate(per_rank_sps=Subquery(newest.values("samples_per_s_mean")[:1]))
 
 
 PAGE_SIZES = (25, 50, 100, 200)
@@ -198,15 +194,16 @@ def _visible_job(request, pk: int) -> Job:
 
 
 def _latest_step_summary(job: Job) -> dict:
-    newest = MetricSample.objects.filter(job=job).order_by("-step", "-attempt_id").values("step", "attempt_id").first()
-    if newest is None:
+    """The job's newest step (newest attempt) from its per-step rows: the means over its ranks."""
+    row = (MetricStep.objects.filter(job=job).order_by("-step", "-attempt_id")
+           .values("step", "loss_mean", "samples_per_s_mean", "tokens_per_s_mean", "step_s_mean").first())
+    if row is None:
         return {}
-    agg = MetricSample.objects.filter(job=job, step=newest["step"], attempt_id=newest["attempt_id"]).aggregate(
-        loss=Avg("loss"), sps=Avg("samples_per_s"), tps=Avg("tokens_per_s"), step_s=Avg("step_s"))
     world = job.slots or 1
-    return {"step": newest["step"], "loss": agg["loss"], "step_s": agg["step_s"],
-            "samples_per_s": agg["sps"] * world if agg["sps"] is not None else None,
-            "tokens_per_s": agg["tps"] * world if agg["tps"] is not None else None}
+    sps, tps = row["samples_per_s_mean"], row["tokens_per_s_mean"]
+    return {"step": row["step"], "loss": row["loss_mean"], "step_s": row["step_s_mean"],
+            "samples_per_s": sps * world if sps is not None else None,
+            "tokens_per_s": tps * world if tps is not None else None}
 
 
 def _checkpoint_row(c) -> dict:

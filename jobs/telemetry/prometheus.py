@@ -28,7 +28,7 @@ from django.http import HttpResponse
 from trainyard import keys
 
 from jobs.fleet import liveness, selectors
-from jobs.models import ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, SecurityEvent
+from jobs.models import ControlPlaneClock, Job, MetricStep, Node, NodeJoinRequest, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -96,19 +96,16 @@ def collect_jobs(exp: Exposition) -> None:
         exp.add("trainyard_job_total_steps", "gauge", "Steps the job trains for.", job.total_steps, **labels)
         exp.add("trainyard_job_slots", "gauge", "Processes the job runs at once.", job.slots, **labels)
         exp.add("trainyard_job_restarts", "gauge", "Restarts of the job so far.", job.restarts, **labels)
-        # Each rank's latest sample among the last two steps (index job, step): the job's throughput
-        # is the sum over its ranks, its loss the ranks' mean.
-        latest: dict[int, tuple] = {}
-        for rank, step, loss, sps in (MetricSample.objects.filter(job_id=job.pk, step__gte=max(0, job.step - 1))
-                                      .values_list("rank", "step", "loss", "samples_per_s")):
-            if rank not in latest or step > latest[rank][0]:
-                latest[rank] = (step, loss, sps)
-        losses = [v[1] for v in latest.values() if v[1] is not None]
-        rates = [v[2] for v in latest.values() if v[2] is not None]
-        exp.add("trainyard_job_loss", "gauge", "Latest training loss (mean over ranks).",
-                sum(losses) / len(losses) if losses else None, **labels)
+        # The job's per-step rows of its last two steps (MetricStep, index job, step): of those, the
+        # step the most ranks reported so far (the newer on a tie: the newest may be still arriving);
+        # its loss is the ranks' mean, its throughput the sum over them (mean x count).
+        newest = list(MetricStep.objects.filter(job_id=job.pk, step__gte=max(0, job.step - 1))
+                      .order_by("-step", "-attempt_id")
+                      .values_list("ranks", "loss_mean", "samples_per_s_mean", "samples_per_s_n")[:2])
+        row = max(newest, key=lambda r: r[0]) if newest else (0, None, None, 0)
+        exp.add("trainyard_job_loss", "gauge", "Latest training loss (mean over ranks).", row[1], **labels)
         exp.add("trainyard_job_samples_per_second", "gauge", "Latest training throughput (sum over ranks).",
-                sum(rates) if rates else None, **labels)
+                row[2] * row[3] if row[2] is not None else None, **labels)
 
 
 def collect_security(exp: Exposition) -> None:

@@ -18,9 +18,8 @@ import logging
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max, Sum
 
-from jobs.models import AdaptationOutcome, Attempt, Job, KnowledgeRecord, MetricSample
+from jobs.models import AdaptationOutcome, Attempt, Job, KnowledgeRecord, MetricStep
 from jobs.planning.policy import adaptations, knowledge
 
 log = logging.getLogger(__name__)
@@ -61,16 +60,17 @@ def device_memory_gb(attempt: Attempt | None, device: str) -> float | None:
 
 
 def attempt_steps(attempt: Attempt) -> list[dict]:
-    """Per step of the attempt's last WINDOW_STEPS: the slowest rank's step_s, the ranks'
-    tokens_per_s summed and their largest mem_bytes, aggregated in the database (one row per step
-    whatever the world size), in the shape jobs/policy/knowledge.measure takes samples."""
-    qs = MetricSample.objects.filter(job_id=attempt.job_id, attempt_id=attempt.pk)  # the (job, step) index
+    """Per step of the attempt's last WINDOW_STEPS, from its per-step rows (MetricStep: one row per
+    step whatever the world size, kept for the job's life): the slowest rank's step_s (step_s_max),
+    the ranks' tokens_per_s summed (mean x count) and their largest mem_bytes, in the shape
+    jobs/planning/policy/knowledge.measure takes samples."""
+    qs = MetricStep.objects.filter(attempt_id=attempt.pk)  # the unique (attempt, step) index
     if attempt.last_step > WINDOW_STEPS:
         qs = qs.filter(step__gt=attempt.last_step - WINDOW_STEPS)
-    rows = qs.order_by("step").values("step").annotate(slowest=Max("step_s"), tokens=Sum("tokens_per_s"),
-                                                       peak=Max("mem_bytes"))
-    return [{"step": r["step"], "step_s": r["slowest"], "tokens_per_s": r["tokens"], "mem_bytes": r["peak"]}
-            for r in rows]
+    rows = qs.order_by("step").values_list("step", "step_s_max", "tokens_per_s_mean", "tokens_per_s_n",
+                                           "mem_bytes_max")
+    return [{"step": step, "step_s": slowest, "tokens_per_s": None if mean is None else mean * n,
+             "mem_bytes": None if peak is None else int(peak)} for step, slowest, mean, n, peak in rows]
 
 
 def knowledge_record(attempt: Attempt) -> KnowledgeRecord | None:
