@@ -152,6 +152,7 @@ class MetricSampleAdmin(admin.ModelAdmin):
     list_display = ("id", "job", "attempt", "rank", "step", "loss", "samples_per_s", "step_s")
     list_filter = ("rank",)
     search_fields = ("job__name",)
+    show_full_result_count = False  # a COUNT(*) over every per-rank row on each page
 
 
 @admin.register(MetricStep)

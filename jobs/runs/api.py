@@ -3,7 +3,7 @@
 from __future__ import annotations
 from django.conf import settings
 from django.http import FileResponse
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, PolymorphicProxySerializer, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -123,15 +123,17 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
                                OpenApiParameter("limit", int),
                                OpenApiParameter("attempt", int, description="one attempt's own rows; by default "
                                                 "each step once, as the charts show it after restarts/rollbacks")],
-                   responses={200: OpenApiResponse(MetricStepSerializer(many=True), description=(
-                       "Default: one row per step, every rank reduced (MetricStepSerializer: each standard field "
-                       "is the mean over ranks, with its _min, _max and _n; rank is null). With rank= or "
-                       "per_rank=true: per-rank samples (MetricSerializer: rank, step, ts, the fields, attempt, "
-                       "metrics)."))})
+                   responses={200: PolymorphicProxySerializer(
+                       component_name="MetricRow", serializers=[MetricStepSerializer, MetricSerializer],
+                       resource_type_field_name=None, many=True)})
     @action(detail=True, methods=["get"], pagination_class=None)
     def metrics(self, request, pk=None):
-        """The job's metrics: per step (every rank reduced, kept for the job's life) by default, or
-        per rank (`rank=`, `per_rank=true`: the drill-down, kept for a recent window)."""
+        """The job's metrics, a plain list. By default one row per step along the job's lineage, every
+        rank reduced and kept for the job's life (`MetricStep`: each standard field under its sample
+        name is the mean over the ranks that reported it, with `<field>_min`, `_max`, `_n`; `rank` is
+        null, `ranks` counts them). With `rank=N` that rank's own samples, with `per_rank=true` every
+        rank's (`Metric`: one row per rank and step): the drill-down, kept for a recent window of
+        steps (2,000 by default) and thinned before it."""
         job = self.get_object()
         per_rank = request.query_params.get("per_rank", "")
         if per_rank not in ("", "0", "1", "true", "false"):
