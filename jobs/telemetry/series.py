@@ -159,10 +159,11 @@ def job_series(job_id: int, metric: str, *, x: str = "step", max_points: int = M
     ts = qs.filter(step__in=[first, last]).aggregate(lo=Min("ts"), hi=Max("ts"))
     bucket = (_step_bucket(first, last, max_points) if x == "step"
               else _time_bucket(ts["lo"], ts["hi"], max_points))
-    count = Count("id") if reading.n is None else Sum(reading.n)
-    rows = list(qs.annotate(b=bucket).values("b").order_by("b")
-                .annotate(lo_v=Min(reading.lo), hi_v=Max(reading.hi), last_step=Max("step"), last_ts=Max("ts"),
-                          n=count))
+    aggregates = {"lo_v": Min(reading.lo), "hi_v": Max(reading.hi), "last_step": Max("step"),
+                  "n": Count("id") if reading.n is None else Sum(reading.n)}
+    if x == "time":  # over step the bucket's x is its last step: one aggregate less per row
+        aggregates["last_ts"] = Max("ts")
+    rows = list(qs.annotate(b=bucket).values("b").order_by("b").annotate(**aggregates))
     means = _means_at(reading, [r["last_step"] for r in rows])
     key = "last_step" if x == "step" else "last_ts"
     buckets = [{"x": r[key], "min": r["lo_v"], "max": r["hi_v"], "last": means.get(r["last_step"])} for r in rows]
