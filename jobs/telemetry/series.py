@@ -26,10 +26,12 @@ whatever the job's length: bench/series.py and bench/charts.py measure it (SQLit
 """
 from __future__ import annotations
 
+import json
 import re
 
 from django.db.models import (Avg, BigIntegerField, Count, ExpressionWrapper, F, FloatField, Func, Max, Min, Sum,
                               Value)
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Greatest, Least
 
 from jobs.models import MetricSample, MetricStep
@@ -127,10 +129,22 @@ def _time_bucket(lo: float, hi: float, n: int):
                     Value(0), output_field=BigIntegerField())
 
 
+def _step_list(steps: list[int]):
+    """`steps` as one parameter of a subquery (json_each on SQLite, unnest on PostgreSQL): Django
+    compiles an IN of 1,500 values parameter by parameter, which cost a third of a chart read."""
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        return RawSQL("SELECT unnest(%s::bigint[])", ([int(s) for s in steps],))
+    if connection.vendor == "sqlite":
+        return RawSQL("SELECT value FROM json_each(%s)", (json.dumps([int(s) for s in steps]),))
+    return steps
+
+
 def _means_at(reading: _Reading, steps: list[int]) -> dict[int, float]:
     """{step: the metric's mean over ranks there} at the given steps (a step twice along the lineage,
     never written by the relay, would average its rows weighted by their counts)."""
-    qs = reading.qs.filter(step__in=steps).values("step").order_by("step")
+    qs = reading.qs.filter(step__in=_step_list(steps)).values("step").order_by("step")
     if reading.n is None:
         return dict(qs.annotate(mean=Avg(reading.mean)).values_list("step", "mean"))
     rows = qs.annotate(total=Sum(F(reading.mean) * F(reading.n), output_field=FloatField()), count=Sum(reading.n))
