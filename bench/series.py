@@ -7,9 +7,11 @@
     python bench/series.py --postgres           # the same on a PostgreSQL server it starts (tests/postgres.py)
 
 A fresh database in a temporary directory, migrated by Django; the job and its attempt as ORM rows;
-the samples inserted with executemany (the relay's own INSERT is not what is measured). For each case:
-`bucketed_ms` (job_series: the buckets computed in the database, 1,500 points) and `load_all_ms` (every
-sample of the job's lineage read into Python and bucketed there the same way), the median of
+the samples written with the relay's own statements (jobs/telemetry/rollup.py: staged by executemany,
+inserted into MetricSample and reduced into the per-step rows, MetricStep), batch by batch. For each case:
+`bucketed_ms` (job_series: the buckets computed in the database from the per-step rows, 1,500 points)
+and `load_all_ms` (every per-rank sample of the job's lineage read into Python and bucketed there the
+same way), the median of
 `--repeat` runs each, and `ratio` = load_all / bucketed. Also the metric-names query's time.
 """
 from __future__ import annotations
@@ -58,33 +60,49 @@ def fill(n: int) -> int:
     from django.contrib.auth import get_user_model
     from django.db import connection, transaction
 
-    from jobs.models import Attempt, Job, MetricSample
+    from jobs.models import Attempt, Job
 
     user = get_user_model().objects.create_user("bench")
     job = Job.objects.create(name="series-bench", owner=user, spec={"name": "series-bench"}, plan={}, slots=2)
     attempt = Attempt.objects.create(job=job, number=1)
-    table = MetricSample._meta.db_table
-    cols = "job_id, attempt_id, rank, step, ts, loss, extra"
-    marks = ", ".join(["%s"] * 7)
+    from jobs.telemetry import rollup
+
+    # the relay's own statements (jobs/telemetry/rollup.py): each batch staged, inserted into
+    # MetricSample and reduced into MetricStep (issue 26: what series read), in one transaction
+    sql = rollup.ingest_sql(connection.vendor)
+    at = {c: i for i, c in enumerate(rollup.STAGE_COLUMNS)}
+    marks = ", ".join(["%s"] * len(rollup.STAGE_COLUMNS))
     rnd = random.Random(0)
     t0 = time.time() - n
     batch = []
     steps = n // 2
     started = time.monotonic()
+
+    def flush():
+        with transaction.atomic(), connection.cursor() as cur:
+            for ddl in rollup.stage_ddl(connection.vendor):
+                cur.execute(ddl)
+            cur.executemany(f"INSERT INTO {rollup.STAGE} VALUES ({marks})", batch)
+            for name in ("insert", "reduce", "clear"):
+                cur.execute(sql[name])
+
     for step in range(steps):
         for rank in (0, 1):
             extra = {"acc": rnd.random()}
             if rank == 0 and step % 50 == 0:
                 extra["val_loss"] = 3.0 - step / steps + rnd.uniform(-0.1, 0.1)
-            batch.append((job.pk, attempt.pk, rank, step, t0 + step * 2 + rank * 0.01,
-                          4.0 - step / steps + rnd.uniform(-0.5, 0.5), json.dumps(extra)))
+            row = [None] * len(rollup.STAGE_COLUMNS)
+            row[at["job_id"]], row[at["attempt_id"]], row[at["rank"]], row[at["step"]] = job.pk, attempt.pk, rank, step
+            row[at["ts"]] = t0 + step * 2 + rank * 0.01
+            row[at["loss"]] = 4.0 - step / steps + rnd.uniform(-0.5, 0.5)
+            row[at["extra"]] = json.dumps(extra)
+            batch.append(tuple(row))
         if len(batch) >= 20000 or step == steps - 1:
-            with transaction.atomic(), connection.cursor() as cur:
-                cur.executemany(f"INSERT INTO {table} ({cols}) VALUES ({marks})", batch)
+            flush()
             batch = []
     with connection.cursor() as cur:
         cur.execute("ANALYZE")
-    say(f"inserted {2 * steps} samples in {time.monotonic() - started:.1f} s")
+    say(f"inserted {2 * steps} samples (and reduced them per step) in {time.monotonic() - started:.1f} s")
     return job.pk
 
 
@@ -92,14 +110,23 @@ def load_all(job_id: int, metric: str, x: str, max_points: int) -> list[dict]:
     """The naive way: every sample along the lineage into Python, then the same buckets."""
     import math
 
+    from django.db.models import Max
+
     from jobs.models import MetricSample
     from jobs.telemetry.selectors import lineage_filter
 
     qs = MetricSample.objects.filter(job_id=job_id).filter(lineage_filter(job_id))
+    # a step's ts is its latest rank's; a user metric is the lowest rank's that logged any (issue 26)
+    step_ts = dict(qs.values("step").order_by("step").annotate(t=Max("ts")).values_list("step", "t"))
     if metric == "loss":
-        pts = [(s, t, v) for s, t, v in qs.values_list("step", "ts", "loss") if v is not None]
+        pts = [(s, step_ts[s], v) for s, v in qs.values_list("step", "loss") if v is not None]
     else:
-        pts = [(s, t, e[metric]) for s, t, e in qs.values_list("step", "ts", "extra") if e and metric in e]
+        pts, seen = [], set()
+        for s, e in qs.order_by("step", "rank").values_list("step", "extra"):
+            if e and s not in seen:
+                seen.add(s)
+                if metric in e:
+                    pts.append((s, step_ts[s], e[metric]))
     if not pts:
         return []
     i = 0 if x == "step" else 1
