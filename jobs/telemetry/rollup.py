@@ -142,6 +142,23 @@ def upsert_sql(vendor: str) -> str:
             f"VALUES ({', '.join(['%s'] * len(cols))}) {_merge(vendor)}")
 
 
+STEP_STAGE = "trainyard_step_stage"
+
+
+def step_stage_ddl() -> list[str]:
+    """PostgreSQL's staging table of reduced rows (reduce_rows' columns), for one COPY a round."""
+    cols = ", ".join(_qn(c) for c in step_columns())
+    return [f"CREATE TEMP TABLE IF NOT EXISTS {STEP_STAGE} ON COMMIT DELETE ROWS AS SELECT {cols} "
+            f"FROM {MetricStep._meta.db_table} WITH NO DATA"]
+
+
+def upsert_from_stage_sql() -> str:
+    """STEP_STAGE's rows merged into MetricStep, as upsert_sql merges VALUES rows (PostgreSQL)."""
+    cols = ", ".join(_qn(c) for c in step_columns())
+    return (f"INSERT INTO {MetricStep._meta.db_table} ({cols}) SELECT {cols} FROM {STEP_STAGE} "
+            f"{_merge('postgresql')}")
+
+
 _FIELD_AT = {f: STAGE_COLUMNS.index(f) for f in REDUCED_FIELDS}  # a staged row's index of each field
 
 
