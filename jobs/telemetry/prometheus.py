@@ -34,7 +34,7 @@ from django.utils import timezone
 from trainyard import keys
 
 from jobs.fleet import liveness, selectors
-from jobs.models import ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, Quota, SecurityEvent
+from jobs.models import Attempt, ControlPlaneClock, Job, MetricSample, Node, NodeJoinRequest, Quota, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -349,10 +349,13 @@ def collect_team_queue(exp: Exposition) -> None:
     now = timezone.now()
     waits: dict[str, list[tuple[int, float]]] = {name: [] for name in Quota.objects.filter(
         team__isnull=False).values_list("team__name", flat=True)}
-    rows = (Job.objects.filter(status=Job.Status.QUEUED).annotate(last_end=Max("attempts__ended_at"))
-            .values_list("team__name", "slots", "created_at", "last_end"))
-    for team, slots, created_at, last_end in rows:
-        since = max(created_at, last_end) if last_end is not None else created_at
+    # Two narrow queries (no GROUP BY over the jobs' own columns): the queued jobs, and the latest
+    # end among the attempts of those that ran before.
+    queued = Job.objects.filter(status=Job.Status.QUEUED)
+    last_end = dict(Attempt.objects.filter(job__status=Job.Status.QUEUED, ended_at__isnull=False)
+                    .values("job_id").annotate(at=Max("ended_at")).values_list("job_id", "at"))
+    for pk, team, slots, created_at in queued.values_list("pk", "team__name", "slots", "created_at"):
+        since = max(created_at, last_end[pk]) if pk in last_end else created_at
         waits.setdefault(team if team is not None else NO_TEAM, []).append(
             (slots, max(0.0, (now - since).total_seconds())))
     for team in sorted(waits):
