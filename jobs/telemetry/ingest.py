@@ -107,7 +107,7 @@ def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
 
 
 def _store_rows(cursor, connection, rows: list[tuple]) -> None:
-    """Insert the round's rows (sorted by job, attempt, rank, step) into MetricSample and reduce the
+    """Insert the round's rows (on PostgreSQL sorted by job, attempt, rank, step) into MetricSample and reduce the
     new ones into MetricStep (jobs/telemetry/rollup.py).
 
     Fast path, in a savepoint: every row goes straight in (SQLite: INSERT OR IGNORE, whose count says
@@ -155,7 +155,8 @@ def _store_rows(cursor, connection, rows: list[tuple]) -> None:
     for ddl in rollup.stage_ddl(vendor):  # every time: a rolled-back transaction takes the table with it
         cursor.execute(ddl)
     if vendor == "postgresql":
-        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here
+        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here (the
+        # rows are in key order on PostgreSQL)
         unique, last = [], None
         for row in rows:
             key = _ROW_KEY(row)
@@ -225,7 +226,8 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
                         "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
         if rows:
-            rows.sort(key=_ROW_KEY)  # and the updates below in id order (see _store_rows)
+            if connection.vendor == "postgresql":  # SQLite has one writer at a time: no lock order to keep
+                rows.sort(key=_ROW_KEY)  # and the updates below in id order (see _store_rows)
             _store_rows(cursor, connection, rows)
         for job_id, step in sorted(top.items()):
             cursor.execute(update, [step, job_id, step])
