@@ -72,6 +72,12 @@ EVENT_STEP_KEYS = {"straggler": "since_step", "restart": "resume_step", "shrinki
 
 BATCH_ROWS = 5000
 """The most rows one delete (one transaction) removes."""
+BATCH_TARGET_S = 0.05
+"""Batches start at BATCH_START_ROWS and are sized to take about this long (at most BATCH_ROWS rows):
+the longest a relay round waits on SQLite's write lock for the purge."""
+BATCH_START_ROWS = 1000
+WINDOW_ROWS = 100_000
+"""Thinning reads the ids of about this many rows (a window of steps across every rank) at a time."""
 SQLITE_YIELD_MIN_S = 0.02
 """SQLite: the least pause after each batch, so a relay round waiting on the write lock gets it."""
 WATERMARK_TTL_S = 3600
@@ -210,6 +216,7 @@ class _Purger:
         self.result = result
         self.deadline = deadline
         self.sqlite = connection.vendor == "sqlite"
+        self.batch = min(BATCH_START_ROWS, BATCH_ROWS)
 
     def out_of_time(self) -> bool:
         if time.monotonic() >= self.deadline:
@@ -221,16 +228,18 @@ class _Purger:
         took = time.monotonic() - t0
         self.result.batches += 1
         self.result.max_batch_s = max(self.result.max_batch_s, took)
+        # the next batch sized to take about BATCH_TARGET_S (never more than doubling, never over BATCH_ROWS)
+        self.batch = max(10, min(BATCH_ROWS, 2 * self.batch, int(self.batch * BATCH_TARGET_S / max(took, 1e-4))))
         if self.sqlite:  # the relay's round may be waiting on the write lock: leave it a gap
             time.sleep(max(SQLITE_YIELD_MIN_S, took))
 
     def delete_ids(self, table: str, ids: list[int]) -> int:
-        done = 0
-        for i in range(0, len(ids), BATCH_ROWS):
-            chunk = ids[i:i + BATCH_ROWS]
-            if self.result.dry_run:
-                done += len(chunk)
-                continue
+        if self.result.dry_run:
+            return len(ids)
+        done, i = 0, 0
+        while i < len(ids):
+            chunk = ids[i:i + self.batch]
+            i += len(chunk)
             t0 = time.monotonic()
             with transaction.atomic(), connection.cursor() as cur:
                 cur.execute(f"DELETE FROM {_qn(table)} WHERE {_qn('id')} IN ({', '.join(['%s'] * len(chunk))})",
@@ -240,19 +249,20 @@ class _Purger:
         return done
 
     def delete_job_rows(self, model, job_id: int) -> int:
-        """Every row of `model` of the job, BATCH_ROWS at a time (a bounded subquery per transaction)."""
+        """Every row of `model` of the job, at most BATCH_ROWS at a time (a bounded subquery per transaction;
+        no ORDER BY: PostgreSQL would sort all of the job's rows for every batch)."""
         if self.result.dry_run:
             return model.objects.filter(job_id=job_id).count()
         table, done = _qn(model._meta.db_table), 0
         while not self.out_of_time():
-            t0 = time.monotonic()
+            t0, limit = time.monotonic(), self.batch
             with transaction.atomic(), connection.cursor() as cur:
                 cur.execute(f"DELETE FROM {table} WHERE {_qn('id')} IN (SELECT {_qn('id')} FROM {table} "
-                            f"WHERE {_qn('job_id')} = %s LIMIT {BATCH_ROWS})", [job_id])
+                            f"WHERE {_qn('job_id')} = %s LIMIT {int(limit)})", [job_id])
                 n = cur.rowcount
             done += n
             self._batch_done(t0)
-            if n < BATCH_ROWS:
+            if n < limit:
                 break
         return done
 
@@ -263,16 +273,16 @@ class _Purger:
         k = thinning_stride(top, window, policy.rank_sampled_per_rank)
         if hi <= 0 or k == 1:
             return
-        marks = neighbourhoods(event_steps(job_id))
         latest_attempt = Attempt.objects.filter(job_id=job_id).order_by("-pk").values_list("pk", flat=True).first()
         latest_event = JobEvent.objects.filter(job_id=job_id).order_by("-pk").values_list("pk", flat=True).first()
         key = f"trainyard:retention:thinned:{job_id}"
-        basis = (k, latest_attempt, latest_event, tuple(marks))
+        basis = (k, latest_attempt, latest_event)  # events and attempts only ever come: their newest ids say all
         mark = cache.get(key)
         # the watermark: steps below mark[1] were thinned with the same stride, attempts and events
         lo = mark[1] if mark and mark[0] == basis and mark[1] <= hi else 0
         if lo >= hi:
             return
+        marks = neighbourhoods(event_steps(job_id))
         starts = [a for a, _ in marks]
 
         def kept(step: int) -> bool:
@@ -281,39 +291,42 @@ class _Purger:
 
         table = _qn(MetricSample._meta.db_table)
         off_grid = f" AND ({_qn('step')} %% {k}) <> 0" if k is not None else ""
-        page = (f"SELECT {_qn('id')}, {_qn('step')} FROM {table} WHERE {_qn('job_id')} = %s AND {_qn('rank')} = %s "
-                f"AND {_qn('step')} >= %s AND {_qn('step')} < %s{off_grid} AND ({_qn('step')} > %s OR "
-                f"({_qn('step')} = %s AND {_qn('id')} > %s)) ORDER BY {_qn('step')}, {_qn('id')} LIMIT {BATCH_ROWS}")
+        span = (f"SELECT {_qn('id')}, {_qn('step')} FROM {table} WHERE {_qn('job_id')} = %s AND {_qn('rank')} = %s "
+                f"AND {_qn('step')} >= %s AND {_qn('step')} < %s{off_grid}")
         next_rank = f"SELECT MIN({_qn('rank')}) FROM {table} WHERE {_qn('job_id')} = %s AND {_qn('rank')} > %s"
-        doomed: list[int] = []
-        rank, deleted = -1, 0
-        while True:
-            if self.out_of_time():
-                break
-            with connection.cursor() as cur:
-                cur.execute(next_rank, [job_id, rank])
-                rank = cur.fetchone()[0]
-            if rank is None:
-                break
-            after = (lo - 1, -1)
+        ranks: list[int] = []
+        with connection.cursor() as cur:  # the ranks, one index seek each
             while True:
-                with connection.cursor() as cur:
-                    cur.execute(page, [job_id, rank, lo, hi, after[0], after[0], after[1]])
-                    rows = cur.fetchall()
-                doomed.extend(i for i, step in rows if not kept(step))
-                if len(doomed) >= BATCH_ROWS:
-                    cut = len(doomed) - len(doomed) % BATCH_ROWS
-                    deleted += self.delete_ids(MetricSample._meta.db_table, doomed[:cut])
-                    del doomed[:cut]
-                if len(rows) < BATCH_ROWS:
+                cur.execute(next_rank, [job_id, ranks[-1] if ranks else -1])
+                rank = cur.fetchone()[0]
+                if rank is None:
                     break
-                after = (rows[-1][1], rows[-1][0])
-        deleted += self.delete_ids(MetricSample._meta.db_table, doomed)
+                ranks.append(rank)
+        # Step windows across every rank, the ids of each sorted: the relay writes step-major, so a
+        # window's rows sit together in the table (and in the FK indexes); rank by rank they would
+        # be a table page each.
+        width = max(1, WINDOW_ROWS // max(1, len(ranks)))
+        deleted, a = 0, lo
+        while ranks and a < hi and not self.out_of_time():
+            b = min(hi, a + width)
+            doomed: list[int] = []
+            seen = 0
+            with connection.cursor() as cur:
+                for rank in ranks:
+                    cur.execute(span, [job_id, rank, a, b])
+                    rows = cur.fetchall()
+                    seen += len(rows)
+                    doomed.extend(i for i, step in rows if not kept(step))
+            doomed.sort()
+            deleted += self.delete_ids(MetricSample._meta.db_table, doomed)
+            # the next window: about WINDOW_ROWS rows at this one's density (wide where already thinned)
+            width = max(1, int(WINDOW_ROWS * (b - a) / seen)) if seen else 8 * (b - a)
+            a = b
+            if not self.result.dry_run:  # steps below `a` are done, whatever stops this run
+                cache.set(key, (basis, a), WATERMARK_TTL_S)
         self.result.rank_rows_thinned += deleted
         if deleted:
             self.result.jobs_thinned.append(job_id)
-        if self.result.complete and not self.result.dry_run:
-            cache.set(key, (basis, hi), WATERMARK_TTL_S)
 
     def delete_job(self, job: Job) -> None:
         """The job and everything of it: per-rank and per-step rows in batches first (a cascade would
