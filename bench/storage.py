@@ -1,0 +1,511 @@
+"""Telemetry storage per job, before and after issue 26 (the per-step rollup + retention), on a simulated
+1,024-rank, 100,000-step job. Prints one JSON object; stops by itself (~5 min on SQLite, 2 shared cores).
+
+    python bench/storage.py                # SQLite (a fresh, migrated database in a temporary directory)
+    python bench/storage.py --postgres     # the same on a PostgreSQL server it starts (tests/postgres.py)
+    python bench/storage.py --quick        # smaller samples, for a smoke run (~1 min)
+
+- before (today's path until issue 26: every per-rank MetricSample row kept, with the old schema's
+  (job, step) index, created here): 102.4M rows cannot be written in minutes, so `--sample-steps` steps
+  (1,000) of all 1,024 ranks are written, their bytes on disk per row measured and the job's total
+  EXTRAPOLATED to 100,000 steps (labelled `extrapolated`).
+- after: the job as the relay writes it and retention leaves it: 100,000 MetricStep rows, and the per-rank
+  rows of the steps retention keeps at the site defaults (the 2,000-step window, the thinned grid, and
+  the neighbourhoods of the job's events). Only those per-rank rows are WRITTEN (not 102.4M written and
+  purged); the set of kept steps is the purge's own rule (jobs.telemetry.retention.kept_steps_rule over
+  the events stored for the job).
+- demo: that the real purge leaves exactly that set, at a smaller scale: `--demo-ranks` x `--demo-steps`
+  (64 x 20,000) written through jobs.telemetry.ingest.telemetry_ingest in relay-sized rounds, with events,
+  then telemetry_purge(); every rank's stored steps are compared with kept_steps_rule's. Meanwhile a
+  second job's relay rounds (64 samples each) run in a thread: their latency during the purge next to
+  without it, and the purge's batches (count, longest).
+
+Rows are generated step-major (each step, every rank), as the relay's rounds write them, with the fields
+the built-in trainer reports. Bytes on disk: SQLite, the pages of each table's and index's b-tree (the
+dbstat table: pages x page size, free space inside pages included), and the file's used pages
+(page_count - freelist_count) x page_size; the demo's database is also VACUUMed after the purge (this
+bench only) and its file measured. PostgreSQL: pg_total_relation_size (heap + indexes + TOAST) after
+VACUUM (ANALYZE), and for the demo after the purge before and after VACUUM FULL.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GB = 1e9
+OLD_INDEX = "bench_metric_job_step_old_idx"
+# the simulated job's events (kind, data): two restarts, a rollback, stragglers flagged now and then
+EVENTS_100K = ([("restart", {"resume_step": 25_000}), ("resumed", {"step": 25_000}),
+                ("restart", {"resume_step": 61_000}), ("resumed", {"step": 61_000}),
+                ("rollback", {"step": 80_000}), ("continued", {"step": 80_000})]
+               + [("straggler", {"since_step": s, "rank": 17 * i}) for i, s in
+                  enumerate((4_200, 9_900, 33_333, 47_000, 52_500, 70_100, 88_800, 93_000))])
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def scaled_events(steps: int) -> list[tuple[str, dict]]:
+    out = []
+    for kind, data in EVENTS_100K:
+        key = next(iter(k for k in data if "step" in k))
+        out.append((kind, {**data, key: data[key] * steps // 100_000}))
+    return out
+
+
+def setup_django(workdir: Path, postgres: bool):
+    os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+    os.environ["TRAINYARD_VAR_DIR"] = str(workdir / "var")
+    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-only")
+    server = None
+    if postgres:
+        from tests.postgres import PostgresServer
+
+        server = PostgresServer().start()
+        os.environ["DATABASE_URL"] = server.create_database("bench")
+    else:
+        os.environ["DATABASE_URL"] = ""
+        os.environ["TRAINYARD_DB"] = str(workdir / "db.sqlite3")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return server
+
+
+# --- rows ----------------------------------------------------------------------------------------
+
+SAMPLE_COLS = ("job_id", "attempt_id", "rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s",
+               "data_s", "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share",
+               "extra")
+
+
+def sample_rows(job_id: int, attempt_id: int, ranks: int, steps, rnd: random.Random):
+    """Per-rank rows, step-major, as the built-in trainer reports them (no user metrics)."""
+    r = rnd.random
+    for step in steps:
+        ts = 1.7e9 + step * 0.35
+        for rank in range(ranks):
+            step_s = 0.3 + 0.05 * r()
+            yield (job_id, attempt_id, rank, step, ts + 0.001 * r(), 4.0 - step / 1e5 + 0.1 * r(),
+                   32 / step_s, 32 * 2048 / step_s, step_s, 0.01 * r(), 0.2 + 0.05 * r(), 0.05 * r(), 0.01 * r(),
+                   1_500_000_000 + int(1e6 * r()), 60_000_000_000 + int(1e8 * r()), None, None, None)
+
+
+def step_columns() -> list[str]:
+    from jobs.models import MetricStep
+
+    return [f.column for f in MetricStep._meta.concrete_fields if f.column != "id"]
+
+
+def step_rows(job_id: int, attempt_id: int, ranks: int, steps, rnd: random.Random):
+    """MetricStep rows as the rollup leaves them for `ranks` ranks (compression_ratio and share unreported)."""
+    from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
+
+    cols = step_columns()
+    r = rnd.random
+    for step in steps:
+        v = {"job_id": job_id, "attempt_id": attempt_id, "step": step, "ts": 1.7e9 + step * 0.35, "ranks": ranks,
+             "extra": None, "extra_rank": None}
+        for f in REDUCED_FIELDS:
+            if f in ("compression_ratio", "share"):
+                v[f"{f}_n"], v[f"{f}_min"], v[f"{f}_mean"], v[f"{f}_max"] = 0, None, None, None
+            else:
+                base = 1e9 * r() if f in ("bytes_sent", "mem_bytes") else r()
+                v[f"{f}_n"], v[f"{f}_min"], v[f"{f}_mean"], v[f"{f}_max"] = ranks, base, base * 1.1, base * 1.3
+        for f in RANKED_FIELDS:
+            v[f"{f}_min_rank"], v[f"{f}_max_rank"] = int(ranks * r()), int(ranks * r())
+        yield tuple(v[c] for c in cols)
+
+
+def write(table: str, cols, rows, chunk: int = 100_000) -> int:
+    """Bulk-write rows: executemany in transactions of `chunk` rows (SQLite), COPY (PostgreSQL)."""
+    from django.db import connection, transaction
+
+    n = 0
+    names = ", ".join(connection.ops.quote_name(c) for c in cols)
+    if connection.vendor == "postgresql":
+        with transaction.atomic(), connection.cursor() as cur:
+            with cur.cursor.copy(f"COPY {table} ({names}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+                    n += 1
+        return n
+    sql = f"INSERT INTO {table} ({names}) VALUES ({', '.join(['?'] * len(cols))})"
+    # bulk-load settings for this bench's writes only (sizes do not depend on them): no fsync, a 1 GB page
+    # cache (the (job, rank, step) index takes step-major rows at every rank's place)
+    connection.connection.execute("PRAGMA synchronous=OFF")
+    connection.connection.execute("PRAGMA cache_size=-1000000")
+    batch = []
+    for row in rows:
+        batch.append(row)
+        if len(batch) >= chunk:
+            with transaction.atomic():
+                connection.connection.executemany(sql, batch)
+            n += len(batch)
+            batch = []
+    if batch:
+        with transaction.atomic():
+            connection.connection.executemany(sql, batch)
+        n += len(batch)
+    connection.connection.execute("PRAGMA synchronous=NORMAL")  # as controlplane/database.py
+    connection.connection.execute("PRAGMA cache_size=-2000")
+    return n
+
+
+# --- bytes on disk -------------------------------------------------------------------------------
+
+def sizes() -> dict:
+    """Bytes on disk of MetricSample and MetricStep (each with its indexes), and of the whole database."""
+    from django.db import connection
+
+    from jobs.models import MetricSample, MetricStep
+
+    tables = {"metric_sample": MetricSample._meta.db_table, "metric_step": MetricStep._meta.db_table}
+    out = {}
+    with connection.cursor() as cur:
+        if connection.vendor == "sqlite":
+            for key, table in tables.items():
+                cur.execute("SELECT name FROM sqlite_master WHERE tbl_name = %s", [table])
+                names = [r[0] for r in cur.fetchall()]
+                cur.execute(f"SELECT name, SUM(pgsize) FROM dbstat WHERE name IN ({', '.join(['%s'] * len(names))}) "
+                            "GROUP BY name", names)
+                parts = dict(cur.fetchall())
+                out[key] = {"bytes": sum(parts.values()), "parts": parts}
+            cur.execute("PRAGMA page_count")
+            pages = cur.fetchone()[0]
+            cur.execute("PRAGMA freelist_count")
+            free = cur.fetchone()[0]
+            cur.execute("PRAGMA page_size")
+            size = cur.fetchone()[0]
+            out["database_used_bytes"] = (pages - free) * size
+            out["database_file_bytes"] = os.path.getsize(connection.settings_dict["NAME"])
+        else:
+            for key, table in tables.items():
+                cur.execute("SELECT pg_total_relation_size(%s), pg_relation_size(%s), pg_indexes_size(%s)",
+                            [table, table, table])
+                total, heap, idx = cur.fetchone()
+                out[key] = {"bytes": total, "parts": {"heap": heap, "indexes": idx, "toast": total - heap - idx}}
+            cur.execute("SELECT pg_database_size(current_database())")
+            out["database_bytes"] = cur.fetchone()[0]
+    return out
+
+
+def settle() -> None:
+    """PostgreSQL: VACUUM ANALYZE the two tables (the visibility map and free space map are part of what a
+    table costs on disk); SQLite: nothing (rows were only appended)."""
+    from django.db import connection
+
+    from jobs.models import MetricSample, MetricStep
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            for m in (MetricSample, MetricStep):
+                cur.execute(f"VACUUM ANALYZE {m._meta.db_table}")
+
+
+def clear() -> None:
+    """Empty both tables and give the space back, for the next case."""
+    from django.db import connection
+
+    from jobs.models import MetricSample, MetricStep
+
+    with connection.cursor() as cur:
+        for m in (MetricSample, MetricStep):
+            if connection.vendor == "postgresql":
+                cur.execute(f"TRUNCATE {m._meta.db_table}")
+            else:
+                cur.execute(f"DELETE FROM {m._meta.db_table}")
+        if connection.vendor == "sqlite":
+            cur.execute("VACUUM")
+
+
+def new_job(name: str, top: int, ranks: int):
+    from django.contrib.auth import get_user_model
+
+    from jobs.models import Attempt, Job
+
+    user = get_user_model().objects.get_or_create(username="bench")[0]
+    job = Job.objects.create(name=name, owner=user, spec={"name": name}, plan={}, slots=ranks, step=top,
+                             status=Job.Status.RUNNING)
+    return job, Attempt.objects.create(job=job, number=1, status="RUNNING")
+
+
+# --- the cases -----------------------------------------------------------------------------------
+
+def before(ranks: int, steps: int, sample_steps: int) -> dict:
+    from django.db import connection
+
+    from jobs.models import MetricSample
+
+    table = MetricSample._meta.db_table
+    with connection.cursor() as cur:  # the index issue 26 dropped: every per-rank row was in it too
+        cur.execute(f"CREATE INDEX {OLD_INDEX} ON {table} (job_id, step)")
+    job, attempt = new_job("before", sample_steps, ranks)
+    t0 = time.monotonic()
+    n = write(table, SAMPLE_COLS, sample_rows(job.pk, attempt.pk, ranks, range(1, sample_steps + 1),
+                                              random.Random(1)))
+    settle()
+    took = time.monotonic() - t0
+    measured = sizes()["metric_sample"]
+    per_row = measured["bytes"] / n
+    total_rows = ranks * steps
+    with connection.cursor() as cur:
+        cur.execute(f"DROP INDEX {OLD_INDEX}")
+    say(f"before: {n} rows, {measured['bytes'] / 1e6:.1f} MB, {per_row:.1f} B/row ({took:.0f} s)")
+    return {
+        "what": "every per-rank MetricSample row kept, indexes unique(attempt, rank, step), (job, rank, step) and "
+                "the old (job, step); no MetricStep",
+        "rows_measured": n, "ranks": ranks, "steps_measured": sample_steps, "bytes_measured": measured["bytes"],
+        "bytes_measured_parts": measured["parts"], "bytes_per_row": round(per_row, 1),
+        "extrapolated": True, "rows": total_rows, "bytes": round(per_row * total_rows),
+        "bytes_per_step": round(per_row * ranks), "gb": round(per_row * total_rows / GB, 2),
+        "write_s": round(took, 1),
+    }
+
+
+def kept_steps(job_id: int, top: int) -> tuple[list[int], dict]:
+    from jobs.telemetry import retention
+
+    policy = retention.effective(retention.site_row())
+    marks = retention.neighbourhoods(retention.event_steps(job_id))
+    kept = retention.kept_steps_rule(top, policy, marks)
+    steps = [s for s in range(1, top + 1) if kept(s)]
+    window = top - policy.rank_window_steps
+    k = retention.thinning_stride(top, policy.rank_window_steps, policy.rank_sampled_per_rank)
+    grid = [s for s in steps if s <= window and k and s % k == 0]
+    return steps, {"window": sum(1 for s in steps if s > window), "grid": len(grid), "stride": k,
+                   "event_neighbourhoods_only": len(steps) - len(grid) - sum(1 for s in steps if s > window),
+                   "total": len(steps), "neighbourhoods": marks}
+
+
+def add_events(job, attempt, events) -> None:
+    from jobs.models import JobEvent
+
+    for kind, data in events:
+        JobEvent.objects.create(job=job, attempt=attempt, kind=kind, data=data, message=kind)
+
+
+def after(ranks: int, steps: int) -> dict:
+    from jobs.models import MetricSample, MetricStep
+    from jobs.telemetry import retention
+
+    job, attempt = new_job("after", steps, ranks)
+    add_events(job, attempt, scaled_events(steps))
+    keep, counts = kept_steps(job.pk, steps)
+    t0 = time.monotonic()
+    n_steps = write(MetricStep._meta.db_table, step_columns(),
+                    step_rows(job.pk, attempt.pk, ranks, range(1, steps + 1), random.Random(2)))
+    n_rank = write(MetricSample._meta.db_table, SAMPLE_COLS,
+                   sample_rows(job.pk, attempt.pk, ranks, keep, random.Random(3)))
+    settle()
+    took = time.monotonic() - t0
+    s = sizes()
+    total = s["metric_sample"]["bytes"] + s["metric_step"]["bytes"]
+    say(f"after: {n_steps} MetricStep rows {s['metric_step']['bytes'] / 1e6:.1f} MB, {n_rank} per-rank rows "
+        f"{s['metric_sample']['bytes'] / 1e6:.1f} MB ({took:.0f} s)")
+    return {
+        "what": "MetricStep for every step + the per-rank rows retention keeps at the site defaults "
+                f"(window {retention.DEFAULTS['rank_window_steps']}, about {retention.DEFAULTS['rank_sampled_per_rank']}"
+                f" thinned steps per rank, +-{retention.EVENT_NEIGHBOURHOOD_STEPS} steps around each event)",
+        "written": "only the per-rank rows of the kept steps (not 102.4M written then purged: see demo)",
+        "events": [f"{k} {d}" for k, d in scaled_events(steps)],
+        "kept_steps_per_rank": counts,
+        "metric_step_rows": n_steps, "metric_step_bytes": s["metric_step"]["bytes"],
+        "metric_step_bytes_per_row": round(s["metric_step"]["bytes"] / n_steps, 1),
+        "metric_step_parts": s["metric_step"]["parts"],
+        "rank_rows": n_rank, "rank_bytes": s["metric_sample"]["bytes"],
+        "rank_bytes_per_row": round(s["metric_sample"]["bytes"] / n_rank, 1),
+        "rank_parts": s["metric_sample"]["parts"],
+        "bytes": total, "bytes_per_step": round(total / steps), "gb": round(total / GB, 3),
+        "database": {k: v for k, v in s.items() if k.startswith("database")},
+        "write_s": round(took, 1),
+    }
+
+
+def demo(ranks: int, steps: int) -> dict:
+    """The real path at a smaller scale: telemetry_ingest, then telemetry_purge; the purge must leave
+    exactly kept_steps_rule's steps for every rank, while a relay's rounds go on."""
+    from django.core.cache import cache
+    from django.db import connection
+
+    from jobs.models import MetricSample, MetricStep
+    from jobs.telemetry import ingest, retention
+
+    job, attempt = new_job("demo", 0, ranks)
+    add_events(job, attempt, scaled_events(steps))
+    rnd = random.Random(4)
+    cols = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s", "compute_s",
+            "comm_s", "optim_s", "bytes_sent", "mem_bytes")
+    t0 = time.monotonic()
+    per_round = max(1, 1024 // ranks)  # ~1,024 samples a round
+    batch = []
+    for row in sample_rows(job.pk, attempt.pk, ranks, range(1, steps + 1), rnd):
+        s = dict(zip(cols, row[2:15]))
+        s["attempt"] = attempt.pk
+        batch.append(s)
+        if len(batch) >= per_round * ranks:
+            ingest.telemetry_ingest(batch, events=[])
+            batch = []
+    if batch:
+        ingest.telemetry_ingest(batch, events=[])
+    ingest_s = time.monotonic() - t0
+    written = MetricSample.objects.filter(job=job).count()
+    say(f"demo: {written} samples through telemetry_ingest in {ingest_s:.0f} s")
+    before_sizes = sizes()
+
+    # a second job's relay rounds, alone, then during the purge
+    other, other_attempt = new_job("relay", 0, 64)
+    state = {"step": 0}
+    rounds_alone, rounds_during, stop = [], [], threading.Event()
+
+    def one_round(out: list) -> None:
+        state["step"] += 1
+        t = time.monotonic()
+        ingest.telemetry_ingest([{"attempt": other_attempt.pk, "rank": r, "step": state["step"], "ts": 1.0,
+                                  "loss": 1.0, "step_s": 0.3} for r in range(64)], events=[])
+        out.append(time.monotonic() - t)
+
+    def relay(out: list) -> None:
+        try:
+            while not stop.is_set():
+                one_round(out)
+                time.sleep(0.01)
+        finally:
+            connection.close()
+
+    th = threading.Thread(target=relay, args=(rounds_alone,))
+    th.start()
+    time.sleep(3)
+    stop.set()
+    th.join()
+    stop.clear()
+    th = threading.Thread(target=relay, args=(rounds_during,))
+    th.start()
+    t0 = time.monotonic()
+    try:
+        result = retention.telemetry_purge(budget_s=float("inf"))
+    finally:
+        purge_s = time.monotonic() - t0
+        stop.set()
+        th.join()
+
+    # exactly the rule's steps, for every rank
+    job.refresh_from_db()
+    keep, counts = kept_steps(job.pk, job.step)
+    want = set(keep)
+    got: dict[int, set[int]] = {}
+    for rank, step in MetricSample.objects.filter(job=job).values_list("rank", "step").iterator(chunk_size=20000):
+        got.setdefault(rank, set()).add(step)
+    exact = sorted(got) == list(range(ranks)) and all(got[r] == want for r in range(ranks))
+    steps_kept = MetricStep.objects.filter(job=job).count()
+    again = retention.telemetry_purge(budget_s=float("inf"))  # the watermark: nothing to scan
+    cache.clear()
+    full = retention.telemetry_purge(budget_s=float("inf"))  # no watermark: a full pass finds nothing either
+    say(f"demo: purge removed {result.rank_rows_thinned} rows in {purge_s:.1f} s, exact={exact}")
+
+    after_purge = sizes()
+    out_sizes = {"before_purge": before_sizes, "after_purge": after_purge}
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cur:
+            cur.execute("VACUUM")
+        out_sizes["after_vacuum"] = sizes()
+        size_note = ("after_purge: b-tree pages and used pages before VACUUM (freed pages on the freelist); "
+                     "after_vacuum: after VACUUM (this bench only; the service never VACUUMs)")
+    else:
+        with connection.cursor() as cur:
+            from jobs.models import MetricSample as MS
+            cur.execute(f"VACUUM FULL {MS._meta.db_table}")
+        out_sizes["after_vacuum_full"] = sizes()
+        size_note = ("after_purge: before any VACUUM (dead tuples' space stays in the files until autovacuum "
+                     "reuses it); after_vacuum_full: rewritten (this bench only)")
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else None
+
+    return {
+        "what": f"{ranks} ranks x {steps} steps through telemetry_ingest (rounds of ~{per_round * ranks} samples), "
+                "then telemetry_purge at the site defaults",
+        "events": [f"{k} {d}" for k, d in scaled_events(steps)],
+        "samples_written": written, "ingest_s": round(ingest_s, 1),
+        "rows_after_purge": sum(len(v) for v in got.values()),
+        "rows_removed": result.rank_rows_thinned, "kept_steps_per_rank": {k: v for k, v in counts.items()
+                                                                         if k != "neighbourhoods"},
+        "exactly_the_rule_for_every_rank": exact, "metric_step_rows": steps_kept,
+        "purge_s": round(purge_s, 2), "purge_rows_per_s": round(result.rank_rows_thinned / purge_s),
+        "batches": result.batches, "batch_rows_max": retention.BATCH_ROWS, "max_batch_ms": round(result.max_batch_s * 1000, 1),
+        "second_purge": {"rows_removed": again.rank_rows_thinned, "s": again.seconds},
+        "full_pass_without_watermark": {"rows_removed": full.rank_rows_thinned, "s": full.seconds},
+        "relay_round_ms": {"alone": {"rounds": len(rounds_alone), "p50": pct(rounds_alone, 0.5),
+                                     "p99": pct(rounds_alone, 0.99), "max": pct(rounds_alone, 1.0)},
+                           "during_purge": {"rounds": len(rounds_during), "p50": pct(rounds_during, 0.5),
+                                            "p99": pct(rounds_during, 0.99), "max": pct(rounds_during, 1.0)}},
+        "sizes": out_sizes, "sizes_note": size_note,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--postgres", action="store_true")
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--sample-steps", type=int, default=1000, help="steps of the 'before' sample")
+    ap.add_argument("--demo-ranks", type=int, default=64)
+    ap.add_argument("--demo-steps", type=int, default=20_000)
+    ap.add_argument("--quick", action="store_true", help="smaller: 256 ranks, 200 before steps, 16 x 8,000 demo")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ranks, args.sample_steps, args.demo_ranks, args.demo_steps = 256, 200, 16, 8000
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="trainyard-storage-") as tmp:
+        server = setup_django(Path(tmp), args.postgres)
+        try:
+            from django.db import connection
+
+            from jobs.telemetry import retention
+
+            retention.site_row()  # the defaults
+            out = {"database": connection.vendor, "job": {"ranks": args.ranks, "steps": args.steps}}
+            if server is not None:
+                out["server"] = str(server.bin)
+                out["settings"] = "tests/postgres.py's server (fsync off): sizes, not write speed"
+            out["demo"] = demo(args.demo_ranks, args.demo_steps)
+            clear()
+            b = before(args.ranks, args.steps, args.sample_steps)
+            clear()
+            a = after(args.ranks, args.steps)
+            out["before"], out["after"] = b, a
+            out["before_over_after"] = round(b["bytes"] / a["bytes"], 1)
+            out["goal_whole_job_under_2gb"] = a["bytes"] < 2 * GB
+            out["side_by_side"] = {"before_gb_extrapolated": b["gb"], "after_gb": a["gb"],
+                                   "before_bytes_per_step": b["bytes_per_step"], "after_bytes_per_step": a["bytes_per_step"],
+                                   "ratio": out["before_over_after"]}
+            out["sizes_method"] = ("SQLite: dbstat b-tree pages x page size per table and index (free space inside "
+                                   "pages counted; no VACUUM: before/after were only appended to)" if connection.vendor
+                                   == "sqlite" else "PostgreSQL: pg_total_relation_size after VACUUM ANALYZE")
+            out["seconds"] = round(time.monotonic() - started, 1)
+            print(json.dumps(out, indent=1, default=str))
+        finally:
+            from django.db import connections
+
+            connections.close_all()
+            if server is not None:
+                server.stop()
+
+
+if __name__ == "__main__":
+    main()
