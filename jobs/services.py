@@ -21,7 +21,8 @@ from jobs.planning.services.calibration import calibration_report, calibration_r
 from jobs.attempts.services.checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
 from jobs.fleet.services.identity import node_add, report_open, security_event
 from jobs.telemetry.ingest import telemetry_ingest, telemetry_owners
-from jobs.telemetry.retention import retention_update, telemetry_purge
+from jobs.telemetry.retention import telemetry_purge
+from jobs.telemetry.retention_settings import retention_update
 from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit, submitted_spec
 from jobs.attempts.services.rollback import job_rollback
 from jobs.attempts.services.tuning import attempts_tune

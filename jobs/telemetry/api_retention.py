@@ -8,7 +8,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from jobs.core.http import require_staff
-from jobs.telemetry import retention
+from jobs.telemetry import retention_settings as retention
 
 _FIELDS = {
     "rank_window_steps": {"type": "integer", "nullable": True, "minimum": 1},
