@@ -42,6 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from storage_db import (SAMPLE_COLS, clear, sample_rows, settle, sizes, step_columns,  # noqa: E402  (bench/ is sys.path[0])
+                        step_rows, write)
+
 GB = 1e9
 OLD_INDEX = "bench_metric_job_step_old_idx"
 # the simulated job's events (kind, data): two restarts, a rollback, stragglers flagged now and then
@@ -84,153 +87,6 @@ def setup_django(workdir: Path, postgres: bool):
 
     call_command("migrate", verbosity=0)
     return server
-
-
-# --- rows ----------------------------------------------------------------------------------------
-
-SAMPLE_COLS = ("job_id", "attempt_id", "rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s",
-               "data_s", "compute_s", "comm_s", "optim_s", "bytes_sent", "mem_bytes", "compression_ratio", "share",
-               "extra")
-
-
-def sample_rows(job_id: int, attempt_id: int, ranks: int, steps, rnd: random.Random):
-    """Per-rank rows, step-major, as the built-in trainer reports them (no user metrics)."""
-    r = rnd.random
-    for step in steps:
-        ts = 1.7e9 + step * 0.35
-        for rank in range(ranks):
-            step_s = 0.3 + 0.05 * r()
-            yield (job_id, attempt_id, rank, step, ts + 0.001 * r(), 4.0 - step / 1e5 + 0.1 * r(),
-                   32 / step_s, 32 * 2048 / step_s, step_s, 0.01 * r(), 0.2 + 0.05 * r(), 0.05 * r(), 0.01 * r(),
-                   1_500_000_000 + int(1e6 * r()), 60_000_000_000 + int(1e8 * r()), None, None, None)
-
-
-def step_columns() -> list[str]:
-    from jobs.models import MetricStep
-
-    return [f.column for f in MetricStep._meta.concrete_fields if f.column != "id"]
-
-
-def step_rows(job_id: int, attempt_id: int, ranks: int, steps, rnd: random.Random):
-    """MetricStep rows as the rollup leaves them for `ranks` ranks (compression_ratio and share unreported)."""
-    from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
-
-    cols = step_columns()
-    r = rnd.random
-    for step in steps:
-        v = {"job_id": job_id, "attempt_id": attempt_id, "step": step, "ts": 1.7e9 + step * 0.35, "ranks": ranks,
-             "extra": None, "extra_rank": None}
-        for f in REDUCED_FIELDS:
-            if f in ("compression_ratio", "share"):
-                v[f"{f}_n"], v[f"{f}_min"], v[f"{f}_mean"], v[f"{f}_max"] = 0, None, None, None
-            else:
-                base = 1e9 * r() if f in ("bytes_sent", "mem_bytes") else r()
-                v[f"{f}_n"], v[f"{f}_min"], v[f"{f}_mean"], v[f"{f}_max"] = ranks, base, base * 1.1, base * 1.3
-        for f in RANKED_FIELDS:
-            v[f"{f}_min_rank"], v[f"{f}_max_rank"] = int(ranks * r()), int(ranks * r())
-        yield tuple(v[c] for c in cols)
-
-
-def write(table: str, cols, rows, chunk: int = 100_000) -> int:
-    """Bulk-write rows: executemany in transactions of `chunk` rows (SQLite), COPY (PostgreSQL)."""
-    from django.db import connection, transaction
-
-    n = 0
-    names = ", ".join(connection.ops.quote_name(c) for c in cols)
-    if connection.vendor == "postgresql":
-        with transaction.atomic(), connection.cursor() as cur:
-            with cur.cursor.copy(f"COPY {table} ({names}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
-                    n += 1
-        return n
-    sql = f"INSERT INTO {table} ({names}) VALUES ({', '.join(['?'] * len(cols))})"
-    # bulk-load settings for this bench's writes only (sizes do not depend on them): no fsync, a 1 GB page
-    # cache (the (job, rank, step) index takes step-major rows at every rank's place)
-    connection.connection.execute("PRAGMA synchronous=OFF")
-    connection.connection.execute("PRAGMA cache_size=-1000000")
-    batch = []
-    for row in rows:
-        batch.append(row)
-        if len(batch) >= chunk:
-            with transaction.atomic():
-                connection.connection.executemany(sql, batch)
-            n += len(batch)
-            batch = []
-    if batch:
-        with transaction.atomic():
-            connection.connection.executemany(sql, batch)
-        n += len(batch)
-    connection.connection.execute("PRAGMA synchronous=NORMAL")  # as controlplane/database.py
-    connection.connection.execute("PRAGMA cache_size=-2000")
-    return n
-
-
-# --- bytes on disk -------------------------------------------------------------------------------
-
-def sizes() -> dict:
-    """Bytes on disk of MetricSample and MetricStep (each with its indexes), and of the whole database."""
-    from django.db import connection
-
-    from jobs.models import MetricSample, MetricStep
-
-    tables = {"metric_sample": MetricSample._meta.db_table, "metric_step": MetricStep._meta.db_table}
-    out = {}
-    with connection.cursor() as cur:
-        if connection.vendor == "sqlite":
-            for key, table in tables.items():
-                cur.execute("SELECT name FROM sqlite_master WHERE tbl_name = %s", [table])
-                names = [r[0] for r in cur.fetchall()]
-                cur.execute(f"SELECT name, SUM(pgsize) FROM dbstat WHERE name IN ({', '.join(['%s'] * len(names))}) "
-                            "GROUP BY name", names)
-                parts = dict(cur.fetchall())
-                out[key] = {"bytes": sum(parts.values()), "parts": parts}
-            cur.execute("PRAGMA page_count")
-            pages = cur.fetchone()[0]
-            cur.execute("PRAGMA freelist_count")
-            free = cur.fetchone()[0]
-            cur.execute("PRAGMA page_size")
-            size = cur.fetchone()[0]
-            out["database_used_bytes"] = (pages - free) * size
-            out["database_file_bytes"] = os.path.getsize(connection.settings_dict["NAME"])
-        else:
-            for key, table in tables.items():
-                cur.execute("SELECT pg_total_relation_size(%s), pg_relation_size(%s), pg_indexes_size(%s)",
-                            [table, table, table])
-                total, heap, idx = cur.fetchone()
-                out[key] = {"bytes": total, "parts": {"heap": heap, "indexes": idx, "toast": total - heap - idx}}
-            cur.execute("SELECT pg_database_size(current_database())")
-            out["database_bytes"] = cur.fetchone()[0]
-    return out
-
-
-def settle() -> None:
-    """PostgreSQL: VACUUM ANALYZE the two tables (the visibility map and free space map are part of what a
-    table costs on disk); SQLite: nothing (rows were only appended)."""
-    from django.db import connection
-
-    from jobs.models import MetricSample, MetricStep
-
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cur:
-            for m in (MetricSample, MetricStep):
-                cur.execute(f"VACUUM ANALYZE {m._meta.db_table}")
-
-
-def clear() -> None:
-    """Empty both tables and give the space back, for the next case."""
-    from django.db import connection
-
-    from jobs.models import MetricSample, MetricStep
-
-    with connection.cursor() as cur:
-        for m in (MetricSample, MetricStep):
-            if connection.vendor == "postgresql":
-                cur.execute(f"TRUNCATE {m._meta.db_table}")
-            else:
-                cur.execute(f"DELETE FROM {m._meta.db_table}")
-        if connection.vendor == "sqlite":
-            cur.execute("VACUUM")
 
 
 def new_job(name: str, top: int, ranks: int):
@@ -336,124 +192,133 @@ def after(ranks: int, steps: int) -> dict:
     }
 
 
-def demo(ranks: int, steps: int) -> dict:
-    """The real path at a smaller scale: telemetry_ingest, then telemetry_purge; the purge must leave
-    exactly kept_steps_rule's steps for every rank, while a relay's rounds go on."""
-    from django.core.cache import cache
-    from django.db import connection
-
-    from jobs.models import MetricSample, MetricStep
-    from jobs.telemetry import ingest, retention
+def ingest_job(ranks: int, steps: int):
+    """A job of `ranks` x `steps` samples written through telemetry_ingest in rounds of ~1,024 samples."""
+    from jobs.telemetry import ingest
 
     job, attempt = new_job("demo", 0, ranks)
     add_events(job, attempt, scaled_events(steps))
-    rnd = random.Random(4)
     cols = ("rank", "step", "ts", "loss", "samples_per_s", "tokens_per_s", "step_s", "data_s", "compute_s",
             "comm_s", "optim_s", "bytes_sent", "mem_bytes")
-    t0 = time.monotonic()
-    per_round = max(1, 1024 // ranks)  # ~1,024 samples a round
+    per_round = max(1, 1024 // ranks) * ranks
     batch = []
-    for row in sample_rows(job.pk, attempt.pk, ranks, range(1, steps + 1), rnd):
-        s = dict(zip(cols, row[2:15]))
-        s["attempt"] = attempt.pk
-        batch.append(s)
-        if len(batch) >= per_round * ranks:
+    for row in sample_rows(job.pk, attempt.pk, ranks, range(1, steps + 1), random.Random(4)):
+        batch.append({"attempt": attempt.pk, **dict(zip(cols, row[2:15]))})
+        if len(batch) >= per_round:
             ingest.telemetry_ingest(batch, events=[])
             batch = []
     if batch:
         ingest.telemetry_ingest(batch, events=[])
+    return job, per_round
+
+
+class RelayRounds:
+    """A second job's relay rounds (64 samples each, every 10 ms) in a thread: each round's seconds."""
+
+    def __init__(self):
+        self.job, self.attempt = new_job("relay", 0, 64)
+        self.step = 0
+
+    def run(self, during) -> tuple[list[float], object]:
+        from django.db import connection
+
+        from jobs.telemetry import ingest
+
+        rounds, stop = [], threading.Event()
+
+        def loop():
+            try:
+                while not stop.is_set():
+                    self.step += 1
+                    t = time.monotonic()
+                    ingest.telemetry_ingest([{"attempt": self.attempt.pk, "rank": r, "step": self.step, "ts": 1.0,
+                                              "loss": 1.0, "step_s": 0.3} for r in range(64)], events=[])
+                    rounds.append(time.monotonic() - t)
+                    time.sleep(0.01)
+            finally:
+                connection.close()
+
+        th = threading.Thread(target=loop)
+        th.start()
+        try:
+            result = during()
+        finally:
+            stop.set()
+            th.join()
+        return rounds, result
+
+    @staticmethod
+    def summary(rounds: list[float]) -> dict:
+        xs = sorted(rounds)
+
+        def pct(q):
+            return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else None
+        return {"rounds": len(xs), "p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)}
+
+
+def demo_sizes(before_sizes: dict) -> tuple[dict, str]:
+    from django.db import connection
+
+    from jobs.models import MetricSample
+
+    out = {"before_purge": before_sizes, "after_purge": sizes()}
+    with connection.cursor() as cur:
+        if connection.vendor == "sqlite":
+            cur.execute("VACUUM")
+            out["after_vacuum"] = sizes()
+            return out, ("after_purge: b-tree pages and used pages before VACUUM (freed pages on the freelist); "
+                         "after_vacuum: after VACUUM (this bench only; the service never VACUUMs)")
+        cur.execute(f"VACUUM FULL {MetricSample._meta.db_table}")
+    out["after_vacuum_full"] = sizes()
+    return out, ("after_purge: before any VACUUM (dead tuples' space stays in the files until autovacuum reuses "
+                 "it); after_vacuum_full: rewritten (this bench only)")
+
+
+def demo(ranks: int, steps: int) -> dict:
+    """The real path at a smaller scale: telemetry_ingest, then telemetry_purge while a relay's rounds go on;
+    the purge must leave exactly kept_steps_rule's steps for every rank."""
+    from django.core.cache import cache
+
+    from jobs.models import MetricSample, MetricStep
+    from jobs.telemetry import retention
+
+    t0 = time.monotonic()
+    job, per_round = ingest_job(ranks, steps)
     ingest_s = time.monotonic() - t0
     written = MetricSample.objects.filter(job=job).count()
     say(f"demo: {written} samples through telemetry_ingest in {ingest_s:.0f} s")
     before_sizes = sizes()
-
-    # a second job's relay rounds, alone, then during the purge
-    other, other_attempt = new_job("relay", 0, 64)
-    state = {"step": 0}
-    rounds_alone, rounds_during, stop = [], [], threading.Event()
-
-    def one_round(out: list) -> None:
-        state["step"] += 1
-        t = time.monotonic()
-        ingest.telemetry_ingest([{"attempt": other_attempt.pk, "rank": r, "step": state["step"], "ts": 1.0,
-                                  "loss": 1.0, "step_s": 0.3} for r in range(64)], events=[])
-        out.append(time.monotonic() - t)
-
-    def relay(out: list) -> None:
-        try:
-            while not stop.is_set():
-                one_round(out)
-                time.sleep(0.01)
-        finally:
-            connection.close()
-
-    th = threading.Thread(target=relay, args=(rounds_alone,))
-    th.start()
-    time.sleep(3)
-    stop.set()
-    th.join()
-    stop.clear()
-    th = threading.Thread(target=relay, args=(rounds_during,))
-    th.start()
+    relay = RelayRounds()
+    alone, _ = relay.run(lambda: time.sleep(3))
     t0 = time.monotonic()
-    try:
-        result = retention.telemetry_purge(budget_s=float("inf"))
-    finally:
-        purge_s = time.monotonic() - t0
-        stop.set()
-        th.join()
-
-    # exactly the rule's steps, for every rank
+    during, result = relay.run(lambda: retention.telemetry_purge(budget_s=float("inf")))
+    purge_s = time.monotonic() - t0
     job.refresh_from_db()
     keep, counts = kept_steps(job.pk, job.step)
-    want = set(keep)
     got: dict[int, set[int]] = {}
     for rank, step in MetricSample.objects.filter(job=job).values_list("rank", "step").iterator(chunk_size=20000):
         got.setdefault(rank, set()).add(step)
-    exact = sorted(got) == list(range(ranks)) and all(got[r] == want for r in range(ranks))
-    steps_kept = MetricStep.objects.filter(job=job).count()
+    exact = sorted(got) == list(range(ranks)) and all(got[r] == set(keep) for r in range(ranks))
     again = retention.telemetry_purge(budget_s=float("inf"))  # the watermark: nothing to scan
     cache.clear()
     full = retention.telemetry_purge(budget_s=float("inf"))  # no watermark: a full pass finds nothing either
     say(f"demo: purge removed {result.rank_rows_thinned} rows in {purge_s:.1f} s, exact={exact}")
-
-    after_purge = sizes()
-    out_sizes = {"before_purge": before_sizes, "after_purge": after_purge}
-    if connection.vendor == "sqlite":
-        with connection.cursor() as cur:
-            cur.execute("VACUUM")
-        out_sizes["after_vacuum"] = sizes()
-        size_note = ("after_purge: b-tree pages and used pages before VACUUM (freed pages on the freelist); "
-                     "after_vacuum: after VACUUM (this bench only; the service never VACUUMs)")
-    else:
-        with connection.cursor() as cur:
-            from jobs.models import MetricSample as MS
-            cur.execute(f"VACUUM FULL {MS._meta.db_table}")
-        out_sizes["after_vacuum_full"] = sizes()
-        size_note = ("after_purge: before any VACUUM (dead tuples' space stays in the files until autovacuum "
-                     "reuses it); after_vacuum_full: rewritten (this bench only)")
-
-    def pct(xs, q):
-        xs = sorted(xs)
-        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else None
-
+    out_sizes, size_note = demo_sizes(before_sizes)
+    counts.pop("neighbourhoods")
     return {
-        "what": f"{ranks} ranks x {steps} steps through telemetry_ingest (rounds of ~{per_round * ranks} samples), "
+        "what": f"{ranks} ranks x {steps} steps through telemetry_ingest (rounds of ~{per_round} samples), "
                 "then telemetry_purge at the site defaults",
         "events": [f"{k} {d}" for k, d in scaled_events(steps)],
         "samples_written": written, "ingest_s": round(ingest_s, 1),
-        "rows_after_purge": sum(len(v) for v in got.values()),
-        "rows_removed": result.rank_rows_thinned, "kept_steps_per_rank": {k: v for k, v in counts.items()
-                                                                         if k != "neighbourhoods"},
-        "exactly_the_rule_for_every_rank": exact, "metric_step_rows": steps_kept,
+        "rows_after_purge": sum(len(v) for v in got.values()), "rows_removed": result.rank_rows_thinned,
+        "kept_steps_per_rank": counts, "exactly_the_rule_for_every_rank": exact,
+        "metric_step_rows": MetricStep.objects.filter(job=job).count(),
         "purge_s": round(purge_s, 2), "purge_rows_per_s": round(result.rank_rows_thinned / purge_s),
-        "batches": result.batches, "batch_rows_max": retention.BATCH_ROWS, "max_batch_ms": round(result.max_batch_s * 1000, 1),
+        "batches": result.batches, "batch_rows_max": retention.BATCH_ROWS,
+        "max_batch_ms": round(result.max_batch_s * 1000, 1),
         "second_purge": {"rows_removed": again.rank_rows_thinned, "s": again.seconds},
         "full_pass_without_watermark": {"rows_removed": full.rank_rows_thinned, "s": full.seconds},
-        "relay_round_ms": {"alone": {"rounds": len(rounds_alone), "p50": pct(rounds_alone, 0.5),
-                                     "p99": pct(rounds_alone, 0.99), "max": pct(rounds_alone, 1.0)},
-                           "during_purge": {"rounds": len(rounds_during), "p50": pct(rounds_during, 0.5),
-                                            "p99": pct(rounds_during, 0.99), "max": pct(rounds_during, 1.0)}},
+        "relay_round_ms": {"alone": relay.summary(alone), "during_purge": relay.summary(during)},
         "sizes": out_sizes, "sizes_note": size_note,
     }
 
