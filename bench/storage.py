@@ -17,8 +17,8 @@
 - demo: that the real purge leaves exactly that set, at a smaller scale: `--demo-ranks` x `--demo-steps`
   (64 x 20,000) written through jobs.telemetry.ingest.telemetry_ingest in relay-sized rounds, with events,
   then telemetry_purge(); every rank's stored steps are compared with kept_steps_rule's. Meanwhile a
-  second job's relay rounds (64 samples each) run in a thread: their latency during the purge next to
-  without it, and the purge's batches (count, longest).
+  second job's relay rounds (64 samples each) run in a process of their own (as the relay does): their
+  latency during the purge next to without it, and the purge's batches (count, longest).
 
 Rows are generated step-major (each step, every rank), as the relay's rounds write them, with the fields
 the built-in trainer reports. Bytes on disk: SQLite, the pages of each table's and index's b-tree (the
@@ -35,7 +35,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -213,38 +212,29 @@ def ingest_job(ranks: int, steps: int):
 
 
 class RelayRounds:
-    """A second job's relay rounds (64 samples each, every 10 ms) in a thread: each round's seconds."""
+    """A second job's relay rounds (64 samples each, every 10 ms) in a process of their own, as the relay is
+    (a thread here would share this process's GIL with the purge): each round's seconds."""
 
     def __init__(self):
         self.job, self.attempt = new_job("relay", 0, 64)
         self.step = 0
 
     def run(self, during) -> tuple[list[float], object]:
-        from django.db import connection
+        import subprocess
 
-        from jobs.telemetry import ingest
-
-        rounds, stop = [], threading.Event()
-
-        def loop():
+        with tempfile.TemporaryDirectory() as tmp:
+            ready, stop = Path(tmp) / "ready", Path(tmp) / "stop"
+            child = subprocess.Popen([sys.executable, __file__, "--relay-rounds", str(self.attempt.pk),
+                                      str(self.step), str(ready), str(stop)], stdout=subprocess.PIPE, text=True)
             try:
-                while not stop.is_set():
-                    self.step += 1
-                    t = time.monotonic()
-                    ingest.telemetry_ingest([{"attempt": self.attempt.pk, "rank": r, "step": self.step, "ts": 1.0,
-                                              "loss": 1.0, "step_s": 0.3} for r in range(64)], events=[])
-                    rounds.append(time.monotonic() - t)
-                    time.sleep(0.01)
+                while not ready.exists() and child.poll() is None:
+                    time.sleep(0.05)
+                result = during()
             finally:
-                connection.close()
-
-        th = threading.Thread(target=loop)
-        th.start()
-        try:
-            result = during()
-        finally:
-            stop.set()
-            th.join()
+                stop.touch()
+                out, _ = child.communicate(timeout=120)
+        rounds = json.loads(out.strip().splitlines()[-1])
+        self.step += len(rounds)
         return rounds, result
 
     @staticmethod
@@ -254,6 +244,26 @@ class RelayRounds:
         def pct(q):
             return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 1) if xs else None
         return {"rounds": len(xs), "p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0)}
+
+
+def relay_rounds_child(attempt_id: int, step: int, ready: str, stop: str) -> None:
+    """The child of RelayRounds.run (the parent's environment names the database): rounds until `stop`
+    exists, then their seconds as one JSON line."""
+    import django
+
+    django.setup()
+    from jobs.telemetry import ingest
+
+    rounds: list[float] = []
+    Path(ready).touch()
+    while not os.path.exists(stop):
+        step += 1
+        t = time.monotonic()
+        ingest.telemetry_ingest([{"attempt": attempt_id, "rank": r, "step": step, "ts": 1.0, "loss": 1.0,
+                                  "step_s": 0.3} for r in range(64)], events=[])
+        rounds.append(time.monotonic() - t)
+        time.sleep(0.01)
+    print(json.dumps(rounds))
 
 
 def demo_sizes(before_sizes: dict) -> tuple[dict, str]:
@@ -373,4 +383,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--relay-rounds"]:
+        relay_rounds_child(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    else:
+        main()
