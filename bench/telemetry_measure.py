@@ -159,9 +159,10 @@ class Bench(Stack):
             payloads = []
             for job in self.jobs:
                 entries = []
-                steps_per_rank = per_stream // self.args.ranks
+                ranks = self.args.drain_ranks or self.args.ranks  # simulated in the backlog: no process each
+                steps_per_rank = per_stream // ranks
                 for base in range(0, steps_per_rank, entry_samples):
-                    for rank in range(self.args.ranks):
+                    for rank in range(ranks):
                         batch = [sample(rank, start_step + base + k, job["attempt"], time.time())
                                  for k in range(min(entry_samples, steps_per_rank - base))]
                         entries.append(json.dumps(batch, separators=(",", ":")))
@@ -186,12 +187,13 @@ class Bench(Stack):
         self.wait(lambda: self.backlog() == 0, 600, "relay to drain the backlog")
         drain_s = time.monotonic() - t1
         cpu1 = self.cpu()
-        self.step = start_step + per_stream // self.args.ranks + 1
+        self.step = start_step + per_stream // (self.args.drain_ranks or self.args.ranks) + 1
         expected = {j["job"]: total // len(self.jobs) for j in self.jobs}
         self.wait_clients(expected, 30)
         ws_s = time.monotonic() - t1
         out = {
             "backlog_samples": total, "backlog_entries": entries_total, "samples_per_entry": entry_samples,
+            "ranks_per_job": self.args.drain_ranks or self.args.ranks,
             "raw_xadd_samples_per_s": round(total / xadd_s), "raw_xadd_entries_per_s": round(entries_total / xadd_s),
             "relay_drain_s": round(drain_s, 2), "relay_samples_per_s": round(total / drain_s),
             "all_clients_done_s": round(ws_s, 2),

@@ -12,8 +12,10 @@ django.setup()
 
 from jobs.core.celery_app import app  # noqa: E402
 from jobs.fleet.liveness import ControlStamp  # noqa: E402
+from django.conf import settings  # noqa: E402
+
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK,  # noqa: E402
-                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK)
+                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK, TELEMETRY_PURGE_TASK)
 
 # Ticks also run on submit and on attempt end; the beat catches everything else (nodes freed by
 # a heartbeat, lost nodes) within 2 s. Every one goes to control.beat (jobs.core.celery_app's task_routes),
@@ -27,6 +29,9 @@ app.conf.beat_schedule = {
     "eta-refresh": {"task": ETA_REFRESH_TASK, "schedule": 5.0, "options": {"expires": 10}},
     # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/bundles/services.py).
     "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
+    # Telemetry retention (jobs/telemetry/retention.py): every TRAINYARD_TELEMETRY_PURGE_S (default 60 s).
+    "telemetry-purge": {"task": TELEMETRY_PURGE_TASK, "schedule": settings.TRAINYARD_TELEMETRY_PURGE_S,
+                        "options": {"expires": settings.TRAINYARD_TELEMETRY_PURGE_S}},
 }
 
 # Liveness (jobs/fleet/liveness.py): the worker stamps trainyard:alive:control from its event loop, beat

@@ -212,6 +212,11 @@ TRAINYARD_BUNDLE_MAX_UNPACKED_BYTES = _bundle_limits.max_unpacked
 TRAINYARD_BUNDLE_MAX_DEPTH = _bundle_limits.max_depth
 # A bundle no job references and nobody uploaded or submitted for this long is deleted (control beat).
 TRAINYARD_BUNDLE_GC_AGE_S = float(os.environ.get("TRAINYARD_BUNDLE_GC_AGE_S", str(7 * 86400)))
+# Telemetry retention (jobs/telemetry/retention.py; the settings themselves are RetentionPolicy rows):
+# the control beat purges every TRAINYARD_TELEMETRY_PURGE_S seconds, each run stopping after about
+# TRAINYARD_TELEMETRY_PURGE_BUDGET_S (the next goes on from there).
+TRAINYARD_TELEMETRY_PURGE_S = float(os.environ.get("TRAINYARD_TELEMETRY_PURGE_S", "60"))
+TRAINYARD_TELEMETRY_PURGE_BUDGET_S = float(os.environ.get("TRAINYARD_TELEMETRY_PURGE_BUDGET_S", "40"))
 # Every rank's output is kept under TRAINYARD_KEPT_LOG_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))

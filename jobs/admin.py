@@ -1,7 +1,9 @@
+from django import forms
 from django.contrib import admin, messages
 
 from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Experiment, ExperimentEvent, Job, JobEvent,
                          MetricSample, MetricStep, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent, Trial)
+from jobs.models.telemetry import RetentionPolicy
 
 
 @admin.register(Node)
@@ -308,3 +310,57 @@ class DeliveryAdmin(admin.ModelAdmin):
     readonly_fields = ("subscription", "event", "text", "body", "status", "tries", "next_try_at", "last_status_code",
                        "last_error", "created_at", "finished_at")
     inlines = [DeliveryAttemptInline]
+
+
+class RetentionPolicyForm(forms.ModelForm):
+    class Meta:
+        model = RetentionPolicy
+        fields = ("team", "rank_window_steps", "rank_sampled_per_rank", "rank_days", "reduced_days", "logs_days",
+                  "finished_jobs_days")
+        help_texts = {
+            "team": "Empty: the site's settings (one row). A team's row overrides the site's field by field: "
+                    "only the fields set here; empty fields follow the site.",
+            "rank_window_steps": "Per-rank samples are kept at full resolution for the last N steps of each job "
+                                 "(relative to its current step). Site default 2000.",
+            "rank_sampled_per_rank": "Beyond the window, per-rank samples are thinned to every k-th step (k a power "
+                                     "of two), keeping between N/2 and N steps per rank; 0 keeps none. Steps within "
+                                     "50 of a straggler, restart, resume, resize or rollback are always kept in "
+                                     "full. Site default 1000.",
+            "rank_days": "Days after a job ends that its per-rank samples are deleted. Empty: kept (thinned).",
+            "reduced_days": "Days after a job ends that its per-step rows (the cross-rank min/mean/max that charts "
+                            "read) are deleted. Empty: forever.",
+            "logs_days": "Days after a job ends that its kept log files are deleted. Empty: forever.",
+            "finished_jobs_days": "Days after a job ends that the job itself is deleted, with its attempts, events, "
+                                  "checkpoints (and their files) and logs. Empty: forever.",
+        }
+
+
+@admin.register(RetentionPolicy)
+class RetentionPolicyAdmin(admin.ModelAdmin):
+    """Telemetry retention (jobs/telemetry/retention.py), applied by the purge every TRAINYARD_TELEMETRY_PURGE_S;
+    the API's /api/v1/retention/ shows and changes the same rows."""
+
+    form = RetentionPolicyForm
+    list_display = ("scope", "rank_window_steps", "rank_sampled_per_rank", "rank_days", "reduced_days",
+                    "logs_days", "finished_jobs_days", "updated_at")
+    search_fields = ("team__name",)
+
+    @admin.display(description="applies to", ordering="team__name")
+    def scope(self, obj):
+        return f"team {obj.team.name}" if obj.team_id else "site (every team without its own setting)"
+
+    def has_module_permission(self, request):
+        return request.user.is_active and request.user.is_staff
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+
+    def has_add_permission(self, request):
+        return request.user.is_active and request.user.is_staff
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+
+    def has_delete_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
+

@@ -21,6 +21,8 @@ from jobs.planning.services.calibration import calibration_report, calibration_r
 from jobs.attempts.services.checkpoints import checkpoint_pin, checkpoint_register, checkpoint_verify, checkpoints_reconcile
 from jobs.fleet.services.identity import node_add, report_open, security_event
 from jobs.telemetry.ingest import telemetry_ingest, telemetry_owners
+from jobs.telemetry.retention import telemetry_purge
+from jobs.telemetry.retention_settings import retention_update
 from jobs.runs.services import job_apply_recommendation, job_cancel, job_submit, submitted_spec
 from jobs.attempts.services.rollback import job_rollback
 from jobs.attempts.services.tuning import attempts_tune
@@ -41,6 +43,6 @@ __all__ = [
     "job_rollback", "attempt_access_reconcile",
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
     "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "submitted_spec",
-    "telemetry_ingest", "experiment_stop", "experiment_submit", "experiments_advance", "trial_continue",
+    "telemetry_ingest", "telemetry_purge", "retention_update", "experiment_stop", "experiment_submit", "experiments_advance", "trial_continue",
     "delivery_try", "notify_event", "notify_fanout",
 ]

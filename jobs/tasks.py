@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
+                              TELEMETRY_PURGE_TASK,
                               CalibrationReport, ExitReport, Heartbeat, RanksReport)
 
 from jobs.core import dispatch
@@ -97,6 +98,13 @@ def attempts_check() -> dict:
 @app.task(name=BUNDLES_GC_TASK, **BEAT, time_limit=600, soft_time_limit=540)
 def bundles_gc() -> list[str]:
     return services.bundles_gc().deleted
+
+
+# Telemetry retention (jobs/telemetry/retention.py): each run stops at TRAINYARD_TELEMETRY_PURGE_BUDGET_S
+# (under the soft limit); the next beat goes on from there.
+@app.task(name=TELEMETRY_PURGE_TASK, **BEAT, time_limit=300, soft_time_limit=240)
+def telemetry_purge() -> dict:
+    return services.telemetry_purge().as_dict()
 
 
 # Every report is a trainyard.launch.Signed envelope: services.report_open checks the signature

@@ -8,7 +8,7 @@ from jobs.access import api as api_auth
 from jobs.planning import api as api_calibration, api as api_knowledge, api as api_plan, views as views_knowledge
 from jobs.bundles import api as api_code
 from jobs.experiments import api as experiments_api, views as experiments_views
-from jobs.telemetry import api_series, views as views_relay
+from jobs.telemetry import api_retention, api_series, views as views_relay
 from jobs.notify import api as notify_api, views as notify_views
 
 router = DefaultRouter()
@@ -46,6 +46,7 @@ urlpatterns = [
     path("api/v1/jobs/<int:pk>/ranks/", api_series.JobRanksView.as_view(), name="api-job-ranks"),
     path("api/v1/series/", api_series.SeriesView.as_view(), name="api-series"),
     path("api/v1/series/metrics/", api_series.SeriesMetricsView.as_view(), name="api-series-metrics"),
+    path("api/v1/retention/", api_retention.RetentionView.as_view(), name="api-retention"),
     path("notifications/", notify_views.notifications, name="notifications"),
     path("api/v1/webhooks/", notify_api.WebhookListView.as_view(), name="api-webhooks"),
     path("api/v1/webhooks/<int:pk>/", notify_api.WebhookDetailView.as_view(), name="api-webhook"),

@@ -16,6 +16,7 @@ Redis (one database, shared by Celery, the streams and the Channels layer):
     relay                        the relay's consumer group on every job stream
     trainyard:joblog:<id>        list: a job's last log lines, kept by the relay
     trainyard:relay:stats        hash: the relay's counters (read by /metrics)
+    trainyard:scheduler:stats    hash: the schedule tick's durations as a histogram (read by /metrics)
     trainyard:relay:alive        the relay's liveness key (10 s expiry, refreshed each round)
     trainyard:alive:<role>       liveness stamps of `control` (worker) and `beat` (TTL expiry, jobs/fleet/liveness.py)
     trainyard:relay:deadletter   stream: entries the relay refused (unparseable, forged, poison), capped
@@ -82,6 +83,11 @@ RELAY_GROUP = "relay"
 
 RELAY_STATS_KEY = "trainyard:relay:stats"
 """Hash of the relay's counters and last batch, read by /metrics."""
+
+SCHEDULER_STATS_KEY = "trainyard:scheduler:stats"
+"""Hash of the schedule tick's timings (jobs.core.dispatch.scheduler_tick_record writes it after every
+tick, /metrics reads it): `le:<seconds>` cumulative bucket counts, `count`, `sum_seconds`,
+`errors_total`, `last_seconds`, `last_unixtime`."""
 
 RELAY_ALIVE_KEY = "trainyard:relay:alive"
 """Set by the relay every round with a 10 s expiry; its absence means no relay runs."""

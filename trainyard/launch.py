@@ -52,6 +52,7 @@ ATTEMPTS_CHECK_TASK = "jobs.tasks.attempts_check"
 ETA_REFRESH_TASK = "jobs.tasks.eta_refresh"
 # (control beat) delete code bundles no job references, unused for TRAINYARD_BUNDLE_GC_AGE_S
 BUNDLES_GC_TASK = "jobs.tasks.bundles_gc"
+TELEMETRY_PURGE_TASK = "jobs.tasks.telemetry_purge"
 """Control queue: queued jobs' predicted start times (beat every 5 s)."""
 HEARTBEAT_TASK = "jobs.tasks.node_heartbeat"
 """Control queue: a node agent's heartbeat (args: [Signed(body=Heartbeat)])."""

@@ -11,9 +11,10 @@ from kombu import Queue
 
 from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE, NOTIFY_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CELERY_SETTINGS, ETA_REFRESH_TASK,
-                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK, drop_celery_builtins)
+                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK, TELEMETRY_PURGE_TASK, drop_celery_builtins)
 
-BEAT_TASKS = (SCHEDULE_TICK_TASK, NODES_CHECK_TASK, ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, BUNDLES_GC_TASK)
+BEAT_TASKS = (SCHEDULE_TICK_TASK, NODES_CHECK_TASK, ATTEMPTS_CHECK_TASK, ETA_REFRESH_TASK, BUNDLES_GC_TASK,
+              TELEMETRY_PURGE_TASK)
 """Run only from CONTROL_BEAT_QUEUE (jobs.tasks.BeatTask): every node may push onto `control`."""
 NOTIFY_FANOUT_TASK = "jobs.tasks.notify_fanout"
 NOTIFY_DELIVER_TASK = "jobs.tasks.notify_deliver"

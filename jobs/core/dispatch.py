@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE, node_queue, preempt_key
+from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE, SCHEDULER_STATS_KEY, node_queue, preempt_key
 from trainyard.launch import (NODE_CALIBRATE_TASK, NODE_LAUNCH_TASK, NODE_STOP_TASK, SCHEDULE_TICK_TASK,
                               CalibrateRequest, PreemptRequest, Stop)
 
@@ -129,6 +129,50 @@ def request_preempt(attempt_id: int, reason: str, grace_s: float) -> None:
             preempt_key(attempt_id), json.dumps(request.model_dump(mode="json")), ex=int(max(600, 4 * grace_s)))
     except redis.RedisError as exc:
         log.warning("could not request preemption of attempt %s: %s", attempt_id, exc)
+
+
+# ---------------------------------------------------------------- the schedule tick's timings
+
+TICK_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Upper bounds of the tick-duration histogram (/metrics: trainyard_scheduler_tick_duration_seconds);
+a tick takes milliseconds on an idle cluster and its Celery task is killed at 60 s."""
+_stats_clients: dict[str, object] = {}
+
+
+def _stats_client():
+    import redis
+    from django.conf import settings
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    url = settings.REDIS_URL
+    if url not in _stats_clients:
+        # Short timeouts and no retries: Redis being away may cost a tick half a second, never more.
+        _stats_clients[url] = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                                   retry=Retry(NoBackoff(), 0))
+    return _stats_clients[url]
+
+
+def scheduler_tick_record(seconds: float, ok: bool) -> None:
+    """Count one schedule tick that took `seconds` (ok=False: it raised) in SCHEDULER_STATS_KEY, for
+    /metrics, in one MULTI: every bucket at or above it, the count and sum, the last tick. Best
+    effort: a Redis error is logged and the tick goes on (the tick's state is in the database)."""
+    import time
+
+    import redis
+
+    seconds = max(0.0, float(seconds))
+    try:
+        pipe = _stats_client().pipeline(transaction=True)
+        for bound in TICK_BUCKETS_S:  # by 0 below the value too, so every bucket exists from the first tick
+            pipe.hincrby(SCHEDULER_STATS_KEY, f"le:{bound!r}", int(seconds <= bound))
+        pipe.hincrby(SCHEDULER_STATS_KEY, "count", 1)
+        pipe.hincrbyfloat(SCHEDULER_STATS_KEY, "sum_seconds", seconds)
+        pipe.hincrby(SCHEDULER_STATS_KEY, "errors_total", 0 if ok else 1)
+        pipe.hset(SCHEDULER_STATS_KEY, mapping={"last_seconds": repr(seconds), "last_unixtime": repr(time.time())})
+        pipe.execute()
+    except redis.RedisError as exc:
+        log.warning("schedule tick timing not recorded in Redis: %s", exc)
 
 
 # ---------------------------------------------------------------- the attempts' own Redis users

@@ -10,8 +10,15 @@ from jobs.models.runs import Job
 
 
 class MetricSample(models.Model):
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metrics")
+    # No single-column FK indexes: (job, rank, step) and the unique (attempt, rank, step) lead with
+    # them, and each index more cost the relay ~1 us a sample. No database FK constraints either: they
+    # check every row (PostgreSQL's deferred RI triggers cost more than the insert); ingest locks the
+    # round's attempts instead (FOR KEY SHARE: a concurrent delete waits for the commit), and Django's
+    # CASCADE deletes the rows with their job (issue 26)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics", db_index=False,
+                            db_constraint=False)
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metrics", db_index=False,
+                                db_constraint=False)
     rank = models.PositiveIntegerField()
     step = models.PositiveBigIntegerField()
     ts = models.FloatField()
@@ -70,8 +77,11 @@ class MetricStep(models.Model):
     (jobs/telemetry/ingest.py): a replayed sample changes nothing, samples of one step arriving in
     several rounds merge (counts add, means weighted, min/max and their ranks kept)."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_steps")
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metric_steps")
+    # (job, step) and the unique (attempt, step) serve the FKs' lookups; no database constraint, as MetricSample
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_steps", db_index=False,
+                            db_constraint=False)
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="metric_steps", db_index=False,
+                                db_constraint=False)
     step = models.PositiveBigIntegerField()
     ts = models.FloatField(help_text="the latest rank's sample time of this step")
     ranks = models.PositiveIntegerField(help_text="ranks that reported this step")

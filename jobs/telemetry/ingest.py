@@ -79,12 +79,12 @@ def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
     return (job_id, attempt_id) + vals
 
 
-_TELEMETRY_SQL: dict[str, tuple[str, str]] = {}
+_TELEMETRY_SQL: dict[str, tuple[str, str, str]] = {}
 _ROW_KEY = itemgetter(0, 1, 2, 3)  # job, attempt, rank, step
 
 
-def _telemetry_sql(vendor: str) -> tuple[str, str]:
-    """(attempt -> job lookup, job step UPDATE) for this database; the rows themselves go through
+def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
+    """(attempt -> job lookup, job step UPDATE, the lookup's lock clause) for this database; the rows themselves go through
     jobs/telemetry/rollup.py's staging table. Raw SQL: the ORM lookup + update cost ~1.5 ms of a
     ~3 ms round at low rates."""
     from django.db import connection
@@ -98,34 +98,77 @@ def _telemetry_sql(vendor: str) -> tuple[str, str]:
               f"WHERE {qn(att.pk.column)} IN ")
     step = qn(job.get_field("step").column)
     update = f"UPDATE {qn(job.db_table)} SET {step} = %s WHERE {qn(job.pk.column)} = %s AND {step} < %s"
-    _TELEMETRY_SQL[vendor] = lookup, update
-    return lookup, update
+    # The attempts' rows locked against a delete until the commit: the metric tables have no database
+    # FK constraints (jobs/models/telemetry.py), so this keeps a row from outliving its attempt. SQLite's
+    # IMMEDIATE transaction already excludes every other writer.
+    lock = " FOR KEY SHARE" if vendor == "postgresql" else ""
+    _TELEMETRY_SQL[vendor] = lookup, update, lock
+    return lookup, update, lock
 
 
 def _store_rows(cursor, connection, rows: list[tuple]) -> None:
-    """Stage the round's rows (sorted by job, attempt, rank, step), then drop the ones already stored,
-    insert the rest into MetricSample and reduce them into MetricStep (jobs/telemetry/rollup.py).
-    In key order: two writers with overlapping rows (a second relay, a replay) wait on each other's
-    unique-index entries in one order, never in a cycle (PostgreSQL aborted one with "deadlock detected")."""
+    """Insert the round's rows (on PostgreSQL sorted by job, attempt, rank, step) into MetricSample and reduce the
+    new ones into MetricStep (jobs/telemetry/rollup.py).
+
+    Fast path, in a savepoint: every row goes straight in (SQLite: INSERT OR IGNORE, whose count says
+    whether all were new; PostgreSQL: COPY, which fails on any duplicate), then numpy reduces the
+    batch and one executemany merges it. A round with any row already stored (a replayed entry, a
+    duplicate XADD) is rolled back to the savepoint and takes the slow path: stage, drop what exists,
+    insert the rest, reduce in SQL. In key order: two writers with overlapping rows (a second relay,
+    a replay) wait on each other's unique-index entries in one order, never in a cycle (PostgreSQL
+    aborted one with "deadlock detected")."""
     vendor = connection.vendor
+    raw = cursor.cursor
+    sample_cols = ", ".join(rollup.STAGE_COLUMNS)
+    cursor.execute("SAVEPOINT trainyard_rows")
+    try:
+        if vendor == "postgresql":
+            with raw.copy(f"COPY {MetricSample._meta.db_table} ({sample_cols}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            all_new = True
+        else:
+            marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
+            raw.executemany(f"INSERT OR IGNORE INTO {MetricSample._meta.db_table} ({sample_cols}) VALUES ({marks})",
+                            rows)
+            all_new = raw.rowcount == len(rows)
+    except connection.Database.IntegrityError:
+        all_new = False
+    if all_new:
+        reduced = rollup.reduce_rows(rows)
+        if vendor == "postgresql":
+            # one COPY and one INSERT ... SELECT: psycopg's executemany of the upsert cost ~1 ms a row here
+            for ddl in rollup.step_stage_ddl():
+                cursor.execute(ddl)
+            with raw.copy(f"COPY {rollup.STEP_STAGE} ({', '.join(rollup.step_columns())}) FROM STDIN") as copy:
+                for row in reduced:
+                    copy.write_row(row)
+            cursor.execute(rollup.upsert_from_stage_sql())
+            cursor.execute(f"DELETE FROM {rollup.STEP_STAGE}")
+        else:
+            cursor.executemany(rollup.upsert_sql(vendor), reduced)
+        cursor.execute("RELEASE SAVEPOINT trainyard_rows")
+        return
+    cursor.execute("ROLLBACK TO SAVEPOINT trainyard_rows")
+    cursor.execute("RELEASE SAVEPOINT trainyard_rows")
     sql = rollup.ingest_sql(vendor)
-    for ddl in rollup.stage_ddl(vendor):  # every round: a rolled-back transaction takes the table with it
+    for ddl in rollup.stage_ddl(vendor):  # every time: a rolled-back transaction takes the table with it
         cursor.execute(ddl)
     if vendor == "postgresql":
-        # COPY (psycopg's, in C): ~10x executemany's rate; COPY has no ON CONFLICT, so a sample
-        # twice in one round (a duplicate XADD) is dropped here
+        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here (the
+        # rows are in key order on PostgreSQL)
         unique, last = [], None
         for row in rows:
             key = _ROW_KEY(row)
             if key != last:
                 unique.append(row)
                 last = key
-        with cursor.cursor.copy(f"COPY {rollup.STAGE} ({', '.join(rollup.STAGE_COLUMNS)}) FROM STDIN") as copy:
+        with raw.copy(f"COPY {rollup.STAGE} ({sample_cols}) FROM STDIN") as copy:
             for row in unique:
                 copy.write_row(row)
     else:
         marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
-        cursor.cursor.executemany(f"INSERT OR IGNORE INTO {rollup.STAGE} VALUES ({marks})", rows)
+        raw.executemany(f"INSERT OR IGNORE INTO {rollup.STAGE} VALUES ({marks})", rows)
     for name in ("dedupe", "insert", "reduce", "clear"):
         cursor.execute(sql[name])
 
@@ -135,7 +178,7 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
     and runtime events, in one transaction. Returns job id -> highest step seen in the batch."""
     from django.db import connection
 
-    lookup, update = _telemetry_sql(connection.vendor)
+    lookup, update, lock = _telemetry_sql(connection.vendor)
     wanted = {a for a in (s.get("attempt") for s in samples) if type(a) is int}
     wanted |= {a for a in (e.get("attempt") for e in events) if type(a) is int}
     with transaction.atomic(), connection.cursor() as cursor:
@@ -144,7 +187,7 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
         ended: set[int] = set()
         fences: dict[int, int] = {}  # attempt -> its fenced step (jobs/fleet/services/nodes.py, attempt_fence)
         if wanted:
-            cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")", list(wanted))
+            cursor.execute(lookup + "(" + ", ".join(["%s"] * len(wanted)) + ")" + lock, sorted(wanted))
             for attempt_id, job_id, status, fenced_step in cursor.fetchall():
                 attempts[attempt_id] = job_id
                 if status == Attempt.Status.ENDED:
@@ -183,7 +226,8 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
             log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
                         "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
         if rows:
-            rows.sort(key=_ROW_KEY)  # and the updates below in id order (see _store_rows)
+            if connection.vendor == "postgresql":  # SQLite has one writer at a time: no lock order to keep
+                rows.sort(key=_ROW_KEY)  # and the updates below in id order (see _store_rows)
             _store_rows(cursor, connection, rows)
         for job_id, step in sorted(top.items()):
             cursor.execute(update, [step, job_id, step])

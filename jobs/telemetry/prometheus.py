@@ -10,6 +10,11 @@ Per-job series exist only for jobs in STARTING/RUNNING/STOPPING, so finished job
 up in Prometheus. Relay figures come from the counters the relay keeps in Redis
 (trainyard.keys.RELAY_STATS_KEY) plus the job streams' current backlog and the age of their oldest
 entry; if Redis cannot be reached, `trainyard_redis_up 0` says so and the rest still renders.
+The oldest entry the relay read but never acknowledged (collect_relay_pending), the schedule tick's
+duration histogram (collect_scheduler: keys.SCHEDULER_STATS_KEY, written after every tick by
+jobs.core.dispatch.scheduler_tick_record) and the queue by team with its waits (collect_team_queue,
+from the database) feed deploy/grafana/trainyard.json, whose every expression names only families
+this module renders (tests/test_grafana_dashboard.py).
 Process liveness (`trainyard_process_up{process=...}`, restarts under `make run`) comes from
 jobs/fleet/liveness.py.
 """
@@ -22,13 +27,14 @@ import time
 
 import redis
 from django.conf import settings
-from django.db.models import Count, Sum
+from django.db.models import Count, Max, Sum
 from django.http import HttpResponse
+from django.utils import timezone
 
 from trainyard import keys
 
 from jobs.fleet import liveness, selectors
-from jobs.models import ControlPlaneClock, Job, MetricStep, Node, NodeJoinRequest, SecurityEvent
+from jobs.models import Attempt, ControlPlaneClock, Job, MetricStep, Node, NodeJoinRequest, Quota, SecurityEvent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_ENV = "TRAINYARD_METRICS_TOKEN"
@@ -72,6 +78,21 @@ class Exposition:
             return
         label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
         fam[2].append(f"{metric}{{{label_text}}} {_number(value)}" if label_text else f"{metric} {_number(value)}")
+
+    def histogram(self, metric: str, help_text: str, buckets: list[tuple[float, float]] | None, total: float = 0.0,
+                  count: float = 0, /, **labels) -> None:
+        """One histogram series: `buckets` as (upper bound, cumulative count), ascending; written as
+        metric_bucket{le=...} (ending with le="+Inf" = count), metric_sum and metric_count. buckets
+        None: the family is declared, without a sample."""
+        fam = self.families.setdefault(metric, ("histogram", help_text, []))
+        if buckets is None:
+            return
+        label_text = "".join(f'{k}="{_escape(v)}",' for k, v in labels.items())
+        for le, n in [*((le, n) for le, n in buckets if not math.isinf(le)), (math.inf, count)]:
+            fam[2].append(f'{metric}_bucket{{{label_text}le="{_number(float(le))}"}} {_number(n)}')
+        tail = f"{{{label_text.rstrip(',')}}}" if label_text else ""
+        fam[2].append(f"{metric}_sum{tail} {_number(total)}")
+        fam[2].append(f"{metric}_count{tail} {_number(count)}")
 
     def render(self) -> str:
         out = []
@@ -251,6 +272,101 @@ def collect_relay(exp: Exposition) -> None:
     exp.add("trainyard_relay_lag_seconds", "gauge", "Age of the oldest entry the relay has not committed yet.", lag)
 
 
+def _redis_down(exp: Exposition) -> bool:
+    """collect_relay found Redis unreachable in this render: the later Redis readers do not wait out
+    their own connect timeouts too (an unreachable host would cost /metrics seconds each)."""
+    fam = exp.families.get("trainyard_redis_up")
+    return fam is not None and fam[2] == ["trainyard_redis_up 0"]
+
+
+def collect_relay_pending(exp: Exposition) -> None:
+    """How long the relay has held its oldest entry read but not acknowledged (XPENDING's summary per
+    job stream: one pipelined round trip for all of them). Backlog and lag (collect_relay) say the
+    relay is behind; this says it is stuck on something it already read (a batch that keeps failing
+    to commit, a relay killed mid-round whose entries nobody claimed). Nothing when Redis is away
+    (collect_relay has already said trainyard_redis_up 0)."""
+    help_text = "Age of the oldest job-stream entry the relay read but has not acknowledged (0: none)."
+    if _redis_down(exp):
+        exp.add("trainyard_relay_pending_oldest_age_seconds", "gauge", help_text, None)
+        return
+    try:
+        r = _client()
+        streams = list(r.scan_iter(match=keys.JOB_STREAM_PREFIX + "*", _type="stream", count=1000))
+        pipe = r.pipeline(transaction=False)
+        for key in streams:
+            pipe.xpending(key, keys.RELAY_GROUP)
+        oldest_ms = None
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, dict) and reply.get("pending") and reply.get("min"):
+                ms = int(reply["min"].split(b"-")[0])
+                oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
+        age = 0.0
+        if oldest_ms is not None:
+            now_s, now_us = r.time()
+            age = max(0.0, now_s + now_us / 1e6 - oldest_ms / 1000)
+    except redis.RedisError:
+        exp.add("trainyard_relay_pending_oldest_age_seconds", "gauge", help_text, None)
+        return
+    exp.add("trainyard_relay_pending_oldest_age_seconds", "gauge", help_text, age)
+
+
+SCHEDULER_TICK_HELP = "Wall time of the schedule tick (lock wait, decision, placements), from every tick since Redis kept it."
+
+
+def collect_scheduler(exp: Exposition) -> None:
+    """The schedule tick's timings, which jobs.core.dispatch.scheduler_tick_record keeps in
+    keys.SCHEDULER_STATS_KEY after each tick (`le:<bound>` cumulative bucket counts, count, sum,
+    errors, the last tick). Families without samples when no tick was recorded or Redis is away."""
+    stats: dict[str, str] = {}
+    if not _redis_down(exp):
+        try:
+            stats = {k.decode(): v.decode() for k, v in _client().hgetall(keys.SCHEDULER_STATS_KEY).items()}
+        except redis.RedisError:
+            pass
+    buckets = sorted((float(k[3:]), float(v)) for k, v in stats.items() if k.startswith("le:"))
+    exp.histogram("trainyard_scheduler_tick_duration_seconds", SCHEDULER_TICK_HELP,
+                  buckets if "count" in stats else None, float(stats.get("sum_seconds", 0)), float(stats.get("count", 0)))
+    exp.add("trainyard_scheduler_tick_errors_total", "counter", "Schedule ticks that raised (rolled back).",
+            float(stats["errors_total"]) if "errors_total" in stats else None)
+    exp.add("trainyard_scheduler_last_tick_duration_seconds", "gauge", "Wall time of the latest schedule tick.",
+            float(stats["last_seconds"]) if "last_seconds" in stats else None)
+    exp.add("trainyard_scheduler_last_tick_timestamp_seconds", "gauge", "Unix time the latest schedule tick ended.",
+            float(stats["last_unixtime"]) if "last_unixtime" in stats else None)
+
+
+NO_TEAM = "(none)"
+"""The team label of queued jobs submitted without a team."""
+
+
+def collect_team_queue(exp: Exposition) -> None:
+    """The queue per team (label "(none)" for jobs without one), from one query over the queued jobs:
+    length, slots asked for, and how long they have waited. A job waits since it was submitted or,
+    if it ran before (preempted, restarted, rolled back), since its latest attempt ended. Every team
+    with a quota has a series (0 when nothing of it waits; no wait samples then)."""
+    now = timezone.now()
+    waits: dict[str, list[tuple[int, float]]] = {name: [] for name in Quota.objects.filter(
+        team__isnull=False).values_list("team__name", flat=True)}
+    # Two narrow queries (no GROUP BY over the jobs' own columns): the queued jobs, and the latest
+    # end among the attempts of those that ran before.
+    queued = Job.objects.filter(status=Job.Status.QUEUED)
+    last_end = dict(Attempt.objects.filter(job__status=Job.Status.QUEUED, ended_at__isnull=False)
+                    .values("job_id").annotate(at=Max("ended_at")).values_list("job_id", "at"))
+    for pk, team, slots, created_at in queued.values_list("pk", "team__name", "slots", "created_at"):
+        since = max(created_at, last_end[pk]) if pk in last_end else created_at
+        waits.setdefault(team if team is not None else NO_TEAM, []).append(
+            (slots, max(0.0, (now - since).total_seconds())))
+    for team in sorted(waits):
+        jobs = waits[team]
+        exp.add("trainyard_team_queue_length", "gauge", "Jobs waiting in the queue, by team.", len(jobs), team=team)
+        exp.add("trainyard_team_queue_slots", "gauge", "Slots the team's queued jobs ask for in total.",
+                sum(n for n, _ in jobs), team=team)
+        exp.add("trainyard_team_queue_oldest_wait_seconds", "gauge",
+                "How long the team's longest-waiting queued job has waited.",
+                max(w for _, w in jobs) if jobs else None, team=team)
+        exp.add("trainyard_team_queue_mean_wait_seconds", "gauge", "Mean wait so far of the team's queued jobs.",
+                sum(w for _, w in jobs) / len(jobs) if jobs else None, team=team)
+
+
 def collect_processes(exp: Exposition) -> None:
     """Liveness of every process (jobs/fleet/liveness.py), and what `make run`'s supervisor adds."""
     for row in liveness.processes():
@@ -271,10 +387,13 @@ def collect_processes(exp: Exposition) -> None:
 def render() -> str:
     exp = Exposition()
     collect_jobs(exp)
+    collect_team_queue(exp)
     collect_nodes(exp)
     collect_control_clock(exp)
     collect_security(exp)
     collect_relay(exp)
+    collect_relay_pending(exp)
+    collect_scheduler(exp)
     collect_processes(exp)
     return exp.render()
 

@@ -22,6 +22,8 @@ def sent(monkeypatch):
     monkeypatch.setattr(dispatch, "send_notify", lambda event, **fields: calls.append(("notify", event, fields)))
     monkeypatch.setattr(dispatch, "send_delivery", lambda delivery_id, countdown=0.0: calls.append(
         ("delivery", delivery_id, countdown)))
+    # the schedule tick's timings go to Redis (tests/jobs/scheduling/test_tick_stats.py uses a real one)
+    monkeypatch.setattr(dispatch, "scheduler_tick_record", lambda seconds, ok: None)
     return calls
 
 

@@ -26,7 +26,8 @@ VALUE_RE = re.compile(r"^(?:[+-]?(?:\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?
 
 def parse(text: str) -> dict[str, dict]:
     """A strict reader of the text exposition format: returns name -> {type, help, samples:
-    [(labels, value)]}; fails on any line that is not a sample, # HELP or # TYPE."""
+    [(labels, value)]}; fails on any line that is not a sample, # HELP or # TYPE. A histogram's
+    _bucket, _sum and _count samples are its family's, with their own name as label __name__."""
     assert text.endswith("\n")
     families: dict[str, dict] = {}
     for line in text.splitlines():
@@ -46,9 +47,17 @@ def parse(text: str) -> dict[str, dict]:
             assert m, f"not a sample line: {line!r}"
             name, labels, value = m.groups()
             assert VALUE_RE.match(value), line
-            assert name in families and "type" in families[name], f"sample before its TYPE: {line!r}"
+            family = name
+            if name not in families:  # a histogram's series: <family>_bucket, _sum, _count
+                base, _, suffix = name.rpartition("_")
+                if suffix in ("bucket", "sum", "count") and families.get(base, {}).get("type") == "histogram":
+                    family = base
+            assert family in families and "type" in families[family], f"sample before its TYPE: {line!r}"
             pairs = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels or ""))
-            families[name].setdefault("samples", []).append((pairs, float(value)))
+            if family != name:
+                assert name.endswith("_bucket") == ("le" in pairs), f"le only on a histogram's buckets: {line!r}"
+                pairs["__name__"] = name
+            families[family].setdefault("samples", []).append((pairs, float(value)))
     return families
 
 
