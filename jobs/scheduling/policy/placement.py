@@ -51,7 +51,7 @@ class FreeSlots:
     """
 
     __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
-                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of")
+                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of", "watch")
 
     def __init__(self, nodes: Iterable[NodeState]):
         nodes = sorted(nodes, key=lambda n: n.name)
@@ -84,6 +84,8 @@ class FreeSlots:
         # per pool (the nodes one requirement allows, add_pool), its own ge counts
         self.pool_ge: list[list[int]] = []
         self.pool_of: list[list[int]] = [[] for _ in nodes]
+        # called as watch(i, old, new) when node i's available slots change (ends.OverlayCounts)
+        self.watch = None
 
     def add_pool(self, members: Iterable[int]) -> int:
         """Track ge counts over these node indices too (kept up to date by take/hold/release), so
@@ -119,6 +121,8 @@ class FreeSlots:
             insort(rb[new], i)
         self.avail[i] = new
         self.total += new - old
+        if self.watch is not None:
+            self.watch(i, old, new)
 
     def take(self, i: int, k: int) -> tuple[int, ...]:
         """Take k free slots of node i (the lowest ids): the slot ids."""

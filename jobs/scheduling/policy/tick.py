@@ -17,7 +17,6 @@ fits, and meanwhile holds the free slots its planned placement needs.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -25,9 +24,10 @@ from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
+from jobs.scheduling.policy.ends import TickEnds
 from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
 from jobs.scheduling.policy.quotas import classify
-from jobs.scheduling.policy.reclaim import fits_by, pick_victims, victim_order
+from jobs.scheduling.policy.reclaim import pick_victims, victim_order
 
 
 @dataclass
@@ -78,8 +78,10 @@ class _Tick:
         self.shrinking: set[int] = set()    # running elastic jobs reclaim shrinks (rather than stops)
         self.blocked: set[int] = set()      # queued jobs gated or unservable: they want no free slots
         self._candidates: list[RunningJob] | None = None
-        self._sorted_ends: list | None = None
-        self.placed_ends: list = []  # (end, job id, shares) of this tick's placements
+        # the expected ends of the running jobs (no preemption in flight) and this tick's placements
+        self.ends = TickEnds(self.free, lambda: ((expected_end(r, self.now), r.id, self.shares[r.id])
+                                                 for r in view.running if r.preempted_for is None),
+                             self.now + view.reclaim_wait_s)
 
     def _exclusion(self, job: QueuedJob) -> tuple[set[int] | None, bool, bool]:
         """placement.exclusion over the nodes the job may use (its device and labels)."""
@@ -128,29 +130,22 @@ class _Tick:
                        for rank, i in enumerate(picked))
         self.placements.append(Placement(job.id, shares, borrowing, reason))
         # it ends by its prediction too: a reservation made later in this tick counts on that
-        self.placed_ends.append((self.now + max(job.predicted_s, 0.0), job.id,
-                                 tuple((i, s.slot_ids) for i, s in zip(picked, shares))))
+        self.ends.place(self.now + max(job.predicted_s, 0.0), job.id,
+                        tuple((i, s.slot_ids) for i, s in zip(picked, shares)))
         self._claim(job, borrowing)
 
-    def _ends(self) -> list:
-        """(expected end, shares) of the running jobs and this tick's placements, by end; not
-        the victims of in-flight or new preemptions (their slots go to the jobs they are for)."""
-        if self._sorted_ends is None:
-            self._sorted_ends = sorted(
-                ((expected_end(r, self.now), r.id, self.shares[r.id]) for r in self.view.running
-                 if r.id not in self.taken and r.preempted_for is None),
-                key=lambda x: x[:2])
-        ends = [e for e in self._sorted_ends if e[1] not in self.taken]
-        if self.placed_ends:
-            ends = list(heapq.merge(ends, sorted(self.placed_ends, key=lambda x: x[:2]), key=lambda x: x[:2]))
-        return [(end, shares) for end, _, shares in ends]
+    def _take(self, r: RunningJob) -> None:
+        """r is preempted (or stopped to grow) this tick: its slots are no longer an end."""
+        self.taken.add(r.id)
+        if r.preempted_for is None:
+            self.ends.take(r.id, expected_end(r, self.now), self.shares[r.id])
 
     # -- reclaim
     def _reclaim(self, job: QueuedJob, exclude) -> tuple[list[RunningJob], dict[int, int]] | None:
         key = (job.team, job.nodes, job.procs_per_node)
         if not exclude and key in self.reclaim_failed:
             return None
-        if fits_by(self.free, job, exclude, self._ends(), self.now + self.view.reclaim_wait_s):
+        if self.ends.fits_soon(job.nodes, job.procs_per_node, exclude):  # reclaim.fits_by, kept current
             return None
         if self._candidates is None:
             self._candidates = victim_order(self.view.running, self.borrowing_running)
@@ -173,7 +168,7 @@ class _Tick:
         return True
 
     def _reserve(self, job: QueuedJob, exclude) -> _Reservation:
-        got = reserve(self.free, job.nodes, job.procs_per_node, exclude, self._ends())
+        got = reserve(self.free, job.nodes, job.procs_per_node, exclude, self.ends.ordered())
         return _Reservation(job, None, {}) if got is None else _Reservation(job, *got)
 
     # -- the pass
@@ -278,7 +273,7 @@ class _Tick:
             if picked is None:
                 continue
             got = None if queued.restart_now else reserve(self.free, top.nodes, top.procs_per_node, exclude,
-                                                            self._ends())
+                                                            self.ends.ordered())
             reason = elastic.start_fewer(queued, top.nodes, k, self.now, got[0] if got else None)
             if reason is None:  # the most it can get now does not pay: fewer would pay less
                 return False
@@ -311,14 +306,14 @@ class _Tick:
                 continue
             for i in picked:
                 self.free.hold(i, e.procs_per_node)
-            self.taken.add(r.id)
+            self._take(r)
             self.preemptions.append(Preemption(r.id, elastic.grow_reason(cur, cur + n, n * e.procs_per_node),
                                                None, resize_to=cur + n))
 
     def _preempt(self, job: QueuedJob, victims: list[RunningJob]) -> None:
         quota = self.team_q[job.team]
         for r in victims:
-            self.taken.add(r.id)
+            self._take(r)
             q = self.team_q.get(r.team, 0)
             over = self.team_total.get(r.team, 0) - q
             why = (f"reclaimed: team {job.team} needs its quota back for job {job.id} "
