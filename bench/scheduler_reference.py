@@ -17,7 +17,7 @@ from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
-from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
+from placement_reference import Eligibility, FreeSlots, exclusion, reserve
 from jobs.scheduling.policy.quotas import classify
 from jobs.scheduling.policy.reclaim import fits_by, pick_victims, victim_order
 

@@ -51,7 +51,7 @@ class FreeSlots:
     """
 
     __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
-                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of", "watch")
+                 "rack_of", "racks", "rack_ge", "total", "ge", "pool_ge", "pool_of", "watch")
 
     def __init__(self, nodes: Iterable[NodeState]):
         nodes = sorted(nodes, key=lambda n: n.name)
@@ -76,6 +76,13 @@ class FreeSlots:
                     self.racks[rack] = [[] for _ in range(self.maxs + 1)]
                 self.racks[rack][a].append(i)
         self.racks = dict(sorted(self.racks.items()))
+        # per rack, its nodes with at least k slots available: a rack that cannot hold a gang is
+        # skipped without walking it (choose)
+        self.rack_ge: dict[str, list[int]] = {}
+        for rack, rb in self.racks.items():
+            rge = self.rack_ge[rack] = [0] * (self.maxs + 2)
+            for k in range(self.maxs, -1, -1):
+                rge[k] = rge[k + 1] + len(rb[k])
         self.total = sum(self.avail)
         # ge[k]: schedulable nodes with at least k slots available (k = 0..maxs, plus a 0 past the end)
         self.ge = [0] * (self.maxs + 2)
@@ -107,14 +114,19 @@ class FreeSlots:
         b = self.buckets[old]
         del b[bisect_left(b, i)]
         insort(self.buckets[new], i)
-        for ge in (self.ge, *(self.pool_ge[p] for p in self.pool_of[i])):
+        rack = self.rack_of[i]
+        arrays = [self.ge]
+        if rack is not None:
+            arrays.append(self.rack_ge[rack])
+        for p in self.pool_of[i]:
+            arrays.append(self.pool_ge[p])
+        for ge in arrays:
             if new > old:
                 for k in range(old + 1, new + 1):
                     ge[k] += 1
             else:
                 for k in range(new + 1, old + 1):
                     ge[k] -= 1
-        rack = self.rack_of[i]
         if rack is not None:
             rb = self.racks[rack]
             del rb[old][bisect_left(rb[old], i)]
@@ -192,6 +204,15 @@ class FreeSlots:
                 c -= 1
         return c
 
+    def limited(self, ppn: int, exclude, overlay, limit) -> int:
+        """How many of the nodes count_fit counts the limit keeps the job off."""
+        if not limit:
+            return 0
+        sched, avail = self.sched, self.avail
+        return sum(1 for i, cap in limit.items()
+                   if cap < ppn and sched[i] and avail[i] + (overlay.get(i, 0) if overlay else 0) >= ppn
+                   and not (exclude and i in exclude))
+
     def _walk(self, ppn: int, buckets: list[list[int]], og: dict[int, list[int]] | None, overlay, exclude, limit):
         """(level, node) candidates holding ppn slots, fullest first (best fit); at equal level the
         nodes that are busiest now (those the overlay frees) first, then by name: a reservation
@@ -227,8 +248,8 @@ class FreeSlots:
                     b = self.buckets[k]
                     if b:
                         return [b[0]]
-        elif self.count_fit(ppn, exclude, overlay) < n:
-            return None
+        elif self.count_fit(ppn, exclude, overlay) - self.limited(ppn, exclude, overlay, limit) < n:
+            return None  # not enough nodes, the limit's included: no walk (it would find none)
         og = rog = None
         if overlay:
             og, rog = {}, {}
@@ -241,7 +262,13 @@ class FreeSlots:
                     rog.setdefault(self.rack_of[i], {}).setdefault(k, []).append(i)
         if n > 1 and self.racks:
             best = None
+            rack_ge = self.rack_ge
             for rack, rb in self.racks.items():
+                bound = rack_ge[rack][ppn]  # at most this many nodes of the rack can take a share
+                if rog and rack in rog:
+                    bound += sum(len(v) for k, v in rog[rack].items() if k >= ppn)
+                if bound < n:
+                    continue
                 picked, cost = [], 0
                 for k, i in self._walk(ppn, rb, rog.get(rack) if rog else None, overlay, exclude, limit):
                     picked.append(i)

@@ -1,5 +1,7 @@
 """The tick that keeps its expected ends current (issue 26 part 4: jobs/scheduling/policy/ends.py)
-decides exactly what the tick before it did (bench/scheduler_reference.py, frozen), on random
+decides exactly what the tick before it did (bench/scheduler_reference.py, frozen, over the
+placement before it, bench/placement_reference.py), and the start-time predictions that skip
+passes that would change nothing predict what they did (bench/predict_reference.py), on random
 cluster views that reach every path the ends feed: reservations and their shadow times,
 reclaim's "would it fit by the deadline" check before and after placements and preemptions,
 in-flight preemptions, elastic starts on fewer nodes, grows and shrinks, avoided nodes, device
@@ -10,9 +12,10 @@ import random
 import sys
 from pathlib import Path
 
-from jobs.scheduling.policy import ClusterView, NodeState, Quotas, QueuedJob, RunningJob, schedule
+from jobs.scheduling.policy import ClusterView, NodeState, Quotas, QueuedJob, RunningJob, predict_starts, schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "bench"))
+from predict_reference import reference_predict_starts  # noqa: E402
 from scheduler_reference import reference_schedule  # noqa: E402
 
 NOW = 50_000.0
@@ -105,3 +108,15 @@ def test_the_tick_decides_what_the_reference_decided_on_random_views():
         seen["fewer"] += any(p.reason for p in got.placements)
     # the views reach the paths the expected ends feed (counts of views, out of 2,500)
     assert min(seen.values()) >= 10, seen
+
+
+def test_the_predictions_are_the_references_on_random_views():
+    rng = random.Random(27)
+    predicted = 0
+    for n in range(1500):
+        view = random_view(rng)
+        got = predict_starts(view)
+        assert got == reference_predict_starts(view), f"view {n}: {view}"
+        assert predict_starts(view, depth=3) == reference_predict_starts(view, depth=3), f"view {n}: {view}"
+        predicted += len(got)
+    assert predicted > 10_000
