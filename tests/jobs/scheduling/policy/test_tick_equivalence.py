@@ -12,6 +12,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 from jobs.scheduling.policy import ClusterView, NodeState, Quotas, QueuedJob, RunningJob, predict_starts, schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "bench"))
@@ -120,3 +122,16 @@ def test_the_predictions_are_the_references_on_random_views():
         assert predict_starts(view, depth=3) == reference_predict_starts(view, depth=3), f"view {n}: {view}"
         predicted += len(got)
     assert predicted > 10_000
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_benchmark_cluster_gets_the_references_decisions_and_predictions(seed):
+    """bench/scheduler.py's fill and busy views at 300 nodes / 3,000 queued jobs (the busy tick
+    reserves for a head and checks reclaim for thousands of jobs): the same placements,
+    preemptions, reasons and predicted starts."""
+    import scheduler as bench
+
+    fill, busy = bench.tick_views(300, 3000, seed)
+    for view in (fill, busy):
+        assert schedule(view) == reference_schedule(view)
+    assert predict_starts(busy) == reference_predict_starts(busy)
