@@ -10,7 +10,7 @@ from bisect import insort
 from typing import Mapping
 
 from jobs.scheduling.policy.cluster import ClusterView, QueuedJob, expected_end
-from jobs.scheduling.policy.order import queue_order
+from order_reference import queue_order
 from placement_reference import Eligibility, FreeSlots, exclusion, reserve
 
 # predict_starts: how many queued jobs behind the head the forward simulation considers for

@@ -15,7 +15,7 @@ from typing import Iterable
 
 from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
-from jobs.scheduling.policy.order import queue_order
+from order_reference import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
 from placement_reference import Eligibility, FreeSlots, exclusion, reserve
 from jobs.scheduling.policy.quotas import classify

@@ -115,18 +115,18 @@ class FreeSlots:
         del b[bisect_left(b, i)]
         insort(self.buckets[new], i)
         rack = self.rack_of[i]
-        arrays = [self.ge]
+        ks, step = (range(old + 1, new + 1), 1) if new > old else (range(new + 1, old + 1), -1)
+        ge = self.ge
+        for k in ks:
+            ge[k] += step
         if rack is not None:
-            arrays.append(self.rack_ge[rack])
+            ge = self.rack_ge[rack]
+            for k in ks:
+                ge[k] += step
         for p in self.pool_of[i]:
-            arrays.append(self.pool_ge[p])
-        for ge in arrays:
-            if new > old:
-                for k in range(old + 1, new + 1):
-                    ge[k] += 1
-            else:
-                for k in range(new + 1, old + 1):
-                    ge[k] -= 1
+            ge = self.pool_ge[p]
+            for k in ks:
+                ge[k] += step
         if rack is not None:
             rb = self.racks[rack]
             del rb[old][bisect_left(rb[old], i)]

@@ -78,6 +78,7 @@ class _Tick:
         self.shrinking: set[int] = set()    # running elastic jobs reclaim shrinks (rather than stops)
         self.blocked: set[int] = set()      # queued jobs gated or unservable: they want no free slots
         self._candidates: list[RunningJob] | None = None
+        self._plain: dict = {}  # (nodes, ppn) -> a plain job's _shape (placement.exclusion)
         # the expected ends of the running jobs (no preemption in flight) and this tick's placements
         self.ends = TickEnds(self.free, lambda: ((expected_end(r, self.now), r.id, self.shares[r.id])
                                                  for r in view.running if r.preempted_for is None),
@@ -91,6 +92,13 @@ class _Tick:
     def _shape(self, job: QueuedJob) -> tuple[QueuedJob, set[int] | None, bool, bool]:
         """(the job as a gang of the most nodes it could ever get, and its `_exclusion`): an
         elastic job whose most could never fit is treated as one of fewer (elastic.py)."""
+        if not (job.avoid or job.elastic or job.labels) and job.device == "cpu":
+            # a plain job: its exclusion depends on its shape only (fit counts are the tick's)
+            shape = (job.nodes, job.procs_per_node)
+            got = self._plain.get(shape)
+            if got is None:
+                got = self._plain[shape] = (job, *self._exclusion(job))
+            return job, *got[1:]
         got = self._exclusion(job)
         if got[1] or not job.elastic:
             return (elastic.at_count(job, job.nodes) if job.elastic else job), *got
@@ -173,7 +181,7 @@ class _Tick:
 
     # -- the pass
     def run(self) -> Decision:
-        order = queue_order(self.view)
+        order = queue_order(self.view, ledger=self.ledger.copy())  # the running jobs classified once
         done = self._inflight_first(order)
         head: _Reservation | None = None
         for job in order:
@@ -193,7 +201,7 @@ class _Tick:
         for r in self.view.running:
             if r.preempted_for is not None:
                 inflight.setdefault(r.preempted_for, []).append(r)
-        for job in (j for j in order if j.id in inflight):
+        for job in (j for j in order if j.id in inflight) if inflight else ():
             if self._gate(job) is not None:
                 continue
             exclude, ever, _ = self._exclusion(job)
