@@ -97,7 +97,7 @@ def random_view(rng: random.Random) -> ClusterView:
 def test_the_tick_decides_what_the_reference_decided_on_random_views():
     rng = random.Random(26)
     seen = {"preemptions": 0, "reclaiming": 0, "eta": 0, "grow": 0, "shrink": 0, "fewer": 0, "placements": 0}
-    for n in range(2500):
+    for n in range(1500):
         view = random_view(rng)
         got, want = schedule(view), reference_schedule(view)
         assert got == want, f"view {n}: {view}"
@@ -108,23 +108,23 @@ def test_the_tick_decides_what_the_reference_decided_on_random_views():
         seen["grow"] += any(p.for_job is None and p.resize_to for p in got.preemptions)
         seen["shrink"] += any(p.for_job is not None and p.resize_to for p in got.preemptions)
         seen["fewer"] += any(p.reason for p in got.placements)
-    # the views reach the paths the expected ends feed (counts of views, out of 2,500)
+    # the views reach the paths the expected ends feed (counts of views, out of 1,500)
     assert min(seen.values()) >= 10, seen
 
 
 def test_the_predictions_are_the_references_on_random_views():
     rng = random.Random(27)
     predicted = 0
-    for n in range(1500):
+    for n in range(800):
         view = random_view(rng)
         got = predict_starts(view)
         assert got == reference_predict_starts(view), f"view {n}: {view}"
         assert predict_starts(view, depth=3) == reference_predict_starts(view, depth=3), f"view {n}: {view}"
         predicted += len(got)
-    assert predicted > 10_000
+    assert predicted > 5_000
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1])
 def test_the_benchmark_cluster_gets_the_references_decisions_and_predictions(seed):
     """bench/scheduler.py's fill and busy views at 300 nodes / 3,000 queued jobs (the busy tick
     reserves for a head and checks reclaim for thousands of jobs): the same placements,
