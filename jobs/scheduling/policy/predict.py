@@ -93,30 +93,36 @@ class _Forward:
         self.deferred: dict[str, list[int]] = {}  # user -> indices of jobs waiting for their cap
         self.head: list | None = None
         # After a pass that walked the whole window and changed nothing while the head waited for
-        # its shadow time: the window's backfill candidates by fit key, [nodes, ppn, exclusion,
-        # least and most predicted_s]. Until the window or the head changes, a pass can only
-        # start something once a candidate fits (`_may_start`); None: the next pass walks.
+        # its shadow time (backfill starts of uncapped users aside): the window's backfill
+        # candidates by fit key, [nodes, ppn, exclusion, least and most predicted_s], with the
+        # uncapped jobs refill adds since. Until the head changes, a pass can only start
+        # something once a candidate fits (`_may_start`); None: the next pass walks.
         self.idle: dict | None = None
 
     def refill(self, depth: int) -> None:
         while len(self.window) < depth and self.nxt < len(self.jobs):
             self.window.append(self.nxt)
+            if self.idle is not None and not self.capped[self.nxt]:
+                self._note(self.idle, self.nxt)  # a new candidate: no cap check pending
+            else:
+                self.idle = None
             self.nxt += 1
-            self.idle = None
+
+    def _note(self, shapes: dict, idx: int) -> None:
+        pred = self.pred_of[idx]
+        got = shapes.get(self.fit_key[idx])
+        if got is None:
+            shapes[self.fit_key[idx]] = [*self.shape_of[idx], self.excl[idx], pred, pred]
+        elif pred < got[3]:
+            got[3] = pred
+        elif pred > got[4]:
+            got[4] = pred
 
     def _idle_shapes(self, head: list) -> dict:
         shapes: dict = {}
         for idx in self.window:
-            if idx == head[0]:
-                continue
-            pred = self.pred_of[idx]
-            got = shapes.get(self.fit_key[idx])
-            if got is None:
-                shapes[self.fit_key[idx]] = [*self.shape_of[idx], self.excl[idx], pred, pred]
-            elif pred < got[3]:
-                got[3] = pred
-            elif pred > got[4]:
-                got[4] = pred
+            if idx != head[0]:
+                self._note(shapes, idx)
         return shapes
 
     def _may_start(self, head: list) -> bool:
@@ -190,7 +196,9 @@ class _Forward:
                         picked = choose(n, ppn, excl[idx], limit)
                         if picked is not None:
                             self.start(idx, picked)
-                            changed = True
+                            # the candidates passed so far still do not fit (a pass only takes
+                            # slots), but a capped user's jobs may now be over their cap
+                            changed = changed or capped[idx]
                             if limit:
                                 for i in picked:
                                     if i in limit:
