@@ -72,19 +72,25 @@ def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob], *, ledger: Quot
         while heap:
             _, name, t = heap[0]
             jobs = groups[prio][t]
-            _, _, _, j, slots, cost = jobs.pop()
             quota = team_slots.get(t) if t is not None else None
-            if quota is None:  # QuotaLedger.take, inline: a team without a quota never borrows
-                out.append(j)
-            elif within.get(t, 0) + slots > quota:
-                borrowers.append(j)
-            else:
-                within[t] = within.get(t, 0) + slots
-                out.append(j)
-            score[t] += cost
-            if jobs:
-                heapq.heapreplace(heap, (score[t] / ent[t], name, t))
-            else:
-                heapq.heappop(heap)
+            # the team goes on taking jobs while its updated entry stays below every other team's
+            rival = min(heap[1:3]) if len(heap) > 1 else None
+            while True:
+                _, _, _, j, slots, cost = jobs.pop()
+                if quota is None:  # QuotaLedger.take, inline: a team without a quota never borrows
+                    out.append(j)
+                elif within.get(t, 0) + slots > quota:
+                    borrowers.append(j)
+                else:
+                    within[t] = within.get(t, 0) + slots
+                    out.append(j)
+                score[t] += cost
+                if not jobs:
+                    heapq.heappop(heap)
+                    break
+                entry = (score[t] / ent[t], name, t)
+                if rival is not None and rival < entry:
+                    heapq.heapreplace(heap, entry)
+                    break
     out += borrowers
     return out

@@ -295,9 +295,9 @@ class _Tick:
     def _grow(self, order: list[QueuedJob], head: _Reservation | None) -> None:
         """Grow running elastic jobs onto free nodes nobody with a better claim waits for
         (elastic.py): a cooperative stop that restarts at once on more nodes."""
-        waiting = [j for j in order if j.id in self.waiting and j.id not in self.blocked]
-        growable = (r for r in self.view.running if r.elastic is not None and r.preemptible
-                    and r.id not in self.taken and len(r.nodes) < r.elastic.nodes)
+        growable = [r for r in self.view.running if r.elastic is not None and r.preemptible
+                    and r.id not in self.taken and len(r.nodes) < r.elastic.nodes]
+        waiting = [j for j in order if j.id in self.waiting and j.id not in self.blocked] if growable else []
         for r in sorted(growable, key=lambda r: (-r.priority, r.started_at, r.id)):
             e, cur = r.elastic, len(r.nodes)
             if r.predicted_end - self.now < self.view.grow_min_left_s or elastic.blocks_grow(r, waiting):
