@@ -22,9 +22,7 @@ The modules, bottom up, each with its part of the reference in its docstring:
 - `order`: queue order (fair share, aging, entitled jobs before borrowers);
 - `placement`: gang, best-fit and rack-aware placement, and the EASY reservation walk;
 - `reclaim`: which borrowing jobs to preempt for a within-quota job;
-- `ends`: a tick's expected ends, kept current as it places and preempts (the reservation's
-  walk, and reclaim's "would it fit by the deadline" in O(1) per job);
-- `tick`: one scheduling decision (`schedule`), with backfill;
+- `tick`: one scheduling decision (`schedule`), with backfill, its expected ends kept current;
 - `predict`: start-time predictions (`predict_starts`) and which to write (`eta_changes`).
 
 This package's namespace is its public API: the names below are what the control plane, the

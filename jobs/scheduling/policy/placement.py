@@ -91,7 +91,7 @@ class FreeSlots:
         # per pool (the nodes one requirement allows, add_pool), its own ge counts
         self.pool_ge: list[list[int]] = []
         self.pool_of: list[list[int]] = [[] for _ in nodes]
-        # called as watch(i, old, new) when node i's available slots change (ends.OverlayCounts)
+        # called as watch(i, old, new) when node i's available slots change (OverlayCounts)
         self.watch = None
 
     def add_pool(self, members: Iterable[int]) -> int:
@@ -285,6 +285,77 @@ class FreeSlots:
             if len(picked) == n:
                 return sorted(picked)
         return None
+
+
+class OverlayCounts:
+    """A standing overlay on FreeSlots (the slots the jobs ending by a tick's reclaim deadline give
+    back; tick.py's `_TickEnds`) and FreeSlots.count_fit(ppn, exclude, overlay=self.delta), but in O(1) plus the excluded
+    nodes: `ge[k]` (and per pool) counts the schedulable nodes with min(avail + delta, maxs) >= k,
+    kept current by `add` (the overlay changes) and `moved` (a node's avail changed)."""
+
+    def __init__(self, free: FreeSlots):
+        self.free = free
+        self.delta: dict[int, int] = {}
+        self.ge = list(free.ge)  # an empty overlay: the free counts themselves
+        self.pools: dict[int, list[int]] = {}  # pool -> its ge counts, made on first use
+
+    def _level(self, avail: int, extra: int) -> int:
+        return min(avail + extra, self.free.maxs)
+
+    def _shift(self, i: int, old: int, new: int) -> None:
+        if old == new:
+            return
+        arrays = [self.ge]
+        if self.pools:
+            arrays += [self.pools[p] for p in self.free.pool_of[i] if p in self.pools]
+        lo, hi, step = (old + 1, new + 1, 1) if new > old else (new + 1, old + 1, -1)
+        for ge in arrays:
+            for k in range(lo, hi):
+                ge[k] += step
+
+    def moved(self, i: int, old: int, new: int) -> None:
+        """Node i's available slots went from old to new (FreeSlots._set)."""
+        if self.free.sched[i]:
+            d = self.delta.get(i, 0)
+            self._shift(i, self._level(old, d), self._level(new, d))
+
+    def add(self, shares: IndexShares, sign: int = 1) -> None:
+        """These shares' slots join the overlay (sign -1: leave it)."""
+        free = self.free
+        for i, slot_ids in shares:
+            if not free.sched[i]:
+                continue
+            old = self.delta.get(i, 0)
+            new = old + sign * len(slot_ids)
+            self.delta[i] = new
+            a = free.avail[i]
+            self._shift(i, self._level(a, old), self._level(a, new))
+
+    def _pool(self, pool: int) -> list[int]:
+        ge = self.pools.get(pool)
+        if ge is None:
+            free = self.free
+            ge = [0] * (free.maxs + 2)
+            for i, of in enumerate(free.pool_of):
+                if pool in of and free.sched[i]:
+                    for k in range(self._level(free.avail[i], self.delta.get(i, 0)) + 1):
+                        ge[k] += 1
+            self.pools[pool] = ge
+        return ge
+
+    def count_fit(self, ppn: int, exclude=None) -> int:
+        free = self.free
+        if ppn > free.maxs:
+            return 0
+        k = max(ppn, 0)
+        if isinstance(exclude, PoolExclusion):
+            c, out = self._pool(exclude.pool)[k], exclude.extra
+        else:
+            c, out = self.ge[k], exclude or ()
+        for i in out:
+            if free.sched[i] and free.avail[i] + self.delta.get(i, 0) >= ppn:
+                c -= 1
+        return c
 
 
 def fits_cluster(nodes: Iterable[NodeState], nodes_needed: int, procs_per_node: int) -> bool:

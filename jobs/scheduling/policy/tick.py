@@ -14,18 +14,26 @@ Under ``fifo`` nobody passes the head.
 Before the queue walk, the jobs that preemptions are in flight for (reclaim.py) have the first
 claim on what is free and on what their victims will free: such a job starts as soon as it
 fits, and meanwhile holds the free slots its planned placement needs.
+
+The expected ends (`_TickEnds`) are kept current as the tick places and preempts, so no queued
+job pays for the whole list: the reservation walks them lazily in order of end, and reclaim's
+"would it fit once the jobs ending by the deadline (now + `reclaim_wait_s`, one per tick) have
+ended" (reclaim.py's `fits_by`) reads a standing overlay's counts (`placement.OverlayCounts`),
+updated when a placement adds an end, a preemption removes one and a node's free slots change.
+At 10,000 nodes and 100,000 queued jobs the tick used to rebuild, re-sort and merge the ends
+for each within-quota job that could not start: quadratic in the placements (bench/scheduler.py).
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
-from jobs.scheduling.policy.ends import TickEnds
-from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
+from jobs.scheduling.policy.placement import Eligibility, FreeSlots, IndexShares, OverlayCounts, exclusion, reserve
 from jobs.scheduling.policy.quotas import classify
 from jobs.scheduling.policy.reclaim import pick_victims, victim_order
 
@@ -45,6 +53,70 @@ def _fmt_s(s: float) -> str:
     if s < 2 * 86400:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} days"
+
+
+def _key(e: tuple) -> tuple:
+    return e[:2]
+
+
+class _TickEnds:
+    """The expected ends of the jobs holding slots in one tick: the running jobs' (not those
+    preempted, in flight or this tick: their slots go to the jobs they are for) and this tick's
+    placements'. `running`: (end, job id, shares) of the running jobs with no preemption in
+    flight, made on first use."""
+
+    def __init__(self, free: FreeSlots, running, deadline: float):
+        self.free = free
+        self._running_src = running
+        self._running: list | None = None
+        self.placed: list = []  # (end, job id, shares), sorted on demand
+        self._placed_sorted = True
+        self.gone: set[int] = set()  # running jobs preempted this tick
+        self.deadline = deadline
+        self.soon: OverlayCounts | None = None
+
+    def running(self) -> list:
+        if self._running is None:
+            self._running = sorted(self._running_src(), key=_key)
+        return self._running
+
+    def place(self, end: float, job_id: int, shares: IndexShares) -> None:
+        if self.placed and _key(self.placed[-1]) > (end, job_id):
+            self._placed_sorted = False
+        self.placed.append((end, job_id, shares))
+        if self.soon is not None and end <= self.deadline:
+            self.soon.add(shares)
+
+    def take(self, job_id: int, end: float, shares: IndexShares) -> None:
+        """A running job (with no preemption in flight before) is preempted: its end is gone."""
+        if job_id in self.gone:
+            return
+        self.gone.add(job_id)
+        if self.soon is not None and end <= self.deadline:
+            self.soon.add(shares, -1)
+
+    def ordered(self) -> Iterator[tuple[float, IndexShares]]:
+        """(end, shares) in order of (end, job id), the running jobs' before this tick's on a tie."""
+        if not self._placed_sorted:
+            self.placed.sort(key=_key)
+            self._placed_sorted = True
+        gone = self.gone
+        running = (e for e in self.running() if e[1] not in gone) if gone else iter(self.running())
+        ends = heapq.merge(running, self.placed, key=_key) if self.placed else running
+        return ((end, shares) for end, _, shares in ends)
+
+    def fits_soon(self, nodes: int, ppn: int, exclude) -> bool:
+        """Would a gang of nodes x ppn fit once the jobs ending by the deadline have ended?"""
+        if self.soon is None:
+            self.soon = soon = OverlayCounts(self.free)
+            for end, job_id, shares in self.running():
+                if end <= self.deadline and job_id not in self.gone:
+                    soon.add(shares)
+            for end, _, shares in self.placed:
+                if end <= self.deadline:
+                    soon.add(shares)
+            self.free.watch = soon.moved
+        return self.soon.count_fit(ppn, exclude) >= nodes
 
 
 class _Tick:
@@ -80,7 +152,7 @@ class _Tick:
         self._candidates: list[RunningJob] | None = None
         self._plain: dict = {}  # (nodes, ppn) -> a plain job's _shape (placement.exclusion)
         # the expected ends of the running jobs (no preemption in flight) and this tick's placements
-        self.ends = TickEnds(self.free, lambda: ((expected_end(r, self.now), r.id, self.shares[r.id])
+        self.ends = _TickEnds(self.free, lambda: ((expected_end(r, self.now), r.id, self.shares[r.id])
                                                  for r in view.running if r.preempted_for is None),
                              self.now + view.reclaim_wait_s)
 
