@@ -2,7 +2,8 @@
 side on synthetic traces. Prints one JSON object on stdout (progress on stderr).
 
     python bench/scheduler.py                      # both sections, ~3-6 min on 2 cores
-    python bench/scheduler.py --skip policies      # the tick section only (~30 s)
+    python bench/scheduler.py --skip policies,elastic   # the tick and scaling sections (~1 min)
+    python bench/scheduler.py --skip policies,elastic --tick-nodes 10000 --tick-jobs 100000 --repeat 1
     python bench/scheduler.py --skip tick --seeds 1,2,3,4,5 --jobs 3000
 
 `tick`: 1,000 nodes x 8 slots (racks of 40) and 10,000 queued jobs from 4 teams with quotas.
@@ -13,9 +14,17 @@ side on synthetic traces. Prints one JSON object on stdout (progress on stderr).
   decides who waits (head reservation, backfill checks, reclaim checks), and `predict_starts`
   for all 10,000 (plus `max_jobs=500`, the cheap refresh of the front of the queue).
 Each against the baseline, the scheduler this one replaced (priority + FIFO, strict queue,
-first fit: `legacy_schedule` below, verbatim), on the same nodes and queue: `*_ratio` =
-new / old time. Times are medians of `--repeat` runs. Targets: a tick < 1 s, >= 10,000
-placements/s, predict_starts of 10,000 jobs < 5 s.
+first fit: `legacy_schedule` below, verbatim), on the same nodes and queue: `tick_ratio` =
+new / old time; and against the reference, this scheduler before issue 26 part 4
+(scheduler_reference.py, predict_reference.py: the same decisions, quadratic in the placements):
+`reference_*_s`, `reference_ratio`. Baseline and reference run once each in a forked child,
+null past `--reference-timeout`. Times are medians of `--repeat` runs. Targets: a tick < 1 s,
+>= 10,000 placements/s, predict_starts of the queue < 5 s, also at
+`--tick-nodes 10000 --tick-jobs 100000`.
+
+`scaling`: the fill and busy ticks and predict_starts, new and reference, at `--scale-nodes`
+and `--tick-nodes` (queue = 10 x nodes; bench/scheduler_scaling.py), and the growth exponent
+k of time ~ nodes^k of each between the smallest and the largest scale.
 
 `policies`: for each seed, `bench/tracegen.py` writes a trace of `--jobs` jobs at offered load
 `--load` for a cluster of `--nodes` x `--slots-per-node`, and `jobs.scheduling.simulation.simulate` replays it
@@ -50,6 +59,7 @@ from jobs.scheduling.policy import ClusterView, NodeState, Quotas, QueuedJob, Ru
 from jobs.scheduling.simulation import SimConfig, TraceJob, simulate  # noqa: E402
 
 import tracegen  # noqa: E402
+from scheduler_scaling import bench_scaling, capped as _capped, ratio as _ratio, reference_figures  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -133,18 +143,17 @@ def _queue(rng: random.Random, n: int, first_id: int, now: float, sizes) -> tupl
     return tuple(jobs)
 
 
-def bench_tick(args) -> dict:
-    rng = random.Random(args.seed)
+def tick_views(n_nodes: int, n_jobs: int, seed: int, schedule_fn=None) -> tuple[ClusterView, ClusterView]:
+    """The tick section's two views: `fill` (empty nodes, a queue that mostly fits) and `busy`
+    (everything `fill` placed now running, by `schedule_fn`'s decision, and a new queue)."""
+    rng = random.Random(seed)
     now = 1.7e9
     nodes = tuple(NodeState(f"n{i:04d}", f"10.{i // 250}.{i % 250}.1", 8, frozenset(), True, f"r{i // 40:02d}")
-                  for i in range(args.tick_nodes))
-    quotas = Quotas({t: args.tick_nodes * 8 // len(TEAMS) for t in TEAMS}, {f"u{i}": 400 for i in range(0, 200, 7)})
-    fill_q = _queue(rng, args.tick_jobs, 1, now, ((1, 85), (2, 10), (4, 5)))
+                  for i in range(n_nodes))
+    quotas = Quotas({t: n_nodes * 8 // len(TEAMS) for t in TEAMS}, {f"u{i}": 400 for i in range(0, 200, 7)})
+    fill_q = _queue(rng, n_jobs, 1, now, ((1, 85), (2, 10), (4, 5)))
     fill_view = ClusterView(now, nodes, (), fill_q, quotas, {t: rng.uniform(0, 1e7) for t in TEAMS})
-    log(f"tick/fill: {len(nodes)} nodes, {len(fill_q)} queued")
-    t_fill, d = _timed(lambda: schedule(fill_view), args.repeat)
-    t_fill_old, (old_pl, _) = _timed(lambda: legacy_schedule(nodes, fill_q), args.repeat)
-    # the busy cluster: everything `fill` placed is now running
+    d = (schedule_fn or schedule)(fill_view)
     byid = {j.id: j for j in fill_q}
     used: dict[str, set[int]] = {n.name: set() for n in nodes}
     running = []
@@ -157,31 +166,42 @@ def bench_tick(args) -> dict:
         running.append(RunningJob(j.id, j.team, j.user, j.slots, j.priority, shares, started,
                                   now + rng.lognormvariate(7.5, 1.2) - 300))
     busy_nodes = tuple(NodeState(n.name, n.address, n.slots, frozenset(used[n.name]), True, n.rack) for n in nodes)
-    busy_q = _queue(rng, args.tick_jobs, 100_000, now,
-                    ((1, 55), (2, 10), (4, 12), (8, 13), (16, 6), (32, 3), (64, 1)))
-    busy_view = ClusterView(now, busy_nodes, tuple(running), busy_q, quotas, fill_view.usage)
+    busy_q = _queue(rng, n_jobs, 100_000, now, ((1, 55), (2, 10), (4, 12), (8, 13), (16, 6), (32, 3), (64, 1)))
+    return fill_view, ClusterView(now, busy_nodes, tuple(running), busy_q, quotas, fill_view.usage)
+
+
+def bench_tick(args) -> dict:
+    fill_view, busy_view = tick_views(args.tick_nodes, args.tick_jobs, args.seed)
+    nodes, fill_q, busy_q = fill_view.nodes, fill_view.queue, busy_view.queue
+    log(f"tick/fill: {len(nodes)} nodes, {len(fill_q)} queued")
+    t_fill, d = _timed(lambda: schedule(fill_view), args.repeat)
+    old_fill = _capped(lambda: len(legacy_schedule(nodes, fill_q)[0]), args.reference_timeout)
+    running = busy_view.running
     log(f"tick/busy: {len(running)} running, {len(busy_q)} queued")
     t_busy, d_busy = _timed(lambda: schedule(busy_view), args.repeat)
-    t_busy_old, (old_busy_pl, _) = _timed(lambda: legacy_schedule(busy_nodes, busy_q), args.repeat)
+    old_busy = _capped(lambda: len(legacy_schedule(busy_view.nodes, busy_q)[0]), args.reference_timeout)
     t_order, _ = _timed(lambda: queue_order(busy_view), args.repeat)
     log("tick/predict_starts")
     t_eta, eta = _timed(lambda: predict_starts(busy_view), max(1, args.repeat // 2))
     t_eta_front, eta_front = _timed(lambda: predict_starts(busy_view, max_jobs=500), args.repeat)
-    horizon = sorted(v - now for v in eta.values())
+    horizon = sorted(v - fill_view.now for v in eta.values())
+    log("tick/reference (the tick and predictions before issue 26 part 4)")
+    ref = reference_figures(fill_view, busy_view, args.reference_timeout)
     return {
         "nodes": len(nodes), "slots_per_node": 8, "queued": args.tick_jobs, "repeat": args.repeat,
         "fill": {
             "tick_s": round(t_fill, 4), "placements": len(d.placements),
             "placements_per_s": round(len(d.placements) / t_fill),
-            "baseline_tick_s": round(t_fill_old, 4), "baseline_placements": len(old_pl),
-            "baseline_placements_per_s": round(len(old_pl) / t_fill_old),
-            "tick_ratio": round(t_fill / t_fill_old, 3),
+            "baseline_tick_s": old_fill[0], "baseline_placements": old_fill[1],
+            "tick_ratio": _ratio(t_fill, old_fill[0]),
+            "reference_tick_s": ref["fill_s"], "reference_ratio": _ratio(t_fill, ref["fill_s"]),
         },
         "busy": {
             "running": len(running), "tick_s": round(t_busy, 4), "placements": len(d_busy.placements),
             "preemptions": len(d_busy.preemptions),
-            "baseline_tick_s": round(t_busy_old, 4), "baseline_placements": len(old_busy_pl),
-            "tick_ratio": round(t_busy / t_busy_old, 3),
+            "baseline_tick_s": old_busy[0], "baseline_placements": old_busy[1],
+            "tick_ratio": _ratio(t_busy, old_busy[0]),
+            "reference_tick_s": ref["busy_s"], "reference_ratio": _ratio(t_busy, ref["busy_s"]),
             "queue_order_s": round(t_order, 4),
         },
         "predict_starts": {
@@ -190,7 +210,9 @@ def bench_tick(args) -> dict:
             "eta_p50_h": round(horizon[len(horizon) // 2] / 3600, 2) if horizon else None,
             "eta_max_h": round(horizon[-1] / 3600, 2) if horizon else None,
             "ratio_to_one_tick": round(t_eta / t_busy, 2),
+            "reference_s": ref["predict_s"], "reference_ratio": _ratio(t_eta, ref["predict_s"]),
         },
+        "reference_timeout_s": args.reference_timeout,
         "targets_met": {
             "tick_under_1s": max(t_fill, t_busy) < 1.0,
             "placements_per_s_10k": len(d.placements) / t_fill >= 10_000,
@@ -277,11 +299,15 @@ def bench_elastic(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: tick, policies, elastic")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: tick, scaling, policies, elastic")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0, help="seed of the tick section's synthetic cluster")
     ap.add_argument("--tick-nodes", type=int, default=1000)
     ap.add_argument("--tick-jobs", type=int, default=10_000)
+    ap.add_argument("--scale-nodes", default="1000,3000",
+                    help="scaling section: node counts (queue = 10 x nodes), with --tick-nodes added")
+    ap.add_argument("--reference-timeout", type=float, default=30.0,
+                    help="seconds each reference (and legacy baseline) run may take before it is reported as null")
     ap.add_argument("--seeds", default="1,2,3", help="trace seeds of the policies section")
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--load", type=float, default=0.9)
@@ -289,10 +315,19 @@ def main(argv=None) -> None:
     ap.add_argument("--slots-per-node", type=int, default=8)
     args = ap.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.scale_nodes = [int(s) for s in args.scale_nodes.split(",") if s.strip()] + [args.tick_nodes]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     out = {"bench": "scheduler", "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    known = {}
     if "tick" not in skip:
-        out["tick"] = bench_tick(args)
+        out["tick"] = tick = bench_tick(args)
+        if args.tick_jobs == args.tick_nodes * 10:
+            known[(args.tick_nodes, args.tick_jobs)] = {
+                "fill_s": tick["fill"]["tick_s"], "busy_s": tick["busy"]["tick_s"], "predict_s": tick["predict_starts"]["s"],
+                "reference_fill_s": tick["fill"]["reference_tick_s"], "reference_busy_s": tick["busy"]["reference_tick_s"],
+                "reference_predict_s": tick["predict_starts"]["reference_s"]}
+    if "scaling" not in skip:
+        out["scaling"] = bench_scaling(args, tick_views, known)
     if "policies" not in skip:
         out["policies"] = bench_policies(args)
     if "elastic" not in skip:

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from jobs.scheduling.policy.fairshare import entitlements
 from jobs.scheduling.policy.cluster import ClusterView, QueuedJob, check_policy
-from jobs.scheduling.policy.quotas import classify
+from jobs.scheduling.policy.quotas import QuotaLedger, classify
 
 # Aging of the shortest-job-first key: predicted_s / (1 + wait_s / AGING_S).
 AGING_S = 3600.0
@@ -37,9 +37,10 @@ def _as_view(view_or_jobs) -> ClusterView:
     return ClusterView(0.0, (), (), tuple(view_or_jobs))
 
 
-def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob]) -> list[QueuedJob]:
+def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob], *, ledger: QuotaLedger | None = None) -> list[QueuedJob]:
     """The queue in the order the policy considers it (queue positions are index + 1). Given a
-    bare list of jobs, orders it as `trainyard` with no usage and no running jobs."""
+    bare list of jobs, orders it as `trainyard` with no usage and no running jobs. `ledger`: the
+    running jobs' (quotas.classify) when the caller has it (a tick), which this counts into."""
     view = _as_view(view_or_jobs)
     check_policy(view.policy)
     if view.policy != "trainyard":
@@ -55,8 +56,11 @@ def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob]) -> list[QueuedJ
     for j in view.queue:
         wait = now - j.submitted_at
         key = j.predicted_s / (1.0 + wait / AGING_S) if wait > 0 else j.predicted_s
-        groups.setdefault(j.priority, {}).setdefault(j.team, []).append((key, j.submitted_at, j.id, j))
-    ledger = classify(view.running, view.quotas.team_slots)[1]
+        slots = j.slots
+        groups.setdefault(j.priority, {}).setdefault(j.team, []).append(
+            (key, j.submitted_at, j.id, j, slots, slots * min(j.predicted_s, horizon)))
+    team_slots = view.quotas.team_slots
+    within = (ledger or classify(view.running, team_slots)[1]).within
     out: list[QueuedJob] = []
     borrowers: list[QueuedJob] = []
     for prio in sorted(groups, reverse=True):
@@ -68,12 +72,25 @@ def queue_order(view_or_jobs: ClusterView | Iterable[QueuedJob]) -> list[QueuedJ
         while heap:
             _, name, t = heap[0]
             jobs = groups[prio][t]
-            j = jobs.pop()[3]
-            (borrowers if ledger.take(t, j.slots) else out).append(j)
-            score[t] += j.slots * min(j.predicted_s, horizon)
-            if jobs:
-                heapq.heapreplace(heap, (score[t] / ent[t], name, t))
-            else:
-                heapq.heappop(heap)
+            quota = team_slots.get(t) if t is not None else None
+            # the team goes on taking jobs while its updated entry stays below every other team's
+            rival = min(heap[1:3]) if len(heap) > 1 else None
+            while True:
+                _, _, _, j, slots, cost = jobs.pop()
+                if quota is None:  # QuotaLedger.take, inline: a team without a quota never borrows
+                    out.append(j)
+                elif within.get(t, 0) + slots > quota:
+                    borrowers.append(j)
+                else:
+                    within[t] = within.get(t, 0) + slots
+                    out.append(j)
+                score[t] += cost
+                if not jobs:
+                    heapq.heappop(heap)
+                    break
+                entry = (score[t] / ent[t], name, t)
+                if rival is not None and rival < entry:
+                    heapq.heapreplace(heap, entry)
+                    break
     out += borrowers
     return out

@@ -51,7 +51,7 @@ class FreeSlots:
     """
 
     __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
-                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of")
+                 "rack_of", "racks", "rack_ge", "total", "ge", "pool_ge", "pool_of", "watch")
 
     def __init__(self, nodes: Iterable[NodeState]):
         nodes = sorted(nodes, key=lambda n: n.name)
@@ -76,6 +76,13 @@ class FreeSlots:
                     self.racks[rack] = [[] for _ in range(self.maxs + 1)]
                 self.racks[rack][a].append(i)
         self.racks = dict(sorted(self.racks.items()))
+        # per rack, its nodes with at least k slots available: a rack that cannot hold a gang is
+        # skipped without walking it (choose)
+        self.rack_ge: dict[str, list[int]] = {}
+        for rack, rb in self.racks.items():
+            rge = self.rack_ge[rack] = [0] * (self.maxs + 2)
+            for k in range(self.maxs, -1, -1):
+                rge[k] = rge[k + 1] + len(rb[k])
         self.total = sum(self.avail)
         # ge[k]: schedulable nodes with at least k slots available (k = 0..maxs, plus a 0 past the end)
         self.ge = [0] * (self.maxs + 2)
@@ -84,6 +91,8 @@ class FreeSlots:
         # per pool (the nodes one requirement allows, add_pool), its own ge counts
         self.pool_ge: list[list[int]] = []
         self.pool_of: list[list[int]] = [[] for _ in nodes]
+        # called as watch(i, old, new) when node i's available slots change (OverlayCounts)
+        self.watch = None
 
     def add_pool(self, members: Iterable[int]) -> int:
         """Track ge counts over these node indices too (kept up to date by take/hold/release), so
@@ -105,20 +114,27 @@ class FreeSlots:
         b = self.buckets[old]
         del b[bisect_left(b, i)]
         insort(self.buckets[new], i)
-        for ge in (self.ge, *(self.pool_ge[p] for p in self.pool_of[i])):
-            if new > old:
-                for k in range(old + 1, new + 1):
-                    ge[k] += 1
-            else:
-                for k in range(new + 1, old + 1):
-                    ge[k] -= 1
         rack = self.rack_of[i]
+        ks, step = (range(old + 1, new + 1), 1) if new > old else (range(new + 1, old + 1), -1)
+        ge = self.ge
+        for k in ks:
+            ge[k] += step
+        if rack is not None:
+            ge = self.rack_ge[rack]
+            for k in ks:
+                ge[k] += step
+        for p in self.pool_of[i]:
+            ge = self.pool_ge[p]
+            for k in ks:
+                ge[k] += step
         if rack is not None:
             rb = self.racks[rack]
             del rb[old][bisect_left(rb[old], i)]
             insort(rb[new], i)
         self.avail[i] = new
         self.total += new - old
+        if self.watch is not None:
+            self.watch(i, old, new)
 
     def take(self, i: int, k: int) -> tuple[int, ...]:
         """Take k free slots of node i (the lowest ids): the slot ids."""
@@ -188,6 +204,15 @@ class FreeSlots:
                 c -= 1
         return c
 
+    def limited(self, ppn: int, exclude, overlay, limit) -> int:
+        """How many of the nodes count_fit counts the limit keeps the job off."""
+        if not limit:
+            return 0
+        sched, avail = self.sched, self.avail
+        return sum(1 for i, cap in limit.items()
+                   if cap < ppn and sched[i] and avail[i] + (overlay.get(i, 0) if overlay else 0) >= ppn
+                   and not (exclude and i in exclude))
+
     def _walk(self, ppn: int, buckets: list[list[int]], og: dict[int, list[int]] | None, overlay, exclude, limit):
         """(level, node) candidates holding ppn slots, fullest first (best fit); at equal level the
         nodes that are busiest now (those the overlay frees) first, then by name: a reservation
@@ -223,8 +248,8 @@ class FreeSlots:
                     b = self.buckets[k]
                     if b:
                         return [b[0]]
-        elif self.count_fit(ppn, exclude, overlay) < n:
-            return None
+        elif self.count_fit(ppn, exclude, overlay) - self.limited(ppn, exclude, overlay, limit) < n:
+            return None  # not enough nodes, the limit's included: no walk (it would find none)
         og = rog = None
         if overlay:
             og, rog = {}, {}
@@ -237,7 +262,13 @@ class FreeSlots:
                     rog.setdefault(self.rack_of[i], {}).setdefault(k, []).append(i)
         if n > 1 and self.racks:
             best = None
+            rack_ge = self.rack_ge
             for rack, rb in self.racks.items():
+                bound = rack_ge[rack][ppn]  # at most this many nodes of the rack can take a share
+                if rog and rack in rog:
+                    bound += sum(len(v) for k, v in rog[rack].items() if k >= ppn)
+                if bound < n:
+                    continue
                 picked, cost = [], 0
                 for k, i in self._walk(ppn, rb, rog.get(rack) if rog else None, overlay, exclude, limit):
                     picked.append(i)
@@ -254,6 +285,77 @@ class FreeSlots:
             if len(picked) == n:
                 return sorted(picked)
         return None
+
+
+class OverlayCounts:
+    """A standing overlay on FreeSlots (the slots the jobs ending by a tick's reclaim deadline give
+    back; tick.py's `_TickEnds`) and FreeSlots.count_fit(ppn, exclude, overlay=self.delta), but in O(1) plus the excluded
+    nodes: `ge[k]` (and per pool) counts the schedulable nodes with min(avail + delta, maxs) >= k,
+    kept current by `add` (the overlay changes) and `moved` (a node's avail changed)."""
+
+    def __init__(self, free: FreeSlots):
+        self.free = free
+        self.delta: dict[int, int] = {}
+        self.ge = list(free.ge)  # an empty overlay: the free counts themselves
+        self.pools: dict[int, list[int]] = {}  # pool -> its ge counts, made on first use
+
+    def _level(self, avail: int, extra: int) -> int:
+        return min(avail + extra, self.free.maxs)
+
+    def _shift(self, i: int, old: int, new: int) -> None:
+        if old == new:
+            return
+        arrays = [self.ge]
+        if self.pools:
+            arrays += [self.pools[p] for p in self.free.pool_of[i] if p in self.pools]
+        lo, hi, step = (old + 1, new + 1, 1) if new > old else (new + 1, old + 1, -1)
+        for ge in arrays:
+            for k in range(lo, hi):
+                ge[k] += step
+
+    def moved(self, i: int, old: int, new: int) -> None:
+        """Node i's available slots went from old to new (FreeSlots._set)."""
+        if self.free.sched[i]:
+            d = self.delta.get(i, 0)
+            self._shift(i, self._level(old, d), self._level(new, d))
+
+    def add(self, shares: IndexShares, sign: int = 1) -> None:
+        """These shares' slots join the overlay (sign -1: leave it)."""
+        free = self.free
+        for i, slot_ids in shares:
+            if not free.sched[i]:
+                continue
+            old = self.delta.get(i, 0)
+            new = old + sign * len(slot_ids)
+            self.delta[i] = new
+            a = free.avail[i]
+            self._shift(i, self._level(a, old), self._level(a, new))
+
+    def _pool(self, pool: int) -> list[int]:
+        ge = self.pools.get(pool)
+        if ge is None:
+            free = self.free
+            ge = [0] * (free.maxs + 2)
+            for i, of in enumerate(free.pool_of):
+                if pool in of and free.sched[i]:
+                    for k in range(self._level(free.avail[i], self.delta.get(i, 0)) + 1):
+                        ge[k] += 1
+            self.pools[pool] = ge
+        return ge
+
+    def count_fit(self, ppn: int, exclude=None) -> int:
+        free = self.free
+        if ppn > free.maxs:
+            return 0
+        k = max(ppn, 0)
+        if isinstance(exclude, PoolExclusion):
+            c, out = self._pool(exclude.pool)[k], exclude.extra
+        else:
+            c, out = self.ge[k], exclude or ()
+        for i in out:
+            if free.sched[i] and free.avail[i] + self.delta.get(i, 0) >= ppn:
+                c -= 1
+        return c
 
 
 def fits_cluster(nodes: Iterable[NodeState], nodes_needed: int, procs_per_node: int) -> bool:

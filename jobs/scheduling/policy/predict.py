@@ -83,16 +83,60 @@ class _Forward:
         self.shape_of = [(j.nodes, j.procs_per_node) for j in self.jobs]
         self.pred_of = [j.predicted_s for j in self.jobs]
         self.capped = [j.user in self.caps for j in self.jobs]
+        # the backfill pass's "did not fit" key of each job: its shape and requirement, or its own
+        # index when it avoids nodes of its own (then nothing else shares its fate)
+        self.fit_key = [idx if dep is None else (n, ppn, dep)
+                        for idx, ((n, ppn), dep) in enumerate(zip(self.shape_of, self.deps))]
         self.eta: dict[int, float] = {}
         self.window: list[int] = []
         self.nxt = 0
         self.deferred: dict[str, list[int]] = {}  # user -> indices of jobs waiting for their cap
         self.head: list | None = None
+        # After a pass that walked the whole window and changed nothing while the head waited for
+        # its shadow time (backfill starts of uncapped users aside): the window's backfill
+        # candidates by fit key, [nodes, ppn, exclusion, least and most predicted_s], with the
+        # uncapped jobs refill adds since. Until the head changes, a pass can only start
+        # something once a candidate fits (`_may_start`); None: the next pass walks.
+        self.idle: dict | None = None
 
     def refill(self, depth: int) -> None:
         while len(self.window) < depth and self.nxt < len(self.jobs):
             self.window.append(self.nxt)
+            if self.idle is not None and not self.capped[self.nxt]:
+                self._note(self.idle, self.nxt)  # a new candidate: no cap check pending
+            else:
+                self.idle = None
             self.nxt += 1
+
+    def _note(self, shapes: dict, idx: int) -> None:
+        pred = self.pred_of[idx]
+        got = shapes.get(self.fit_key[idx])
+        if got is None:
+            shapes[self.fit_key[idx]] = [*self.shape_of[idx], self.excl[idx], pred, pred]
+        elif pred < got[3]:
+            got[3] = pred
+        elif pred > got[4]:
+            got[4] = pred
+
+    def _idle_shapes(self, head: list) -> dict:
+        shapes: dict = {}
+        for idx in self.window:
+            if idx != head[0]:
+                self._note(shapes, idx)
+        return shapes
+
+    def _may_start(self, head: list) -> bool:
+        """Could a pass now start a backfill candidate? False only when none can fit: not on the
+        free slots (count_fit), nor, for those running past the shadow, within the head's spare.
+        Between idle passes the users' running slots only fall, so no cap check would bite."""
+        f, t, shadow = self.free, self.t, head[1]
+        for n, ppn, ex, least, most in self.idle.values():
+            fit = f.count_fit(ppn, ex)
+            if fit < n:
+                continue
+            if t + least <= shadow or (t + most > shadow and fit - f.limited(ppn, ex, None, head[2]) >= n):
+                return True
+        return False
 
     def exhausted(self) -> bool:
         return not self.window and self.nxt >= len(self.jobs) and not self.deferred
@@ -114,11 +158,17 @@ class _Forward:
     def walk(self) -> None:
         """One pass over the window at time t: start the head when it fits (else reserve for it),
         backfill behind it, set aside jobs over their user's cap."""
-        f, window, jobs, excl, deps, t = self.free, self.window, self.jobs, self.excl, self.deps, self.t
+        f, window, jobs, excl, t = self.free, self.window, self.jobs, self.excl, self.t
         slots_of, shape_of, pred_of, capped = self.slots_of, self.shape_of, self.pred_of, self.capped
-        caps, user_run, choose = self.caps, self.user_run, self.free.choose
+        caps, user_run, choose, fit_key = self.caps, self.user_run, self.free.choose, self.fit_key
         head = self.head
-        failed: set = set()  # (nodes, ppn, runs past the shadow, requirement) that did not fit in this pass
+        if self.idle is not None and head is not None and t < head[1] and not self._may_start(head):
+            return  # the pass would change nothing
+        changed = False
+        # fit keys that did not fit in this pass, running past the shadow (long) or not: a pass only
+        # takes slots, so they would not fit later in it either
+        failed_long: set = set()
+        failed_short: set = set()
         k = 0
         while k < len(window):
             idx = window[k]
@@ -126,6 +176,7 @@ class _Forward:
                 user = jobs[idx].user
                 if user_run.get(user, 0) + slots_of[idx] > caps[user]:
                     self.deferred.setdefault(user, []).append(idx)
+                    changed = True
                     del window[k]
                     if head is not None and head[0] == idx:
                         head = None
@@ -133,31 +184,34 @@ class _Forward:
             if head is not None and head[0] != idx:  # a backfill candidate
                 total = f.total
                 if total == 0:
+                    changed = True  # not walked to the end: the jobs after it were not looked at
                     break
                 if slots_of[idx] <= total:
                     long = t + pred_of[idx] > head[1]
-                    n, ppn = shape_of[idx]
-                    dep = deps[idx]
-                    key = (n, ppn, long, dep)
-                    ex = excl[idx]
-                    if dep is None or key not in failed:
+                    failed = failed_long if long else failed_short
+                    key = fit_key[idx]
+                    if key not in failed:
+                        n, ppn = shape_of[idx]
                         limit = head[2] if long else None
-                        picked = choose(n, ppn, ex, limit)
+                        picked = choose(n, ppn, excl[idx], limit)
                         if picked is not None:
                             self.start(idx, picked)
+                            # the candidates passed so far still do not fit (a pass only takes
+                            # slots), but a capped user's jobs may now be over their cap
+                            changed = changed or capped[idx]
                             if limit:
                                 for i in picked:
                                     if i in limit:
                                         limit[i] -= ppn
                             del window[k]
                             continue
-                        if dep is not None:
-                            failed.add(key)
+                        failed.add(key)
                 k += 1
                 continue
             if head is not None and t < head[1]:
                 k += 1  # the head cannot fit before its shadow time: nothing ends sooner than predicted here
                 continue
+            changed = True
             n, ppn = shape_of[idx]
             picked = choose(n, ppn, excl[idx]) if slots_of[idx] <= f.total else None
             if picked is not None:
@@ -171,6 +225,7 @@ class _Forward:
                 continue
             k += 1
         self.head = head
+        self.idle = None if changed or head is None or t >= head[1] else self._idle_shapes(head)
 
     def advance(self) -> None:
         """Jump to the next predicted end: free what ends then, and give back as many of each
@@ -189,6 +244,7 @@ class _Forward:
                 while waiting and self.jobs[waiting[0]].slots <= room:
                     room -= self.jobs[waiting[0]].slots
                     insort(self.window, waiting.pop(0))
+                    self.idle = None
                 if not waiting:
                     del self.deferred[user]
 

@@ -27,6 +27,11 @@ class QuotaLedger:
         self.team_slots = team_slots
         self.within: dict[str | None, int] = {}
 
+    def copy(self) -> "QuotaLedger":
+        out = QuotaLedger(self.team_slots)
+        out.within = dict(self.within)
+        return out
+
     def borrows(self, team: str | None, slots: int) -> bool:
         """Whether a job of `team` with `slots` would borrow, counted after those so far."""
         quota = self.team_slots.get(team) if team is not None else None

@@ -14,20 +14,28 @@ Under ``fifo`` nobody passes the head.
 Before the queue walk, the jobs that preemptions are in flight for (reclaim.py) have the first
 claim on what is free and on what their victims will free: such a job starts as soon as it
 fits, and meanwhile holds the free slots its planned placement needs.
+
+The expected ends (`_TickEnds`) are kept current as the tick places and preempts, so no queued
+job pays for the whole list: the reservation walks them lazily in order of end, and reclaim's
+"would it fit once the jobs ending by the deadline (now + `reclaim_wait_s`, one per tick) have
+ended" (reclaim.py's `fits_by`) reads a standing overlay's counts (`placement.OverlayCounts`),
+updated when a placement adds an end, a preemption removes one and a node's free slots change.
+At 10,000 nodes and 100,000 queued jobs the tick used to rebuild, re-sort and merge the ends
+for each within-quota job that could not start: quadratic in the placements (bench/scheduler.py).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from jobs.scheduling.policy import elastic
 from jobs.scheduling.policy.cluster import ClusterView, Decision, NodeState, Placement, Preemption, QueuedJob, RunningJob, Share, check_policy, expected_end
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.eligibility import unservable_reason
-from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
+from jobs.scheduling.policy.placement import Eligibility, FreeSlots, IndexShares, OverlayCounts, exclusion, reserve
 from jobs.scheduling.policy.quotas import classify
-from jobs.scheduling.policy.reclaim import fits_by, pick_victims, victim_order
+from jobs.scheduling.policy.reclaim import pick_victims, victim_order
 
 
 @dataclass
@@ -45,6 +53,70 @@ def _fmt_s(s: float) -> str:
     if s < 2 * 86400:
         return f"{s / 3600:.1f} h"
     return f"{s / 86400:.1f} days"
+
+
+def _key(e: tuple) -> tuple:
+    return e[:2]
+
+
+class _TickEnds:
+    """The expected ends of the jobs holding slots in one tick: the running jobs' (not those
+    preempted, in flight or this tick: their slots go to the jobs they are for) and this tick's
+    placements'. `running`: (end, job id, shares) of the running jobs with no preemption in
+    flight, made on first use."""
+
+    def __init__(self, free: FreeSlots, running, deadline: float):
+        self.free = free
+        self._running_src = running
+        self._running: list | None = None
+        self.placed: list = []  # (end, job id, shares), sorted on demand
+        self._placed_sorted = True
+        self.gone: set[int] = set()  # running jobs preempted this tick
+        self.deadline = deadline
+        self.soon: OverlayCounts | None = None
+
+    def running(self) -> list:
+        if self._running is None:
+            self._running = sorted(self._running_src(), key=_key)
+        return self._running
+
+    def place(self, end: float, job_id: int, shares: IndexShares) -> None:
+        if self.placed and _key(self.placed[-1]) > (end, job_id):
+            self._placed_sorted = False
+        self.placed.append((end, job_id, shares))
+        if self.soon is not None and end <= self.deadline:
+            self.soon.add(shares)
+
+    def take(self, job_id: int, end: float, shares: IndexShares) -> None:
+        """A running job (with no preemption in flight before) is preempted: its end is gone."""
+        if job_id in self.gone:
+            return
+        self.gone.add(job_id)
+        if self.soon is not None and end <= self.deadline:
+            self.soon.add(shares, -1)
+
+    def ordered(self) -> Iterator[tuple[float, IndexShares]]:
+        """(end, shares) in order of (end, job id), the running jobs' before this tick's on a tie."""
+        if not self._placed_sorted:
+            self.placed.sort(key=_key)
+            self._placed_sorted = True
+        gone = self.gone
+        running = (e for e in self.running() if e[1] not in gone) if gone else iter(self.running())
+        ends = heapq.merge(running, self.placed, key=_key) if self.placed else running
+        return ((end, shares) for end, _, shares in ends)
+
+    def fits_soon(self, nodes: int, ppn: int, exclude) -> bool:
+        """Would a gang of nodes x ppn fit once the jobs ending by the deadline have ended?"""
+        if self.soon is None:
+            self.soon = soon = OverlayCounts(self.free)
+            for end, job_id, shares in self.running():
+                if end <= self.deadline and job_id not in self.gone:
+                    soon.add(shares)
+            for end, _, shares in self.placed:
+                if end <= self.deadline:
+                    soon.add(shares)
+            self.free.watch = soon.moved
+        return self.soon.count_fit(ppn, exclude) >= nodes
 
 
 class _Tick:
@@ -78,8 +150,11 @@ class _Tick:
         self.shrinking: set[int] = set()    # running elastic jobs reclaim shrinks (rather than stops)
         self.blocked: set[int] = set()      # queued jobs gated or unservable: they want no free slots
         self._candidates: list[RunningJob] | None = None
-        self._sorted_ends: list | None = None
-        self.placed_ends: list = []  # (end, job id, shares) of this tick's placements
+        self._plain: dict = {}  # (nodes, ppn) -> a plain job's _shape (placement.exclusion)
+        # the expected ends of the running jobs (no preemption in flight) and this tick's placements
+        self.ends = _TickEnds(self.free, lambda: ((expected_end(r, self.now), r.id, self.shares[r.id])
+                                                 for r in view.running if r.preempted_for is None),
+                             self.now + view.reclaim_wait_s)
 
     def _exclusion(self, job: QueuedJob) -> tuple[set[int] | None, bool, bool]:
         """placement.exclusion over the nodes the job may use (its device and labels)."""
@@ -89,6 +164,13 @@ class _Tick:
     def _shape(self, job: QueuedJob) -> tuple[QueuedJob, set[int] | None, bool, bool]:
         """(the job as a gang of the most nodes it could ever get, and its `_exclusion`): an
         elastic job whose most could never fit is treated as one of fewer (elastic.py)."""
+        if not (job.avoid or job.elastic or job.labels) and job.device == "cpu":
+            # a plain job: its exclusion depends on its shape only (fit counts are the tick's)
+            shape = (job.nodes, job.procs_per_node)
+            got = self._plain.get(shape)
+            if got is None:
+                got = self._plain[shape] = (job, *self._exclusion(job))
+            return job, *got[1:]
         got = self._exclusion(job)
         if got[1] or not job.elastic:
             return (elastic.at_count(job, job.nodes) if job.elastic else job), *got
@@ -128,29 +210,22 @@ class _Tick:
                        for rank, i in enumerate(picked))
         self.placements.append(Placement(job.id, shares, borrowing, reason))
         # it ends by its prediction too: a reservation made later in this tick counts on that
-        self.placed_ends.append((self.now + max(job.predicted_s, 0.0), job.id,
-                                 tuple((i, s.slot_ids) for i, s in zip(picked, shares))))
+        self.ends.place(self.now + max(job.predicted_s, 0.0), job.id,
+                        tuple((i, s.slot_ids) for i, s in zip(picked, shares)))
         self._claim(job, borrowing)
 
-    def _ends(self) -> list:
-        """(expected end, shares) of the running jobs and this tick's placements, by end; not
-        the victims of in-flight or new preemptions (their slots go to the jobs they are for)."""
-        if self._sorted_ends is None:
-            self._sorted_ends = sorted(
-                ((expected_end(r, self.now), r.id, self.shares[r.id]) for r in self.view.running
-                 if r.id not in self.taken and r.preempted_for is None),
-                key=lambda x: x[:2])
-        ends = [e for e in self._sorted_ends if e[1] not in self.taken]
-        if self.placed_ends:
-            ends = list(heapq.merge(ends, sorted(self.placed_ends, key=lambda x: x[:2]), key=lambda x: x[:2]))
-        return [(end, shares) for end, _, shares in ends]
+    def _take(self, r: RunningJob) -> None:
+        """r is preempted (or stopped to grow) this tick: its slots are no longer an end."""
+        self.taken.add(r.id)
+        if r.preempted_for is None:
+            self.ends.take(r.id, expected_end(r, self.now), self.shares[r.id])
 
     # -- reclaim
     def _reclaim(self, job: QueuedJob, exclude) -> tuple[list[RunningJob], dict[int, int]] | None:
         key = (job.team, job.nodes, job.procs_per_node)
         if not exclude and key in self.reclaim_failed:
             return None
-        if fits_by(self.free, job, exclude, self._ends(), self.now + self.view.reclaim_wait_s):
+        if self.ends.fits_soon(job.nodes, job.procs_per_node, exclude):  # reclaim.fits_by, kept current
             return None
         if self._candidates is None:
             self._candidates = victim_order(self.view.running, self.borrowing_running)
@@ -173,12 +248,12 @@ class _Tick:
         return True
 
     def _reserve(self, job: QueuedJob, exclude) -> _Reservation:
-        got = reserve(self.free, job.nodes, job.procs_per_node, exclude, self._ends())
+        got = reserve(self.free, job.nodes, job.procs_per_node, exclude, self.ends.ordered())
         return _Reservation(job, None, {}) if got is None else _Reservation(job, *got)
 
     # -- the pass
     def run(self) -> Decision:
-        order = queue_order(self.view)
+        order = queue_order(self.view, ledger=self.ledger.copy())  # the running jobs classified once
         done = self._inflight_first(order)
         head: _Reservation | None = None
         for job in order:
@@ -198,7 +273,7 @@ class _Tick:
         for r in self.view.running:
             if r.preempted_for is not None:
                 inflight.setdefault(r.preempted_for, []).append(r)
-        for job in (j for j in order if j.id in inflight):
+        for job in (j for j in order if j.id in inflight) if inflight else ():
             if self._gate(job) is not None:
                 continue
             exclude, ever, _ = self._exclusion(job)
@@ -278,7 +353,7 @@ class _Tick:
             if picked is None:
                 continue
             got = None if queued.restart_now else reserve(self.free, top.nodes, top.procs_per_node, exclude,
-                                                            self._ends())
+                                                            self.ends.ordered())
             reason = elastic.start_fewer(queued, top.nodes, k, self.now, got[0] if got else None)
             if reason is None:  # the most it can get now does not pay: fewer would pay less
                 return False
@@ -292,9 +367,9 @@ class _Tick:
     def _grow(self, order: list[QueuedJob], head: _Reservation | None) -> None:
         """Grow running elastic jobs onto free nodes nobody with a better claim waits for
         (elastic.py): a cooperative stop that restarts at once on more nodes."""
-        waiting = [j for j in order if j.id in self.waiting and j.id not in self.blocked]
-        growable = (r for r in self.view.running if r.elastic is not None and r.preemptible
-                    and r.id not in self.taken and len(r.nodes) < r.elastic.nodes)
+        growable = [r for r in self.view.running if r.elastic is not None and r.preemptible
+                    and r.id not in self.taken and len(r.nodes) < r.elastic.nodes]
+        waiting = [j for j in order if j.id in self.waiting and j.id not in self.blocked] if growable else []
         for r in sorted(growable, key=lambda r: (-r.priority, r.started_at, r.id)):
             e, cur = r.elastic, len(r.nodes)
             if r.predicted_end - self.now < self.view.grow_min_left_s or elastic.blocks_grow(r, waiting):
@@ -311,14 +386,14 @@ class _Tick:
                 continue
             for i in picked:
                 self.free.hold(i, e.procs_per_node)
-            self.taken.add(r.id)
+            self._take(r)
             self.preemptions.append(Preemption(r.id, elastic.grow_reason(cur, cur + n, n * e.procs_per_node),
                                                None, resize_to=cur + n))
 
     def _preempt(self, job: QueuedJob, victims: list[RunningJob]) -> None:
         quota = self.team_q[job.team]
         for r in victims:
-            self.taken.add(r.id)
+            self._take(r)
             q = self.team_q.get(r.team, 0)
             over = self.team_total.get(r.team, 0) - q
             why = (f"reclaimed: team {job.team} needs its quota back for job {job.id} "

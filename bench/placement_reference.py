@@ -1,0 +1,319 @@
+"""Gang placement as it was before issue 26 part 4 (jobs/scheduling/policy/placement.py at
+f181a2f), frozen for the references (scheduler_reference.py, predict_reference.py): its
+`FreeSlots.choose` walked every rack, and the whole cluster, for a gang that a head's spare
+limit kept off the nodes that would hold it. Not used by production code.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from typing import Iterable, Mapping, Sequence
+
+from jobs.scheduling.policy.cluster import NodeState, QueuedJob
+from jobs.scheduling.policy.eligibility import eligible, restricted
+from jobs.scheduling.policy.placement import PoolExclusion  # unchanged: shared, so elastic.py sees the same class
+
+IndexShares = tuple[tuple[int, Sequence[int]], ...]
+
+
+class FreeSlots:
+    """Free slots per node, bucketed by how many are available, for best fit in O(slots per node).
+
+    Nodes are indexed in name order; `buckets[k]` is the sorted list of schedulable nodes with
+    exactly k available slots (free minus `hold`s), and per rack the same. An *overlay*
+    ({node index: extra slots}) describes a hypothetical state (slots that running jobs will
+    free) without copying; a *limit* ({node index: max slots}) caps what a job may take there.
+    """
+
+    __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
+                 "rack_of", "racks", "total", "ge", "pool_ge", "pool_of")
+
+    def __init__(self, nodes: Iterable[NodeState]):
+        nodes = sorted(nodes, key=lambda n: n.name)
+        self.names = [n.name for n in nodes]
+        self.index = {n.name: i for i, n in enumerate(nodes)}
+        self.address = [n.address for n in nodes]
+        self.sched = [n.schedulable for n in nodes]
+        self.capacity = [n.slots for n in nodes]
+        self.ids = [[s for s in range(n.slots) if s not in n.used_slot_ids] if n.used_slot_ids
+                    else list(range(n.slots)) for n in nodes]
+        self.maxs = max((n.slots for n in nodes), default=0)
+        self.avail = [len(ids) if ok else 0 for ids, ok in zip(self.ids, self.sched)]
+        self.buckets: list[list[int]] = [[] for _ in range(self.maxs + 1)]
+        self.rack_of = [n.rack if n.schedulable else None for n in nodes]
+        self.racks: dict[str, list[list[int]]] = {}
+        for i, (a, ok, rack) in enumerate(zip(self.avail, self.sched, self.rack_of)):
+            if not ok:
+                continue
+            self.buckets[a].append(i)
+            if rack is not None:
+                if rack not in self.racks:
+                    self.racks[rack] = [[] for _ in range(self.maxs + 1)]
+                self.racks[rack][a].append(i)
+        self.racks = dict(sorted(self.racks.items()))
+        self.total = sum(self.avail)
+        # ge[k]: schedulable nodes with at least k slots available (k = 0..maxs, plus a 0 past the end)
+        self.ge = [0] * (self.maxs + 2)
+        for k in range(self.maxs, -1, -1):
+            self.ge[k] = self.ge[k + 1] + len(self.buckets[k])
+        # per pool (the nodes one requirement allows, add_pool), its own ge counts
+        self.pool_ge: list[list[int]] = []
+        self.pool_of: list[list[int]] = [[] for _ in nodes]
+
+    def add_pool(self, members: Iterable[int]) -> int:
+        """Track ge counts over these node indices too (kept up to date by take/hold/release), so
+        count_fit over a PoolExclusion costs what it costs over the whole cluster."""
+        pid = len(self.pool_ge)
+        ge = [0] * (self.maxs + 2)
+        for i in members:
+            self.pool_of[i].append(pid)
+            if self.sched[i]:
+                for k in range(self.avail[i] + 1):
+                    ge[k] += 1
+        self.pool_ge.append(ge)
+        return pid
+
+    def _set(self, i: int, new: int) -> None:
+        old = self.avail[i]
+        if old == new:
+            return
+        b = self.buckets[old]
+        del b[bisect_left(b, i)]
+        insort(self.buckets[new], i)
+        for ge in (self.ge, *(self.pool_ge[p] for p in self.pool_of[i])):
+            if new > old:
+                for k in range(old + 1, new + 1):
+                    ge[k] += 1
+            else:
+                for k in range(new + 1, old + 1):
+                    ge[k] -= 1
+        rack = self.rack_of[i]
+        if rack is not None:
+            rb = self.racks[rack]
+            del rb[old][bisect_left(rb[old], i)]
+            insort(rb[new], i)
+        self.avail[i] = new
+        self.total += new - old
+
+    def take(self, i: int, k: int) -> tuple[int, ...]:
+        """Take k free slots of node i (the lowest ids): the slot ids."""
+        ids = self.ids[i]
+        got = tuple(ids[:k])
+        del ids[:k]
+        self._set(i, self.avail[i] - k)
+        return got
+
+    def hold(self, i: int, k: int) -> None:
+        """Keep k available slots of node i from anyone else this tick."""
+        self._set(i, self.avail[i] - k)
+
+    def release(self, i: int, slot_ids: Sequence[int]) -> None:
+        """Give these slots of node i back (a job ended)."""
+        self.ids[i] = sorted(self.ids[i] + list(slot_ids))
+        if self.sched[i]:
+            self._set(i, self.avail[i] + len(slot_ids))
+
+    def level(self, i: int, overlay: Mapping[int, int] | None) -> int:
+        """Slots available on node i in the state the overlay describes."""
+        return self.avail[i] + (overlay.get(i, 0) if overlay else 0)
+
+    def shares_of(self, nodes: Iterable[tuple[str, Sequence[int]]]) -> IndexShares:
+        """(node name, slot ids) shares as (node index, slot ids), leaving out unknown nodes."""
+        index = self.index
+        return tuple((index[name], ids) for name, ids in nodes if name in index)
+
+    def overlay_of(self, shares: Iterable[tuple[int, Sequence[int]]],
+                   into: dict[int, int] | None = None) -> dict[int, int]:
+        """{node index: slots} that these shares would give back (schedulable nodes only)."""
+        delta = {} if into is None else into
+        sched = self.sched
+        for i, slot_ids in shares:
+            if sched[i]:
+                delta[i] = delta.get(i, 0) + len(slot_ids)
+        return delta
+
+    def count_fit(self, ppn: int, exclude=None, overlay: Mapping[int, int] | None = None) -> int:
+        """How many schedulable nodes (not excluded) have at least ppn slots available (with overlay)."""
+        if ppn > self.maxs:
+            return 0
+        if isinstance(exclude, PoolExclusion):
+            return self._count_pool(ppn, exclude, overlay)
+        c = self.ge[max(ppn, 0)]
+        if overlay:
+            for i, extra in overlay.items():
+                a = self.avail[i]
+                if self.sched[i] and a < ppn <= a + extra:
+                    c += 1
+        if exclude:
+            for i in exclude:
+                if self.sched[i] and self.level(i, overlay) >= ppn:
+                    c -= 1
+        return c
+
+    def _count_pool(self, ppn: int, exclude: PoolExclusion, overlay: Mapping[int, int] | None) -> int:
+        pool = exclude.pool
+        c = self.pool_ge[pool][max(ppn, 0)]
+        if overlay:
+            for i, extra in overlay.items():
+                a = self.avail[i]
+                if self.sched[i] and a < ppn <= a + extra and pool in self.pool_of[i]:
+                    c += 1
+        for i in exclude.extra:
+            if self.sched[i] and self.level(i, overlay) >= ppn:
+                c -= 1
+        return c
+
+    def _walk(self, ppn: int, buckets: list[list[int]], og: dict[int, list[int]] | None, overlay, exclude, limit):
+        """(level, node) candidates holding ppn slots, fullest first (best fit); at equal level the
+        nodes that are busiest now (those the overlay frees) first, then by name: a reservation
+        made on a future state takes the nodes that will free up, and leaves the ones free now
+        to backfill."""
+        for k in range(ppn, self.maxs + 1):
+            if og:
+                for i in og.get(k, ()):
+                    if exclude and i in exclude:
+                        continue
+                    if limit and i in limit and limit[i] < ppn:
+                        continue
+                    yield k, i
+            for i in buckets[k]:
+                if overlay and i in overlay:
+                    continue
+                if exclude and i in exclude:
+                    continue
+                if limit and i in limit and limit[i] < ppn:
+                    continue
+                yield k, i
+
+    def choose(self, n: int, ppn: int, exclude=None, limit: Mapping[int, int] | None = None,
+               overlay: Mapping[int, int] | None = None) -> list[int] | None:
+        """Nodes for a gang of n shares of ppn slots, or None: best fit, one rack first."""
+        if n * ppn > self.total + (sum(overlay.values()) if overlay else 0) or ppn > self.maxs:
+            return None
+        if not (exclude or limit or overlay):  # the common case: no per-node conditions
+            if self.ge[ppn] < n:
+                return None
+            if n == 1:
+                for k in range(ppn, self.maxs + 1):
+                    b = self.buckets[k]
+                    if b:
+                        return [b[0]]
+        elif self.count_fit(ppn, exclude, overlay) < n:
+            return None
+        og = rog = None
+        if overlay:
+            og, rog = {}, {}
+            for i in sorted(overlay, key=lambda i: (self.avail[i], i)):
+                if not self.sched[i]:
+                    continue
+                k = self.avail[i] + overlay[i]
+                og.setdefault(k, []).append(i)
+                if self.rack_of[i] is not None:
+                    rog.setdefault(self.rack_of[i], {}).setdefault(k, []).append(i)
+        if n > 1 and self.racks:
+            best = None
+            for rack, rb in self.racks.items():
+                picked, cost = [], 0
+                for k, i in self._walk(ppn, rb, rog.get(rack) if rog else None, overlay, exclude, limit):
+                    picked.append(i)
+                    cost += k
+                    if len(picked) == n:
+                        break
+                if len(picked) == n and (best is None or cost < best[0]):
+                    best = (cost, picked)
+            if best is not None:
+                return sorted(best[1])
+        picked = []
+        for _, i in self._walk(ppn, self.buckets, og, overlay, exclude, limit):
+            picked.append(i)
+            if len(picked) == n:
+                return sorted(picked)
+        return None
+
+
+def fits_cluster(nodes: Iterable[NodeState], nodes_needed: int, procs_per_node: int) -> bool:
+    """Could the job ever run on these nodes (all of them empty), whatever their status?"""
+    return sum(1 for n in nodes if n.slots >= procs_per_node) >= nodes_needed
+
+
+def fit_counts(nodes: Iterable[NodeState]) -> list[int]:
+    """[k] = how many schedulable nodes have at least k slots (empty), k = 0..max slots: "could
+    the job ever fit on today's schedulable nodes" in O(1)."""
+    sizes = [n.slots for n in nodes if n.schedulable]
+    out = [0] * (max(sizes, default=0) + 1)
+    for s in sizes:
+        out[s] += 1
+    for k in range(len(out) - 2, -1, -1):
+        out[k] += out[k + 1]
+    return out
+
+
+def _ever(fit_count: list[int], nodes: int, ppn: int, skip: int = 0) -> bool:
+    return ppn < len(fit_count) and fit_count[max(ppn, 0)] - skip >= nodes
+
+
+class Eligibility:
+    """Per job requirement (device, GPU memory, labels; eligibility.py): the node indices (as
+    FreeSlots numbers them) a job may never use, and "could it ever fit" counts over the rest.
+    Computed once per distinct requirement in a tick; a plain cpu job costs nothing."""
+
+    def __init__(self, free: FreeSlots, nodes: Iterable[NodeState]):
+        self.free = free
+        self.nodes = [None] * len(free.names)
+        for n in nodes:
+            self.nodes[free.index[n.name]] = n
+        self.fit_all = fit_counts(nodes)
+        self.cache: dict[tuple, tuple[PoolExclusion | None, list[int]]] = {}
+
+    def of(self, job: QueuedJob) -> tuple[PoolExclusion | None, list[int]]:
+        """(ineligible node indices or None, fit counts over the eligible schedulable nodes)."""
+        if not restricted(job):
+            return None, self.fit_all
+        key = (job.device, job.gpu_memory_bytes, job.labels)
+        got = self.cache.get(key)
+        if got is None:
+            ok = [eligible(n, job) for n in self.nodes]
+            hard = [i for i, yes in enumerate(ok) if not yes]
+            exclude = PoolExclusion(hard, self.free.add_pool(i for i, yes in enumerate(ok) if yes)) if hard else None
+            got = (exclude, fit_counts(n for n, yes in zip(self.nodes, ok) if yes))
+            self.cache[key] = got
+        return got
+
+
+def exclusion(free: FreeSlots, fit_count: list[int], job: QueuedJob,
+              hard: PoolExclusion | None = None) -> tuple[set[int] | None, bool, bool]:
+    """(node indices to keep the job off, could it ever fit on today's schedulable nodes, does
+    it avoid nodes): the nodes it may never use (`hard`, with `fit_count` counted over the
+    others), plus those it should avoid, unless avoiding them would leave it no way to fit."""
+    ever = _ever(fit_count, job.nodes, job.procs_per_node)
+    if not ever:
+        return None, False, False
+    avoid = ({free.index[a] for a in job.avoid if a in free.index} - (hard or set())) if job.avoid else set()
+    skip = sum(1 for i in avoid if free.sched[i] and free.capacity[i] >= job.procs_per_node)
+    if not (avoid and _ever(fit_count, job.nodes, job.procs_per_node, skip)):
+        return hard, True, False
+    if isinstance(hard, PoolExclusion):
+        return PoolExclusion(hard | avoid, hard.pool, avoid), True, True
+    return set(avoid) | set(hard or ()), True, True
+
+
+def reserve(free: FreeSlots, nodes: int, ppn: int, exclude,
+            ends: Iterable[tuple[float, IndexShares]]) -> tuple[float, dict[int, int]] | None:
+    """The EASY reservation of a gang of `nodes` x `ppn` slots: (shadow time, {reserved node
+    index: spare slots}), or None when it would not fit even after every end. `ends` are the
+    expected ends of the jobs holding slots, (end, their shares), in order of end."""
+    delta: dict[int, int] = {}
+    count = free.count_fit(ppn, exclude)
+    avail, sched = free.avail, free.sched
+    for end, shares in ends:
+        for i, slot_ids in shares:
+            if not sched[i]:
+                continue
+            before = avail[i] + delta.get(i, 0)
+            delta[i] = delta.get(i, 0) + len(slot_ids)
+            if before < ppn <= before + len(slot_ids) and not (exclude and i in exclude):
+                count += 1
+        if count >= nodes:
+            plan = free.choose(nodes, ppn, exclude, overlay=delta)
+            if plan is not None:
+                return end, {i: free.level(i, delta) - ppn for i in plan}
+    return None
