@@ -10,7 +10,7 @@ over `--ranks` ranks, one rank the slowest most of the time, a user metric) and 
 rows of the last `--rank-window` steps (what retention keeps), written with executemany into a fresh
 SQLite database migrated by Django (the relay's own writes are not what is measured).
 
-Measured, `--connects` times each (p50/p99): `total_ms` from opening the socket to the last frame of
+Measured, `--connects` times (the old path `--old-connects`), p50/p99: `total_ms` from opening the socket to the last frame of
 the snapshot (the client pings after the snapshot; the server answers after every chunk of it), and
 `first_frame_ms` to the snapshot frame itself.
 - `reduced`: today's snapshot (jobs/telemetry/payloads.py chart_telemetry: the reduced steps bucketed to
@@ -70,6 +70,7 @@ def fill(ranks: int, steps: int, window: int) -> dict:
     """The job, its attempt and its telemetry; returns ids and what was written."""
     from django.contrib.auth import get_user_model
     from django.db import connection, transaction
+    from django.utils import timezone
 
     from jobs.models import Attempt, Job, MetricSample, MetricStep
     from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
@@ -77,7 +78,10 @@ def fill(ranks: int, steps: int, window: int) -> dict:
     admin = get_user_model().objects.get(username="admin")
     job = Job.objects.create(name="ws-bench", owner=admin, spec={"name": "ws-bench"}, plan={}, slots=ranks,
                              status=Job.Status.RUNNING)
-    attempt = Attempt.objects.create(job=job, number=1, status=Attempt.Status.RUNNING)
+    # running, at its last step and making progress: the job JSON's health reads the recent per-rank rows
+    attempt = Attempt.objects.create(job=job, number=1, status=Attempt.Status.RUNNING, last_step=steps - 1,
+                                     last_progress_at=timezone.now())
+    Job.objects.filter(pk=job.pk).update(step=steps - 1)
     rnd = random.Random(0)
     slow, fast = 717, 3
     reported = [f for f in REDUCED_FIELDS if f not in ("compression_ratio", "share")]
@@ -104,7 +108,7 @@ def fill(ranks: int, steps: int, window: int) -> dict:
                 else:
                     v = rnd.uniform(1, 2)
                     row += [ranks, v * 0.9, v, v * 1.1]
-            for f in RANKED_FIELDS:
+            for _f in RANKED_FIELDS:
                 row += [fast if rnd.random() < 0.6 else rnd.randrange(ranks),
                         slow if rnd.random() < 0.6 else rnd.randrange(ranks)]
             batch.append(row)
@@ -160,12 +164,60 @@ def measure(port: int, token: str, job: int, n: int) -> dict:
             "frames": runs[-1]["frames"], "bytes": runs[-1]["bytes"], "connects": n}
 
 
+def db_times(job: int) -> dict:
+    """Each snapshot's database reads alone, in this process (median of 5; the old one of 2)."""
+    from jobs.runs import payloads as runs_payloads
+    from jobs.telemetry import payloads as telemetry_payloads
+
+    def timed(fn, n: int = 5) -> float:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1000)
+        return round(statistics.median(ts), 1)
+
+    charts = telemetry_payloads.chart_telemetry(job)
+    old_rows, _ = telemetry_payloads.metric_window(job, max_points=4000)
+    return {
+        # chart_telemetry: the charts' reads; job_snapshot: the whole first frame's (the job JSON's health
+        # reads the last 20 steps' per-rank rows: jobs/attempts/selectors.py attempt_recent_samples)
+        "reduced": {"db_ms": timed(lambda: telemetry_payloads.chart_telemetry(job)),
+                    "job_snapshot_db_ms": timed(lambda: runs_payloads.job_snapshot(job)),
+                    "points": len(charts["steps"]), "named_samples": len(charts["samples"]),
+                    "named": [x["rank"] for x in charts["named"]["slowest"]]},
+        "old": {"db_ms": timed(lambda: telemetry_payloads.metric_window(job, max_points=4000), 2),
+                "rows": len(old_rows), "steps_charted": len({r["step"] for r in old_rows})},
+    }
+
+
+def start_daphnes(procs: dict, workdir: Path) -> dict[str, int]:
+    """daphne on controlplane.asgi (reduced) and on bench/ws_snapshot_old.py (old); their ports."""
+    ports = {"reduced": free_port(), "old": free_port()}
+    for name, app in (("reduced", "controlplane.asgi:application"), ("old", "bench.ws_snapshot_old:application")):
+        procs[name] = subprocess.Popen([PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(ports[name]), app], cwd=REPO,
+                                       env={**os.environ}, stdout=open(workdir / f"daphne-{name}.log", "ab"),
+                                       stderr=subprocess.STDOUT)
+
+    def up(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    for name, port in ports.items():
+        wait(lambda port=port: up(port), 60, f"daphne ({name})")
+    return ports
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--rank-window", type=int, default=2000, help="steps of per-rank samples kept")
     ap.add_argument("--connects", type=int, default=20)
+    ap.add_argument("--old-connects", type=int, default=5, help="connects of the old path (seconds each at 1,024 ranks)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
 
@@ -202,54 +254,22 @@ def main() -> None:
         with connection.cursor() as cur:
             cur.execute("ANALYZE")
 
-        # The database reads alone, in this process (median of 5).
-        from jobs.runs import payloads as runs_payloads
-        from jobs.telemetry import payloads as telemetry_payloads
-
-        def timed(fn) -> float:
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1000)
-            return round(statistics.median(ts), 1)
-
-        reduced_db = timed(lambda: telemetry_payloads.chart_telemetry(ids["job"]))
-        charts = telemetry_payloads.chart_telemetry(ids["job"])
-        old_db = timed(lambda: telemetry_payloads.metric_window(ids["job"], max_points=4000))
-        old_rows, _ = telemetry_payloads.metric_window(ids["job"], max_points=4000)
-        snapshot_db = timed(lambda: runs_payloads.job_snapshot(ids["job"]))
+        db = db_times(ids["job"])
         connection.close()
 
-        ports = {"reduced": free_port(), "old": free_port()}
-        for name, app in (("reduced", "controlplane.asgi:application"), ("old", "bench.ws_snapshot_old:application")):
-            procs[name] = subprocess.Popen([PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(ports[name]), app], cwd=REPO,
-                                           env={**os.environ}, stdout=open(workdir / f"daphne-{name}.log", "ab"),
-                                           stderr=subprocess.STDOUT)
-        for name, port in ports.items():
-            def up(port=port) -> bool:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=1):
-                        return True
-                except OSError:
-                    return False
-            wait(up, 60, f"daphne ({name})")
+        ports = start_daphnes(procs, workdir)
         say("measuring")
         reduced = measure(ports["reduced"], token, ids["job"], args.connects)
-        old = measure(ports["old"], token, ids["job"], args.connects)
-        steps_in_old = len({r["step"] for r in old_rows})
+        old = measure(ports["old"], token, ids["job"], args.old_connects)
         print(json.dumps({
             "bench": "ws_snapshot", "db": "sqlite", "ranks": args.ranks, "steps": args.steps,
             "rank_window_steps": args.rank_window, "generate_s": ids["generate_s"], "goal_total_p50_ms": 300,
-            "reduced": {**reduced, "db_ms": reduced_db, "job_snapshot_db_ms": snapshot_db, "points": len(charts["steps"]),
-                        "named_samples": len(charts["samples"]),
-                        "named": [x["rank"] for x in charts["named"]["slowest"]]},
+            "reduced": {**reduced, **db["reduced"]},
             "old_metric_window": {**old, "label": f"before issue 26: metric_window over per-rank rows "
-                                                  f"({args.ranks} ranks x {args.rank_window} steps)",
-                                  "db_ms": old_db, "rows": len(old_rows), "steps_charted": steps_in_old},
+                                                  f"({args.ranks} ranks x {args.rank_window} steps)", **db["old"]},
         }))
     finally:
-        for name, proc in procs.items():
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 import time
 from jobs.telemetry.payloads import SNAPSHOT_POINTS, chart_telemetry
-from jobs.telemetry.reduced import NAMED_SAMPLE_STEPS
 from jobs.access import selectors as access_selectors
 from jobs.scheduling import selectors as scheduling_selectors
 from jobs.telemetry import selectors as telemetry_selectors
@@ -24,7 +23,7 @@ def job_snapshot(job_id: int, *, max_points: int = SNAPSHOT_POINTS) -> dict:
         "type": "snapshot", "job": JobSerializer(job).data, "steps": charts["steps"],
         "bucketed": charts["bucketed"], "total_steps": charts["total_steps"], "named": charts["named"],
         # downsampled: the samples are not the whole history (buckets, or only the recent steps' samples)
-        "samples": charts["samples"], "downsampled": charts["bucketed"] or charts["total_steps"] > NAMED_SAMPLE_STEPS,
+        "samples": charts["samples"], "downsampled": charts["downsampled"],
         "logs": telemetry_selectors.job_log_lines(job_id, limit=1000),
         "events": [event_row(e) for e in job.events.order_by("-id")[:200]][::-1],
         "checkpoints": [checkpoint_row(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],

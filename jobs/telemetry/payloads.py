@@ -54,8 +54,11 @@ def metric_window(job_id: int, *, from_step: int | None = None, max_points: int 
 def chart_telemetry(job_id: int, *, from_step: int | None = None, max_points: int = SNAPSHOT_POINTS) -> dict:
     """The charts' part of a snapshot (from_step None) or of a catch-up `window` (from `from_step` on):
     {"steps": bucketed step rows, "bucketed", "total_steps", "named": the named ranks, "samples": their
-    per-rank samples over the recent steps}. ~6 queries (the lineage's attempts are read by each)."""
+    per-rank samples over the recent steps, "downsampled": the samples are not the whole series}. ~6 queries (the lineage's attempts are read by each)."""
     series = reduced.reduced_series(job_id, from_step=from_step, max_points=max_points)
     named = reduced.named_ranks(job_id)
     samples = reduced.named_samples(job_id, named, from_step=from_step) if series["steps"] else []
-    return {**series, "named": named, "samples": samples}
+    # downsampled: the samples are not every step of the series (buckets, or only the recent steps')
+    first = series["steps"][0].get("first", series["steps"][0]["step"]) if series["steps"] else None
+    downsampled = series["bucketed"] or bool(samples and samples[0]["step"] > first)
+    return {**series, "named": named, "samples": samples, "downsampled": downsampled}

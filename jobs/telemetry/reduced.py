@@ -10,11 +10,10 @@ A **step row** (the wire form, docs/architecture.md "WebSockets"):
      "by": {"step_s": [min_rank, max_rank], "loss": [...], "compute_s": [...]},
      "metrics": {"val_loss": [min, last, max]}}           # the user's own metrics, when logged
 
-A bucket of the snapshot has the same form: `step` is its last step, `min`/`max` span every step of the
-bucket (min of f_min, max of f_max: a spike survives, as in W&B), the mean, `n`, `by`, `ts` and `ranks`
-are those of its last step, and `first` is its first step. A live step is a bucket of one step. User
-metrics are the lowest reporting rank's values (MetricStep.extra): `[v, v, v]` for one step, the bucket's
-min, last and max of that value otherwise.
+A bucket of the snapshot has the same form: `step` is its last step, `first` its first; for BAND_FIELDS
+`min`/`max` span every step of the bucket (min of f_min, max of f_max: a spike survives, as in W&B); the
+mean, `n`, `by`, `ts`, `ranks`, the other fields' min/max and the user metrics are those of its last
+step. User metrics are the lowest reporting rank's values (MetricStep.extra) as `[v, v, v]`.
 
 The **named ranks**: the slowest and the fastest few, by how often each was the step's `step_s_max_rank`
 (slowest) or `step_s_min_rank` (fastest) over the last NAMED_RECENT_STEPS steps; a job of at most
@@ -30,17 +29,24 @@ from django.db.models import BigIntegerField, Count, ExpressionWrapper, F, Max, 
 from jobs.models import MetricSample, MetricStep
 from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
 from jobs.telemetry.selectors import lineage_filter
-from jobs.telemetry.series import MAX_POINTS, UserMetric
+from jobs.telemetry.series import MAX_POINTS
 
 NAMED_PER_SIDE = 3          # the slowest few and the fastest few
 NAMED_RECENT_STEPS = 200    # ... counted over this many recent steps
 SMALL_WORLD = 8             # a job of at most this many ranks names them all
-NAMED_SAMPLE_STEPS = 500    # the named ranks' per-rank samples: the most recent this many steps
-MAX_USER_METRICS = 32       # as ingest.user_metrics allows per sample
+NAMED_SAMPLE_STEPS = 500    # the named ranks' per-rank samples: the most recent this many steps (a small job)
+NAMED_SAMPLE_BUDGET = 1500  # ... or this many samples shared by the named ranks of a big job
+# The fields whose bucket carries the min and max over every step in it (the page draws them as bands).
+BAND_FIELDS = ("loss", "step_s", "bytes_sent", "share")
 
-STEP_COLUMNS = (["attempt_id", "step", "ts", "ranks", "extra"]
-                + [f"{f}_{k}" for f in REDUCED_FIELDS for k in ("min", "mean", "max", "n")]
-                + [f"{f}_{k}_rank" for f in RANKED_FIELDS for k in ("min", "max")])
+def step_columns(fields=REDUCED_FIELDS) -> list[str]:
+    """The MetricStep columns a step row is made of, for the standard fields `fields`."""
+    return (["attempt_id", "step", "ts", "ranks", "extra"]
+            + [f"{f}_{k}" for f in fields for k in ("min", "mean", "max", "n")]
+            + [f"{f}_{k}_rank" for f in RANKED_FIELDS for k in ("min", "max")])
+
+
+STEP_COLUMNS = step_columns()
 
 
 def step_bucket(first: int, last: int, max_points: int):
@@ -51,28 +57,24 @@ def step_bucket(first: int, last: int, max_points: int):
                              output_field=BigIntegerField())
 
 
-def step_row(r: dict, *, lo: dict | None = None, hi: dict | None = None, first: int | None = None) -> dict:
-    """The wire form of one MetricStep row (a dict of STEP_COLUMNS); lo/hi: a bucket's min/max per
-    field (and per user metric, "m:<name>") instead of the step's own."""
+def step_row(r: dict, *, lo: dict | None = None, hi: dict | None = None, first: int | None = None,
+             fields=REDUCED_FIELDS) -> dict:
+    """The wire form of one MetricStep row (a dict of step_columns(fields)); lo/hi: a bucket's min/max
+    per field (those it has) instead of the step's own."""
     out = {"attempt": r["attempt_id"], "step": r["step"], "ts": r["ts"], "ranks": r["ranks"]}
     if first is not None and first != r["step"]:
         out["first"] = first
-    for f in REDUCED_FIELDS:
+    for f in fields:
         n = r[f"{f}_n"]
         if not n or r[f"{f}_mean"] is None:
             continue
-        out[f] = [lo[f] if lo else r[f"{f}_min"], r[f"{f}_mean"], hi[f] if hi else r[f"{f}_max"], n]
+        out[f] = [lo[f] if lo and f in lo else r[f"{f}_min"], r[f"{f}_mean"], hi[f] if hi and f in hi else r[f"{f}_max"], n]
     by = {f: [r[f"{f}_min_rank"], r[f"{f}_max_rank"]] for f in RANKED_FIELDS if r[f"{f}_max_rank"] is not None}
     if by:
         out["by"] = by
     extra = r["extra"]
     if isinstance(extra, dict) and extra:
-        metrics = {}
-        for name, v in extra.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                lo_v = lo.get(f"m:{name}") if lo else None
-                hi_v = hi.get(f"m:{name}") if hi else None
-                metrics[name] = [v if lo_v is None else min(lo_v, v), v, v if hi_v is None else max(hi_v, v)]
+        metrics = {name: [v, v, v] for name, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if metrics:
             out["metrics"] = metrics
     return out
@@ -85,39 +87,40 @@ def _lineage_steps(job_id: int, from_step: int | None = None):
 
 def reduced_series(job_id: int, *, from_step: int | None = None, max_points: int = MAX_POINTS) -> dict:
     """{"steps": [step rows, in step order, at most max_points], "bucketed": whether a row stands for
-    several steps, "total_steps": steps summarised}. In the database: the bounds and the count (one
-    aggregate), then either every row (a run of at most max_points steps) or one GROUP BY over
-    step_bucket (min of each f_min, max of each f_max, the last step) and the rows at the buckets'
-    last steps. Python holds ~max_points rows whatever the run's length or its number of ranks."""
+    several steps, "total_steps": steps summarised}. In the database: the first and the newest step (the
+    (job, step) index; the newest row also says which fields and user metrics the job reports), then
+    every row of a run spanning at most max_points steps, or one GROUP BY over step_bucket (the last
+    and first step, the count, the min of f_min and max of f_max of each BAND_FIELDS field) and the rows
+    at the buckets' last steps. Python holds ~max_points rows whatever the run's length or its ranks.
+
+    Only BAND_FIELDS get a bucket-wide min/max: SQLite pays ~10 ms per aggregate over 100,000 steps, and
+    the other fields are charted as means (throughput, breakdown); their min/max in a bucket row are its
+    last step's, as are the user metrics' (a JSON lookup per row costs ~100 ms per metric there)."""
     qs = _lineage_steps(job_id, from_step)
-    agg = qs.aggregate(n=Count("id"), lo=Min("step"), hi=Max("step"))
-    if not agg["n"]:
+    first = qs.order_by("step").values_list("step", flat=True).first()
+    if first is None:
         return {"steps": [], "bucketed": False, "total_steps": 0}
-    if agg["n"] <= max_points:
-        rows = qs.order_by("step").values(*STEP_COLUMNS)
-        return {"steps": [step_row(r) for r in rows], "bucketed": False, "total_steps": agg["n"]}
-    # The user metrics' names from the newest row (its lowest rank's): their min/max go in the GROUP BY.
-    newest = qs.order_by("-step").values_list("extra", flat=True).first()
-    names = sorted(k for k, v in newest.items() if isinstance(v, (int, float)))[:MAX_USER_METRICS] \
-        if isinstance(newest, dict) else []
-    aggs = {"last": Max("step"), "first": Min("step")}
-    for i, f in enumerate(REDUCED_FIELDS):
+    newest = qs.order_by("-step").values(*[f"{f}_n" for f in REDUCED_FIELDS], "step").first()
+    last = newest["step"]
+    fields = [f for f in REDUCED_FIELDS if newest[f"{f}_n"]]
+    columns = step_columns(fields)
+    if last - first + 1 <= max_points:
+        rows = [step_row(r, fields=fields) for r in qs.order_by("step").values(*columns)]
+        return {"steps": rows, "bucketed": False, "total_steps": len(rows)}
+    banded = [f for f in fields if f in BAND_FIELDS]
+    aggs = {"last": Max("step"), "first": Min("step"), "n": Count("id")}
+    for i, f in enumerate(banded):
         aggs[f"lo{i}"], aggs[f"hi{i}"] = Min(f"{f}_min"), Max(f"{f}_max")
-    for i, name in enumerate(names):
-        aggs[f"mlo{i}"], aggs[f"mhi{i}"] = Min(UserMetric(name)), Max(UserMetric(name))
-    groups = list(qs.annotate(b=step_bucket(agg["lo"], agg["hi"], max_points)).values("b").order_by("b")
-                  .annotate(**aggs))
+    groups = list(qs.annotate(b=step_bucket(first, last, max_points)).values("b").order_by("b").annotate(**aggs))
     by_last = {g["last"]: g for g in groups}
-    rows = qs.filter(step__in=list(by_last)).order_by("step").values(*STEP_COLUMNS)
+    rows = qs.filter(step__in=list(by_last)).order_by("step").values(*columns)
     out = []
     for r in rows:
         g = by_last[r["step"]]
-        lo = {f: g[f"lo{i}"] for i, f in enumerate(REDUCED_FIELDS)}
-        hi = {f: g[f"hi{i}"] for i, f in enumerate(REDUCED_FIELDS)}
-        for i, name in enumerate(names):
-            lo[f"m:{name}"], hi[f"m:{name}"] = g[f"mlo{i}"], g[f"mhi{i}"]
-        out.append(step_row(r, lo=lo, hi=hi, first=g["first"]))
-    return {"steps": out, "bucketed": True, "total_steps": agg["n"]}
+        lo = {f: g[f"lo{i}"] for i, f in enumerate(banded)}
+        hi = {f: g[f"hi{i}"] for i, f in enumerate(banded)}
+        out.append(step_row(r, lo=lo, hi=hi, first=g["first"], fields=fields))
+    return {"steps": out, "bucketed": True, "total_steps": sum(g["n"] for g in groups)}
 
 
 def _top(counter: Counter, k: int) -> list[dict]:
@@ -160,14 +163,17 @@ def sample_dicts(qs) -> list[dict]:
     return rows
 
 
-def named_samples(job_id: int, named: dict, *, from_step: int | None = None,
-                  steps: int = NAMED_SAMPLE_STEPS) -> list[dict]:
+def named_samples(job_id: int, named: dict, *, from_step: int | None = None, steps: int | None = None) -> list[dict]:
     """The named ranks' per-rank samples along the lineage over the most recent `steps` steps (from
-    `from_step` on, if later), in (step, rank) order."""
+    `from_step` on, if later), in (step, rank) order. Default: NAMED_SAMPLE_STEPS for a small job (every
+    rank), else NAMED_SAMPLE_BUDGET samples shared by the named ranks (at least 100 steps)."""
+    ranks = named_rank_set(named)
+    if steps is None:
+        steps = NAMED_SAMPLE_STEPS if ranks is None else min(
+            NAMED_SAMPLE_STEPS, max(100, NAMED_SAMPLE_BUDGET // max(1, len(ranks))))
     recent = _lineage_steps(job_id, from_step).order_by("-step").values_list("step", flat=True)[steps - 1:steps]
     start = max([*recent, from_step or 0])
     qs = MetricSample.objects.filter(job_id=job_id, step__gte=start).filter(lineage_filter(job_id))
-    ranks = named_rank_set(named)
     if ranks is not None:
         qs = qs.filter(rank__in=sorted(ranks))
     return sample_dicts(qs.order_by("step", "rank", "attempt_id"))
