@@ -103,29 +103,56 @@ def _telemetry_sql(vendor: str) -> tuple[str, str]:
 
 
 def _store_rows(cursor, connection, rows: list[tuple]) -> None:
-    """Stage the round's rows (sorted by job, attempt, rank, step), then drop the ones already stored,
-    insert the rest into MetricSample and reduce them into MetricStep (jobs/telemetry/rollup.py).
-    In key order: two writers with overlapping rows (a second relay, a replay) wait on each other's
-    unique-index entries in one order, never in a cycle (PostgreSQL aborted one with "deadlock detected")."""
+    """Insert the round's rows (sorted by job, attempt, rank, step) into MetricSample and reduce the
+    new ones into MetricStep (jobs/telemetry/rollup.py).
+
+    Fast path, in a savepoint: every row goes straight in (SQLite: INSERT OR IGNORE, whose count says
+    whether all were new; PostgreSQL: COPY, which fails on any duplicate), then numpy reduces the
+    batch and one executemany merges it. A round with any row already stored (a replayed entry, a
+    duplicate XADD) is rolled back to the savepoint and takes the slow path: stage, drop what exists,
+    insert the rest, reduce in SQL. In key order: two writers with overlapping rows (a second relay,
+    a replay) wait on each other's unique-index entries in one order, never in a cycle (PostgreSQL
+    aborted one with "deadlock detected")."""
     vendor = connection.vendor
+    raw = cursor.cursor
+    sample_cols = ", ".join(rollup.STAGE_COLUMNS)
+    cursor.execute("SAVEPOINT trainyard_rows")
+    try:
+        if vendor == "postgresql":
+            with raw.copy(f"COPY {MetricSample._meta.db_table} ({sample_cols}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+            all_new = True
+        else:
+            marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
+            raw.executemany(f"INSERT OR IGNORE INTO {MetricSample._meta.db_table} ({sample_cols}) VALUES ({marks})",
+                            rows)
+            all_new = raw.rowcount == len(rows)
+    except connection.Database.IntegrityError:
+        all_new = False
+    if all_new:
+        cursor.executemany(rollup.upsert_sql(vendor), rollup.reduce_rows(rows))
+        cursor.execute("RELEASE SAVEPOINT trainyard_rows")
+        return
+    cursor.execute("ROLLBACK TO SAVEPOINT trainyard_rows")
+    cursor.execute("RELEASE SAVEPOINT trainyard_rows")
     sql = rollup.ingest_sql(vendor)
-    for ddl in rollup.stage_ddl(vendor):  # every round: a rolled-back transaction takes the table with it
+    for ddl in rollup.stage_ddl(vendor):  # every time: a rolled-back transaction takes the table with it
         cursor.execute(ddl)
     if vendor == "postgresql":
-        # COPY (psycopg's, in C): ~10x executemany's rate; COPY has no ON CONFLICT, so a sample
-        # twice in one round (a duplicate XADD) is dropped here
+        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here
         unique, last = [], None
         for row in rows:
             key = _ROW_KEY(row)
             if key != last:
                 unique.append(row)
                 last = key
-        with cursor.cursor.copy(f"COPY {rollup.STAGE} ({', '.join(rollup.STAGE_COLUMNS)}) FROM STDIN") as copy:
+        with raw.copy(f"COPY {rollup.STAGE} ({sample_cols}) FROM STDIN") as copy:
             for row in unique:
                 copy.write_row(row)
     else:
         marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
-        cursor.cursor.executemany(f"INSERT OR IGNORE INTO {rollup.STAGE} VALUES ({marks})", rows)
+        raw.executemany(f"INSERT OR IGNORE INTO {rollup.STAGE} VALUES ({marks})", rows)
     for name in ("dedupe", "insert", "reduce", "clear"):
         cursor.execute(sql[name])
 

@@ -16,6 +16,8 @@ TEMP table of the relay's connection, PostgreSQL's a TEMP table filled by COPY.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from jobs.models import MetricSample, MetricStep
 from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS
 
@@ -50,28 +52,50 @@ def _least(vendor: str, a: str, b: str, fn: str) -> str:
     return f"{fn}(COALESCE({a}, {b}), COALESCE({b}, {a}))"
 
 
-def reduce_sql(vendor: str, source: str) -> str:
-    """INSERT INTO MetricStep the reduction of `source` (a table with MetricSample's columns) by
-    (attempt, step), merged into the rows already there."""
-    step_table = MetricStep._meta.db_table
-    cols, sel, merge = ["job_id", "attempt_id", "step", "ts", "ranks", "extra", "extra_rank"], [], []
+def _ranked(vendor: str, source: str) -> list[str]:
+    """The select expressions of extra, extra_rank and each ranked field's min and max rank.
+    PostgreSQL: ordered aggregates in the one GROUP BY. SQLite: over the plain aggregates `g` (a
+    subquery), the lowest rank whose value equals the group's min (max): an index walk of the step's
+    rows in rank order (the stage's key is (attempt, step, rank)) with no sort; a correlated
+    ORDER BY value LIMIT 1 sorted each step's rows per column (~10 us a sample)."""
+    if vendor == "postgresql":
+        sel = ["(ARRAY_AGG(g.extra ORDER BY g.rank) FILTER (WHERE g.extra IS NOT NULL))[1]",
+               "MIN(g.rank) FILTER (WHERE g.extra IS NOT NULL)"]
+        for f in RANKED_FIELDS:
+            q = _qn(f)
+            sel += [f"(ARRAY_AGG(g.rank ORDER BY g.{q} ASC, g.rank) FILTER (WHERE g.{q} IS NOT NULL))[1]",
+                    f"(ARRAY_AGG(g.rank ORDER BY g.{q} DESC, g.rank) FILTER (WHERE g.{q} IS NOT NULL))[1]"]
+        return sel
 
-    def sub(col: str, where: str, order: str) -> str:
+    def first(col: str, where: str) -> str:
         return (f"(SELECT s2.{col} FROM {source} s2 WHERE s2.attempt_id = g.attempt_id AND s2.step = g.step "
-                f"AND {where} ORDER BY {order} LIMIT 1)")
+                f"AND {where} ORDER BY s2.attempt_id, s2.step, s2.rank LIMIT 1)")
 
-    sel += ["g.job_id", "g.attempt_id", "g.step", "MAX(g.ts)", "COUNT(*)",
-            sub("extra", "s2.extra IS NOT NULL", "s2.rank"), sub("rank", "s2.extra IS NOT NULL", "s2.rank")]
-    t, x = step_table, "excluded"
-    merge += [f"ts = {_least(vendor, f'{t}.ts', f'{x}.ts', 'max')}", f"ranks = {t}.ranks + {x}.ranks",
-              f"extra = CASE WHEN {t}.extra_rank IS NULL OR ({x}.extra_rank IS NOT NULL AND "
-              f"{x}.extra_rank < {t}.extra_rank) THEN {x}.extra ELSE {t}.extra END",
-              f"extra_rank = CASE WHEN {t}.extra_rank IS NULL OR ({x}.extra_rank IS NOT NULL AND "
-              f"{x}.extra_rank < {t}.extra_rank) THEN {x}.extra_rank ELSE {t}.extra_rank END"]
-    for f in REDUCED_FIELDS:
+    sel = [first("extra", "s2.extra IS NOT NULL"), first("rank", "s2.extra IS NOT NULL")]
+    for f in RANKED_FIELDS:
         q = _qn(f)
+        sel += [first("rank", f"s2.{q} = g.{f}_min"), first("rank", f"s2.{q} = g.{f}_max")]
+    return sel
+
+
+def step_columns() -> list[str]:
+    """MetricStep's columns in the order reduce_sql and reduce_rows produce them."""
+    cols = ["job_id", "attempt_id", "step", "ts", "ranks", "extra", "extra_rank"]
+    for f in REDUCED_FIELDS:
         cols += [f"{f}_n", f"{f}_min", f"{f}_mean", f"{f}_max"]
-        sel += [f"COUNT(g.{q})", f"MIN(g.{q})", f"AVG(g.{q})", f"MAX(g.{q})"]
+    for f in RANKED_FIELDS:
+        cols += [f"{f}_min_rank", f"{f}_max_rank"]
+    return cols
+
+
+def _merge(vendor: str) -> str:
+    """ON CONFLICT's SET: a step's new partial reduction (`excluded`) merged into the stored one."""
+    t, x = MetricStep._meta.db_table, "excluded"
+    lower = f"{t}.extra_rank IS NULL OR ({x}.extra_rank IS NOT NULL AND {x}.extra_rank < {t}.extra_rank)"
+    merge = [f"ts = {_least(vendor, f'{t}.ts', f'{x}.ts', 'max')}", f"ranks = {t}.ranks + {x}.ranks",
+             f"extra = CASE WHEN {lower} THEN {x}.extra ELSE {t}.extra END",
+             f"extra_rank = CASE WHEN {lower} THEN {x}.extra_rank ELSE {t}.extra_rank END"]
+    for f in REDUCED_FIELDS:
         n, xn = f"{t}.{f}_n", f"{x}.{f}_n"
         merge += [f"{f}_n = {n} + {xn}",
                   f"{f}_min = {_least(vendor, f'{t}.{f}_min', f'{x}.{f}_min', 'min')}",
@@ -79,18 +103,93 @@ def reduce_sql(vendor: str, source: str) -> str:
                   f"{f}_mean = CASE WHEN {n} + {xn} = 0 THEN NULL ELSE "
                   f"(COALESCE({t}.{f}_mean * {n}, 0) + COALESCE({x}.{f}_mean * {xn}, 0)) / ({n} + {xn}) END"]
     for f in RANKED_FIELDS:
-        q = _qn(f)
-        cols += [f"{f}_min_rank", f"{f}_max_rank"]
-        sel += [sub("rank", f"s2.{q} IS NOT NULL", f"s2.{q} ASC, s2.rank"),
-                sub("rank", f"s2.{q} IS NOT NULL", f"s2.{q} DESC, s2.rank")]
-        # a tie keeps the rank already there: a replay (never reduced twice anyway) changes nothing
+        # a tie keeps the rank already there: the first rank seen with the extreme value
         merge += [f"{f}_min_rank = CASE WHEN {t}.{f}_min IS NULL OR {x}.{f}_min < {t}.{f}_min "
                   f"THEN {x}.{f}_min_rank ELSE {t}.{f}_min_rank END",
                   f"{f}_max_rank = CASE WHEN {t}.{f}_max IS NULL OR {x}.{f}_max > {t}.{f}_max "
                   f"THEN {x}.{f}_max_rank ELSE {t}.{f}_max_rank END"]
-    return (f"INSERT INTO {step_table} ({', '.join(_qn(c) for c in cols)}) "
-            f"SELECT {', '.join(sel)} FROM {source} g WHERE true GROUP BY g.attempt_id, g.step, g.job_id "
-            f"ON CONFLICT (attempt_id, step) DO UPDATE SET {', '.join(merge)}")
+    return f"ON CONFLICT (attempt_id, step) DO UPDATE SET {', '.join(merge)}"
+
+
+def reduce_sql(vendor: str, source: str) -> str:
+    """INSERT INTO MetricStep the reduction of `source` (a table with MetricSample's columns) by
+    (attempt, step), merged into the rows already there."""
+    cols = step_columns()
+    aggs = ["MAX(g.ts)", "COUNT(*)"]
+    for f in REDUCED_FIELDS:
+        q = _qn(f)
+        aggs += [f"COUNT(g.{q})", f"MIN(g.{q})", f"AVG(g.{q})", f"MAX(g.{q})"]
+    ranked = _ranked(vendor, source)
+    keys = "g.job_id, g.attempt_id, g.step"
+    if vendor == "postgresql":
+        select = f"SELECT {keys}, {aggs[0]}, {aggs[1]}, {', '.join(ranked[:2])}, {', '.join(aggs[2:])}, " \
+                 f"{', '.join(ranked[2:])} FROM {source} g WHERE true GROUP BY g.attempt_id, g.step, g.job_id"
+    else:
+        # the plain aggregates first (named as MetricStep's columns), then the ranked columns over them
+        names = ["ts", "ranks"] + [c for c in cols[7:]]
+        inner = (f"SELECT g.job_id, g.attempt_id, g.step, {', '.join(f'{a} AS {n}' for a, n in zip(aggs, names))} "
+                 f"FROM {source} g GROUP BY g.attempt_id, g.step")
+        select = (f"SELECT {keys}, g.ts, g.ranks, {', '.join(ranked[:2])}, "
+                  f"{', '.join(f'g.{n}' for n in names[2:len(aggs)])}, {', '.join(ranked[2:])} "
+                  f"FROM ({inner}) g WHERE true")
+    return (f"INSERT INTO {MetricStep._meta.db_table} ({', '.join(_qn(c) for c in cols)}) {select} {_merge(vendor)}")
+
+
+def upsert_sql(vendor: str) -> str:
+    """INSERT one partial reduction per VALUES row (reduce_rows' rows), merged like reduce_sql's."""
+    cols = step_columns()
+    return (f"INSERT INTO {MetricStep._meta.db_table} ({', '.join(_qn(c) for c in cols)}) "
+            f"VALUES ({', '.join(['%s'] * len(cols))}) {_merge(vendor)}")
+
+
+_FIELD_AT = {f: STAGE_COLUMNS.index(f) for f in REDUCED_FIELDS}  # a staged row's index of each field
+
+
+def reduce_rows(rows: list[tuple]) -> list[tuple]:
+    """The same reduction as reduce_sql, of staged rows (STAGE_COLUMNS) that are all new, in numpy:
+    one vectorised pass per column (~1 us a sample), where SQLite's GROUP BY cost ~19 us per
+    (attempt, step) group (50 aggregates each): a 2-rank job's round is mostly groups."""
+    n = len(rows)
+    cols = list(zip(*rows))
+    attempt = np.array(cols[1], dtype=np.int64)
+    rank = np.array(cols[2], dtype=np.int64)
+    step = np.array(cols[3], dtype=np.int64)
+    order = np.lexsort((rank, step, attempt))  # by (attempt, step, rank): each step's ranks in rank order
+    attempt, rank, step = attempt[order], rank[order], step[order]
+    starts = np.concatenate(([0], np.flatnonzero((attempt[1:] != attempt[:-1]) | (step[1:] != step[:-1])) + 1))
+    sizes = np.diff(np.append(starts, n))
+    index = np.arange(n)
+
+    def first_where(mask):
+        """Per group: the rank of its first row (lowest rank) where mask holds, or None."""
+        at = np.minimum.reduceat(np.where(mask, index, n), starts)
+        return np.where(at < n, rank[np.minimum(at, n - 1)], None)
+
+    job = np.array(cols[0], dtype=np.int64)[order][starts]
+    ts = np.fmax.reduceat(np.array(cols[4], dtype=float)[order], starts)
+    extra = np.array(cols[-1], dtype=object)[order]
+    has_extra = extra != None  # noqa: E711 (elementwise)
+    extra_at = np.minimum.reduceat(np.where(has_extra, index, n), starts)
+    out = [job, attempt[starts], step[starts], ts, sizes,
+           np.where(extra_at < n, extra[np.minimum(extra_at, n - 1)], None), first_where(has_extra)]
+    ranked = []
+    for f in REDUCED_FIELDS:
+        v = np.array(cols[_FIELD_AT[f]], dtype=float)[order]
+        valid = ~np.isnan(v)
+        count = np.add.reduceat(valid, starts)
+        some = count > 0
+        lo, hi = np.fmin.reduceat(v, starts), np.fmax.reduceat(v, starts)
+        total = np.add.reduceat(np.where(valid, v, 0.0), starts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = total / count
+        out += [count, np.where(some, lo, None), np.where(some, mean, None), np.where(some, hi, None)]
+        if f in RANKED_FIELDS:
+            ranked.append((f, v, lo, hi))
+    by_name = {f: (v, lo, hi) for f, v, lo, hi in ranked}
+    for f in RANKED_FIELDS:
+        v, lo, hi = by_name[f]
+        out += [first_where(v == np.repeat(lo, sizes)), first_where(v == np.repeat(hi, sizes))]
+    return list(zip(*(c.tolist() for c in out)))
 
 
 def ingest_sql(vendor: str) -> dict[str, str]:
