@@ -92,3 +92,31 @@ def test_a_64_rank_job_draws_a_band_and_names_its_slowest_rank_live(page, base, 
     drawn = page.evaluate("() => window.trainyard.chartSteps('ranks').find((s) => s.label === 'rank 33 · picked').steps.length")
     assert drawn == 70
     assert not page.js_errors, page.js_errors
+
+
+def test_step_store_replaces_resent_steps_follows_restarts_and_keeps_spikes_when_compacting(page, base):
+    """static/js/store.js StepStore in the browser: the merge rules the band charts rely on."""
+    page.goto(f"{base}/jobs/")
+    result = page.evaluate("""async () => {
+        const { StepStore } = await import('/static/js/store.js');
+        const row = (attempt, step, ranks, max = 0.3) => ({ attempt, step, ranks, step_s: [0.1, 0.2, max, ranks] });
+        const s = new StepStore({ maxSteps: 100 });
+        const out = {};
+        s.merge([row(7, 1, 32), row(7, 2, 32)]);
+        s.merge([row(7, 2, 64, 0.9)]);                       // step 2's other ranks arrived: replaced, not added
+        out.resent = { steps: s.steps.length, ranks: s.rows.get(2).ranks, max: s.rows.get(2).step_s[2] };
+        for (let i = 3; i <= 40; i++) s.merge([row(7, i, 64)]);
+        s.merge([row(9, 31, 64), row(9, 32, 64)]);           // attempt 9 resumed from step 30
+        s.merge([row(7, 41, 64)]);                           // late tail of attempt 7: stale
+        out.resumed = { last: s.lastStep, at31: s.rows.get(31).attempt, at30: s.rows.get(30).attempt };
+        for (let i = 33; i <= 400; i++) s.merge([row(9, i, 64, i === 250 ? 7.5 : 0.3)]);
+        const maxes = s.steps.map((st) => s.rows.get(st).step_s[2]);
+        out.bounded = { steps: s.steps.length, last: s.lastStep, bucketed: s.bucketed, spike: Math.max(...maxes),
+                        total: s.recentTotal('step_s', 64, 1) };
+        return out;
+    }""")
+    assert result["resent"] == {"steps": 2, "ranks": 64, "max": 0.9}
+    assert result["resumed"] == {"last": 32, "at31": 9, "at30": 7}
+    b = result["bounded"]
+    assert b["steps"] <= 100 and b["last"] == 400 and b["bucketed"] and b["spike"] == 7.5
+    assert b["total"] == pytest.approx(0.2 * 64)
