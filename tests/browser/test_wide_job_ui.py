@@ -10,6 +10,7 @@ import time
 import pytest
 import redis
 
+from .conftest import screenshot
 from .test_dashboard import wait_js
 from .test_fault_ui import manage
 
@@ -92,6 +93,7 @@ def test_a_64_rank_job_draws_a_band_and_names_its_slowest_rank_live(page, base, 
     drawn = page.evaluate("() => window.trainyard.chartSteps('ranks').find((s) => s.label === 'rank 33 · picked').steps.length")
     assert drawn == 70
     assert not page.js_errors, page.js_errors
+    screenshot(page, "screenshot-wide-job.png")
 
 
 def test_step_store_replaces_resent_steps_follows_restarts_and_keeps_spikes_when_compacting(page, base):
