@@ -5,13 +5,16 @@ Flow control: every message carries `seq`; clients ack what they handled ({"type
 "seq": n}). A connection holds at most MAX_INFLIGHT unacked messages. Past that it stops sending
 telemetry (the relay and other sockets never wait on it: group_send only enqueues) and remembers
 the first step it skipped; once the client acks its way back under half the window it gets one
-downsampled `window` from the database instead of the backlog.
+`window` from the database instead of the backlog (the reduced steps from there on, bucketed, and the
+named ranks' samples: jobs/telemetry/payloads.py chart_telemetry).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+
+import orjson
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -25,10 +28,11 @@ from jobs.telemetry import payloads as telemetry_payloads, selectors as telemetr
 from jobs.access import selectors as access_selectors, tokens
 
 MAX_INFLIGHT = 32
-WINDOW_POINTS = 4000
-# Autobahn (daphne) refuses frames over 1 MiB and drops the socket; 1000 samples are ~330 KB,
-# so snapshots and windows go out in chunks of this many samples.
+WINDOW_POINTS = telemetry_payloads.SNAPSHOT_POINTS  # points per curve in a snapshot or window
+# Autobahn (daphne) refuses frames over 1 MiB and drops the socket; 1000 samples are ~330 KB and
+# 500 step rows at most ~400 KB (12 fields of 4 numbers), so snapshots and windows go out in chunks.
 CHUNK_SAMPLES = 1000
+CHUNK_STEPS = 500
 CLUSTER_MIN_INTERVAL_S = 0.5  # node heartbeats and queue changes coalesce to at most 2 pushes/s
 
 
@@ -59,14 +63,17 @@ class _FlowControlled(AsyncJsonWebsocketConsumer):
         return await super().dispatch(message)
 
     async def push(self, message: dict) -> None:
+        # orjson: a snapshot of 1,500 step rows is ~2 MB of JSON, ~120 ms in json.dumps and ~10 ms here
+        # (bench/ws_snapshot.py); a NaN becomes null instead of failing the send
         self.seq += 1
         message["seq"] = self.seq
-        await self.send(text_data=json.dumps(message, allow_nan=False, default=str))
+        await self.send(text_data=orjson.dumps(message, default=str, option=orjson.OPT_NON_STR_KEYS).decode())
 
-    async def push_encoded(self, kind: str, field: str, encoded: str) -> None:
-        """push({"type": kind, field: <value already encoded as JSON text>}) without decoding it."""
+    async def push_encoded(self, kind: str, **encoded: str) -> None:
+        """push({"type": kind, field: <value already encoded as JSON text>, ...}) without decoding them."""
         self.seq += 1
-        await self.send(text_data=f'{{"type":"{kind}","seq":{self.seq},"{field}":{encoded}}}')
+        fields = "".join(f',"{field}":{text}' for field, text in encoded.items())
+        await self.send(text_data=f'{{"type":"{kind}","seq":{self.seq}{fields}}}')
 
     @property
     def congested(self) -> bool:
@@ -167,14 +174,19 @@ class JobConsumer(_FlowControlled):
         await self.push_chunked(snapshot, "telemetry")
 
     async def push_chunked(self, message: dict, rest_type: str) -> None:
-        """Send `message` with its first CHUNK_SAMPLES samples, the rest as `rest_type` messages
-        (clients merge every kind by (attempt, rank, step), so the split changes nothing for them)."""
-        samples = message["samples"]
-        message["samples"] = samples[:CHUNK_SAMPLES]
+        """Send `message` with its first CHUNK_STEPS step rows and CHUNK_SAMPLES samples, the rest as
+        `rest_type` messages (clients merge steps by (attempt, step) and samples by (attempt, rank,
+        step), so the split changes nothing for them)."""
+        steps, samples = message.get("steps", []), message["samples"]
+        message["steps"], message["samples"] = steps[:CHUNK_STEPS], samples[:CHUNK_SAMPLES]
         await self.push(message)
-        for i in range(CHUNK_SAMPLES, len(samples), CHUNK_SAMPLES):
-            extra = {k: message[k] for k in ("from_step", "downsampled") if k in message and rest_type == "window"}
-            await self.push({"type": rest_type, "samples": samples[i:i + CHUNK_SAMPLES], **extra})
+        i, j = CHUNK_STEPS, CHUNK_SAMPLES
+        while i < len(steps) or j < len(samples):
+            extra = {k: message[k] for k in ("from_step", "downsampled", "bucketed") if k in message
+                     and rest_type == "window"}
+            await self.push({"type": rest_type, "steps": steps[i:i + CHUNK_STEPS],
+                             "samples": samples[j:j + CHUNK_SAMPLES], **extra})
+            i, j = i + CHUNK_STEPS, j + CHUNK_SAMPLES
 
     async def disconnect(self, code):
         await self.leave_auth_groups()
@@ -183,23 +195,26 @@ class JobConsumer(_FlowControlled):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
     async def job_telemetry(self, event):
-        encoded = event.get("samples_json")  # the relay's form: see jobs.telemetry.publish.telemetry_message
-        if encoded is None:
-            samples = event["samples"]
+        """The relay's reduced message (jobs.telemetry.publish.reduced_message: step rows, the named
+        ranks' samples and the names, each already encoded as JSON text and spliced into the frame as
+        is), or a plain {"samples": [...]} from elsewhere."""
+        if "steps_json" in event:
+            if not event.get("count"):
+                return
+            first = event["first_step"]
+        else:
+            samples = event.get("samples") or []
             if not samples:
                 return
             first = min(s["step"] for s in samples)
-        elif not event.get("count"):
-            return
-        else:
-            first = event["first_step"]
         if self.behind_from is not None or self.congested:
             self.behind_from = first if self.behind_from is None else min(self.behind_from, first)
             return
-        if encoded is None:
+        if "steps_json" not in event:
             await self.push({"type": "telemetry", "samples": samples})
-        else:
-            await self.push_encoded("telemetry", "samples", encoded)
+            return
+        await self.push_encoded("telemetry", steps=event["steps_json"], samples=event["samples_json"],
+                                named=event["named_json"])
 
     async def job_log(self, event):
         if self.behind_from is None and not self.congested:
@@ -222,11 +237,12 @@ class JobConsumer(_FlowControlled):
         if self.behind_from is None or self.seq - self.acked > MAX_INFLIGHT // 2:
             return
         from_step, self.behind_from = self.behind_from, None
-        samples, _ = await database_sync_to_async(telemetry_payloads.metric_window)(
+        charts = await database_sync_to_async(telemetry_payloads.chart_telemetry)(
             self.job_id, from_step=from_step, max_points=WINDOW_POINTS)
         logs = await database_sync_to_async(telemetry_selectors.job_log_lines)(self.job_id, limit=200)
-        await self.push_chunked({"type": "window", "from_step": from_step, "samples": samples,
-                                 "downsampled": True, "logs": logs}, "window")
+        await self.push_chunked({"type": "window", "from_step": from_step, "steps": charts["steps"],
+                                 "samples": charts["samples"], "named": charts["named"],
+                                 "bucketed": charts["bucketed"], "downsampled": True, "logs": logs}, "window")
 
 
 class ClusterConsumer(_FlowControlled):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 import threading
 import time
-from jobs.telemetry.payloads import metric_window
+from jobs.telemetry.payloads import SNAPSHOT_POINTS, chart_telemetry
 from jobs.access import selectors as access_selectors
 from jobs.scheduling import selectors as scheduling_selectors
 from jobs.telemetry import selectors as telemetry_selectors
@@ -13,12 +13,17 @@ from jobs.runs.serializers import JobSerializer
 from jobs.fleet.serializers import NodeSerializer
 
 
-def job_snapshot(job_id: int, *, max_points: int = 4000) -> dict:
-    """What a job socket sends first: the job, its charts' window, logs, events, checkpoints."""
+def job_snapshot(job_id: int, *, max_points: int = SNAPSHOT_POINTS) -> dict:
+    """What a job socket sends first: the job, its charts (reduced steps bucketed to at most max_points,
+    the named ranks and their recent samples: jobs/telemetry/payloads.py chart_telemetry), logs, events,
+    checkpoints."""
     job = Job.objects.prefetch_related("attempts__allocations__node").select_related("owner").get(pk=job_id)
-    samples, downsampled = metric_window(job_id, max_points=max_points)
+    charts = chart_telemetry(job_id, max_points=max_points)
     return {
-        "type": "snapshot", "job": JobSerializer(job).data, "samples": samples, "downsampled": downsampled,
+        "type": "snapshot", "job": JobSerializer(job).data, "steps": charts["steps"],
+        "bucketed": charts["bucketed"], "total_steps": charts["total_steps"], "named": charts["named"],
+        # downsampled: the samples are not the whole history (buckets, or only the recent steps' samples)
+        "samples": charts["samples"], "downsampled": charts["downsampled"],
         "logs": telemetry_selectors.job_log_lines(job_id, limit=1000),
         "events": [event_row(e) for e in job.events.order_by("-id")[:200]][::-1],
         "checkpoints": [checkpoint_row(c) for c in job.checkpoints.order_by("-step", "-id")[:200]],

@@ -1,10 +1,18 @@
-"""A job's metric window for its charts: every rank at each chosen step, downsampled to a bounded number of points.
+"""What a job socket sends for its charts (issue 26): the reduced steps along the job's lineage, bucketed in
+the database to at most ~1,500 points whatever the run's length or number of ranks, the named ranks and their
+recent per-rank samples (jobs/telemetry/reduced.py has the row format).
+
+`metric_window` is the pre-issue-26 window (every rank at each chosen step): no socket sends it any more;
+bench/ws_snapshot.py measures it side by side with the reduced snapshot.
 """
 from __future__ import annotations
 from django.db.models import Count, ExpressionWrapper, F, IntegerField, Max, Q, Window
 from django.db.models.functions import DenseRank
-from jobs.telemetry import selectors
+from jobs.telemetry import reduced, selectors
+from jobs.telemetry.series import MAX_POINTS
 from jobs.models import MetricSample
+
+SNAPSHOT_POINTS = MAX_POINTS  # points per curve in a snapshot or catch-up window
 
 
 METRIC_VALUES = MetricSample.FIELDS + ("attempt_id", "extra")
@@ -41,3 +49,16 @@ def metric_window(job_id: int, *, from_step: int | None = None, max_points: int 
               .annotate(offset=ExpressionWrapper((F("step_index") - 1) % stride, output_field=IntegerField()))
               .filter(Q(offset=0) | Q(step=agg["last"])))
     return _metric_dicts(picked.order_by("step", "rank", "attempt_id")), True
+
+
+def chart_telemetry(job_id: int, *, from_step: int | None = None, max_points: int = SNAPSHOT_POINTS) -> dict:
+    """The charts' part of a snapshot (from_step None) or of a catch-up `window` (from `from_step` on):
+    {"steps": bucketed step rows, "bucketed", "total_steps", "named": the named ranks, "samples": their
+    per-rank samples over the recent steps, "downsampled": the samples are not the whole series}. ~6 queries (the lineage's attempts are read by each)."""
+    series = reduced.reduced_series(job_id, from_step=from_step, max_points=max_points)
+    named = reduced.named_ranks(job_id)
+    samples = reduced.named_samples(job_id, named, from_step=from_step) if series["steps"] else []
+    # downsampled: the samples are not every step of the series (buckets, or only the recent steps')
+    first = series["steps"][0].get("first", series["steps"][0]["step"]) if series["steps"] else None
+    downsampled = series["bucketed"] or bool(samples and samples[0]["step"] > first)
+    return {**series, "named": named, "samples": samples, "downsampled": downsampled}

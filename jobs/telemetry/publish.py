@@ -1,5 +1,10 @@
-"""The relay's way to the browsers: committed samples to the Channels groups `job.<id>`, in order,
-from one long-lived event loop thread (jobs/telemetry/relay.py hands them over)."""
+"""The relay's way to the browsers: each round's committed telemetry to the Channels groups `job.<id>`, in
+order, from one long-lived event loop thread (jobs/telemetry/relay.py hands them over).
+
+Since issue 26 a job's group gets, per round, the round's steps as reduced across ranks (read back from
+MetricStep after the commit, one SELECT for every job of the round) and the samples of its few named
+ranks only (jobs/telemetry/reduced.py), not every rank's sample: what a browser receives per step no
+longer grows with the number of ranks."""
 from __future__ import annotations
 
 import asyncio
@@ -8,17 +13,57 @@ import threading
 
 import orjson
 
+from jobs.telemetry import reduced
+from jobs.telemetry.reduced import NamedTracker  # the relay's named ranks, per job
+
+__all__ = ["ChannelsPublisher", "NamedTracker", "reduced_message", "reduced_messages"]
+
 log = logging.getLogger("trainyard.relay")
 
 
-def telemetry_message(samples: list[dict]) -> dict:
-    """The `job.telemetry` group message: the samples already encoded as the JSON array that every
-    socket of the group sends as is (jobs.runs.consumers splices it into the frame), so neither msgpack
-    in channels_redis nor json in daphne walks each sample once per client; `first_step` is what
-    a congested consumer needs to know about the batch it skips."""
-    steps = [s["step"] for s in samples if type(s.get("step")) is int]
-    return {"type": "job.telemetry", "samples_json": orjson.dumps(samples).decode(),
-            "first_step": min(steps) if steps else 0, "count": len(samples)}
+PUBLISH_MAX_STEPS = 200  # step rows per message: at most ~160 KB of JSON
+
+
+def reduced_messages(per_job: list[tuple[int, list[dict]]], tracker: reduced.NamedTracker, *,
+                     max_samples: int = 500, max_steps: int = PUBLISH_MAX_STEPS) -> list[tuple[int, dict]]:
+    """(job id, `job.telemetry` message) for a committed round's samples per job: the (attempt, step)s
+    they touched read back from MetricStep in one SELECT (a step whose ranks arrive over several rounds
+    is sent again with its merged reduction; browsers replace it), the job's named ranks as `tracker`
+    counts them, and the samples of those ranks (every rank's in a job of at most SMALL_WORLD ranks)."""
+    keys: dict[int, set[int]] = {}
+    for _, samples in per_job:
+        for s in samples:
+            attempt, step = s.get("attempt"), s.get("step")
+            if type(attempt) is int and type(step) is int:
+                keys.setdefault(attempt, set()).add(step)
+    by_job: dict[int, list[dict]] = {}
+    for row in reduced.steps_of(keys):
+        by_job.setdefault(row.pop("job"), []).append(row)
+    out = []
+    for job_id, samples in per_job:
+        rows = by_job.get(job_id, [])
+        if not rows:
+            continue  # nothing of it committed (replays, unknown attempts)
+        named = tracker.update(job_id, rows)
+        ranks = reduced.named_rank_set(named)
+        kept = samples if ranks is None else [s for s in samples if s.get("rank") in ranks]
+        first_samples, rest = kept[:max_samples], kept[max_samples:]
+        for i in range(0, len(rows), max_steps):
+            out.append((job_id, reduced_message(rows[i:i + max_steps], first_samples if i == 0 else [], named)))
+        for j in range(0, len(rest), max_samples):
+            out.append((job_id, reduced_message([], rest[j:j + max_samples], named)))
+    return out
+
+
+def reduced_message(steps: list[dict], samples: list[dict], named: dict) -> dict:
+    """The `job.telemetry` group message: step rows, samples and the named ranks already encoded as JSON
+    text that every socket of the group sends as is (jobs.runs.consumers splices them into the frame), so
+    neither msgpack in channels_redis nor json in daphne walks a row once per client; `first_step` is
+    what a congested consumer needs to know about the batch it skips."""
+    first = [r["step"] for r in steps] + [s["step"] for s in samples if type(s.get("step")) is int]
+    return {"type": "job.telemetry", "steps_json": orjson.dumps(steps).decode(),
+            "samples_json": orjson.dumps(samples).decode(), "named_json": orjson.dumps(named).decode(),
+            "first_step": min(first) if first else 0, "count": len(steps) + len(samples)}
 
 
 class ChannelsPublisher:

@@ -50,7 +50,7 @@ from trainyard import keys
 
 from jobs.telemetry import entries, ingest
 from jobs.telemetry.keptlogs import LogKeeper, Lines, default_keeper
-from jobs.telemetry.publish import ChannelsPublisher, telemetry_message
+from jobs.telemetry.publish import ChannelsPublisher, NamedTracker, reduced_messages
 # POISON_TRIES is re-exported: the relay's limit, as callers (and its tests) know it.
 from jobs.telemetry.relay_sort import POISON_TRIES as POISON_TRIES, Parsed, sort_entries
 from jobs.telemetry.relay_stats import RelayStats
@@ -231,13 +231,17 @@ class Relay:
         return retry_db(fn, running=lambda: self.running, stats=self.stats)
 
     def fan_out(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:
-        """Committed samples and log lines to the job's Channels group and the kept log files:
-        a browser never sees a point the database lacks."""
+        """Committed telemetry and log lines to the job's Channels group and the kept log files:
+        a browser never sees a point the database lacks. Telemetry goes reduced (issue 26): the
+        round's steps read back from MetricStep (one SELECT for all jobs) and the samples of each
+        job's few named ranks (jobs/telemetry/publish.py reduced_messages)."""
         publish = self.publish
-        for job_id, job_samples, live_logs, _ in per_job:
+        tracker = self.__dict__.setdefault("_named", NamedTracker())  # the named ranks, per job
+        for job_id, message in reduced_messages([(j[0], j[1]) for j in per_job if j[1]], tracker,
+                                                max_samples=PUBLISH_MAX_SAMPLES):
+            publish(f"job.{job_id}", message)
+        for job_id, _, live_logs, _ in per_job:
             group = f"job.{job_id}"
-            for i in range(0, len(job_samples), PUBLISH_MAX_SAMPLES):
-                publish(group, telemetry_message(job_samples[i:i + PUBLISH_MAX_SAMPLES]))
             for data in live_logs:
                 publish(group, {"type": "job.log", "rank": data.get("rank"), "attempt": data.get("attempt"),
                                 "stream": data.get("stream", "stdout"), "lines": data["lines"]})

@@ -1,5 +1,9 @@
-// uPlot charts fed from a SampleStore. Each chart is rebuilt only when its set of series changes (a
-// rank appears); otherwise new points go in with setData, at most once per animation frame.
+// uPlot charts of the job page. Since issue 26 they are fed from two stores: the reduced steps
+// (StepStore: every rank's min/mean/max per step, or per bucket of steps) drawn as a mean line over a
+// min/max band, and the per-rank samples of the few named ranks (SampleStore: the slowest and fastest
+// few, every rank of a small job) plus one rank picked for drill-down, drawn as lines by name. A chart
+// never draws a line per rank of a big job. Each chart is rebuilt only when its set of series changes
+// (a named rank changes); otherwise new points go in with setData, at most once per animation frame.
 import uPlot from '../vendor/uplot-1.6.32/uPlot.esm.js';
 import { fmtNum, fmtSeconds, fmtBytes } from './util.js';
 
@@ -101,10 +105,20 @@ export class LiveChart {
   update(ctx) {
     const def = this.define(ctx);
     const data = this.dataFn(ctx);
+    // `points`: what the lines of ranks hold (a chart of the reduced series only: all of it)
     let points = 0;
-    for (let i = 1; i < data.length; i++) for (const v of data[i]) if (v !== null && v !== undefined) points++;
+    for (let i = 1; i < data.length; i++) {
+      if (def.counted && !def.counted.includes(i)) continue;
+      for (const v of data[i]) if (v !== null && v !== undefined) points++;
+    }
     this.points = points;
     this.root.dataset.points = String(points);
+    if (def.bandIndex) {  // the reduced series' points, and which ranks are drawn by name
+      let band = 0;
+      for (const v of data[def.bandIndex]) if (v !== null && v !== undefined) band++;
+      this.root.dataset.band = String(band);
+      this.root.dataset.named = def.named || '';
+    }
     this.root.dataset.steps = String(data[0].length);
     this.markers = ctx.markers || [];
     this.root.dataset.markers = markerKey(this.markers);
@@ -120,6 +134,7 @@ export class LiveChart {
           .map(latestWhenIdle),
         axes: def.axes || [xAxis(), axis()],
         scales: { x: { time: false }, ...(def.scales || {}) },
+        ...(def.bands ? { bands: def.bands } : {}),
         hooks: {
           setSelect: [(u) => { if (u.select.width > 2) this.zoomed = true; }],
           draw: [(u) => { this.markersDrawn = drawMarkers(u, this.markers); }],
@@ -170,27 +185,91 @@ function _base({ width, height }) {
   };
 }
 
-// ---------------------------------------------------------------- the job page's four charts
+// ---------------------------------------------------------------- the job page's charts
 
-// One line per rank of `column(store, rank)`: the loss, the per-rank step charts and the user's
-// own metrics are all this, with their own number formats and y range.
-function rankLines(root, column, { value, tick, size, scales }) {
+// The union of two sorted step arrays.
+export function unionSteps(a, b) {
+  if (!b.length) return a;
+  if (!a.length) return b;
+  const out = [];
+  let i = 0, j = 0;
+  while (i < a.length || j < b.length) {
+    const x = j >= b.length || (i < a.length && a[i] <= b[j]) ? a[i] : b[j];
+    if (i < a.length && a[i] === x) i++;
+    if (j < b.length && b[j] === x) j++;
+    out.push(x);
+  }
+  return out;
+}
+
+// `col` (aligned with the sorted `steps`) aligned with `xs` (a sorted superset), null elsewhere.
+function align(xs, steps, col) {
+  if (steps === xs) return col;
+  const out = new Array(xs.length).fill(null);
+  let j = 0;
+  for (let i = 0; i < steps.length; i++) {
+    while (j < xs.length && xs[j] < steps[i]) j++;
+    if (j < xs.length && xs[j] === steps[i]) out[j] = col[i];
+  }
+  return out;
+}
+
+// The ranks a per-rank chart draws by name: every rank of a small job (the server names them all),
+// else the named slowest and fastest few; [{rank, role}].
+export function rankLinesOf({ store, steps }) {
+  const named = steps && steps.named;
+  if ((named && named.all) || (!named && store.ranks.size <= 8)) {
+    return store.sortedRanks().map((rank) => ({ rank, role: '' }));
+  }
+  return steps ? steps.namedRanks() : [];
+}
+
+const BAND_FILL = 'rgba(139,150,163,0.22)';
+const ROLE_COLOR = { slowest: ['#ff6b6b', '#ff9f43', '#ffcc66'], fastest: ['#3ecf8e', '#5ee6e6', '#a3be8c'] };
+
+// The reduced series of a metric as a min/max band around the mean line, plus a line per named rank and
+// one for the rank picked for drill-down (ctx.drill: {rank, values: {key: Map(step -> value)}}).
+// band(steps) -> {lo, mean, hi} aligned with steps.steps; column(store, rank) -> aligned with store.steps.
+function bandChart(root, key, band, column, { value, tick, size, scales, meanLabel = 'mean over ranks' }) {
   return new LiveChart(root, {
-    define: ({ store }) => {
-      const ranks = store.sortedRanks();
+    define: (ctx) => {
+      const lines = rankLinesOf(ctx);
+      const colors = { slowest: 0, fastest: 0 };
+      const drill = ctx.drill && Number.isInteger(ctx.drill.rank) ? ctx.drill.rank : null;
+      const rankSeries = lines.map(({ rank, role }) => {
+        const color = role ? ROLE_COLOR[role][colors[role]++ % 3] : rankColor(rank);
+        return line(role ? `rank ${rank} · ${role}` : `rank ${rank}`, color, { value: (u, v) => value(v) });
+      });
+      const faint = (label) => line(label, 'rgba(139,150,163,0.5)', { width: 1, value: (u, v) => value(v) });
+      const series = [faint('min over ranks'), faint('max over ranks'),
+        line(meanLabel, '#e6e9ec', { width: 2, value: (u, v) => value(v) }), ...rankSeries];
+      if (drill !== null) series.push(line(`rank ${drill} · picked`, '#c792ea', { width: 2, dash: [6, 3], value: (u, v) => value(v) }));
+      const counted = series.map((_, i) => i + 1).filter((i) => i > 3);
       return {
-        key: ranks.join(','),
-        series: ranks.map((r) => line(`rank ${r}`, rankColor(r), { value: (u, v) => value(v) })),
+        key: `${lines.map((l) => `${l.rank}${l.role}`).join(',')}|${drill}`,
+        series, counted, bandIndex: 3, bands: [{ series: [2, 1], fill: BAND_FILL }],
+        named: lines.filter((l) => l.role).map((l) => `${l.role}:${l.rank}`).join(','),
         ...(scales ? { scales } : {}),
         axes: [xAxis(), axis({ values: (u, t) => t.map((v) => tick(v)), ...(size ? { size } : {}) })],
       };
     },
-    data: ({ store }) => [store.steps, ...store.sortedRanks().map((r) => column(store, r))],
+    data: (ctx) => {
+      const { store, steps } = ctx;
+      const drill = ctx.drill && Number.isInteger(ctx.drill.rank) ? ctx.drill : null;
+      const drilled = drill && drill.values[key];
+      let xs = unionSteps(steps.steps, store.steps);
+      if (drilled) xs = unionSteps(xs, [...drilled.keys()].sort((a, b) => a - b));
+      const b = band(steps);
+      const out = [xs, align(xs, steps.steps, b.lo), align(xs, steps.steps, b.hi), align(xs, steps.steps, b.mean),
+        ...rankLinesOf(ctx).map(({ rank }) => align(xs, store.steps, column(store, rank)))];
+      if (drill) out.push(xs.map((x) => (drilled && drilled.has(x) ? drilled.get(x) : null)));
+      return out;
+    },
   });
 }
 
 export function lossChart(root) {
-  return rankLines(root, (store, r) => store.column(r, 'loss'),
+  return bandChart(root, 'loss', (steps) => steps.band('loss'), (store, r) => store.column(r, 'loss'),
     { value: (v) => fmtNum(v, 4), tick: (v) => fmtNum(v, 3) });
 }
 
@@ -230,13 +309,13 @@ export function throughputChart(root) {
         axis({ side: 1, grid: { show: false }, stroke: '#3ecf8e', label: 'tokens/s', labelSize: 14, labelFont: FONT,
           values: (u, t) => t.map((v) => (tokensPerSample ? fmtNum(v * tokensPerSample, 3) : '')) })],
     }),
-    data: ({ store, world }) => {
-      const sps = store.sumColumn('samples_per_s', world);
-      const tps = store.sumColumn('tokens_per_s', world);
+    data: ({ steps, world }) => {
+      const sps = steps.totalColumn('samples_per_s', world);
+      const tps = steps.totalColumn('tokens_per_s', world);
       for (let i = sps.length - 1; i >= 0; i--) {
         if (sps[i] && tps[i]) { tokensPerSample = tps[i] / sps[i]; break; }
       }
-      return [store.steps, sps, movingAverage(sps, AVG_STEPS)];
+      return [steps.steps, sps, movingAverage(sps, AVG_STEPS)];
     },
   });
 }
@@ -261,7 +340,7 @@ export function breakdownChart(root) {
       scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
       axes: [xAxis(), axis({ values: (u, t) => t.map((v) => fmtSeconds(v)), size: 56 })],
     }),
-    data: ({ store }) => {
+    data: ({ steps: store }) => {
       raw = {};
       for (const [field] of PHASES) raw[field] = store.meanColumn(field);
       // cumulative from the bottom band (data) up to the top band (optimizer)
@@ -277,19 +356,20 @@ export function breakdownChart(root) {
   });
 }
 
-// One line per rank of one sample field, from zero: step time, bytes sent, batch share.
+// A per-rank field from zero: step time, bytes sent, batch share (band, named ranks, the picked rank).
 function perRankChart(root, field, fmt) {
-  return rankLines(root, (store, r) => store.column(r, field), {
+  return bandChart(root, field, (steps) => steps.band(field), (store, r) => store.column(r, field), {
     value: fmt, tick: fmt, size: 56,
     scales: { y: { auto: true, range: (u, min, max) => [0, max * 1.1 || 1] } },
   });
 }
 
-// One of the user's own metrics (run.log(step, name=value) in the SDK), one line per rank; the y range
-// follows the data (a metric may be negative or far from zero).
+// One of the user's own metrics (run.log(step, name=value) in the SDK): the lowest reporting rank's value
+// over the whole run with its min/max band, and the named ranks' lines; the y range follows the data (a
+// metric may be negative or far from zero).
 export function userMetricChart(root, name) {
-  return rankLines(root, (store, r) => store.metricColumn(r, name),
-    { value: (v) => fmtNum(v, 4), tick: (v) => fmtNum(v, 3), size: 56 });
+  return bandChart(root, `metric:${name}`, (steps) => steps.metricBand(name), (store, r) => store.metricColumn(r, name),
+    { value: (v) => fmtNum(v, 4), tick: (v) => fmtNum(v, 3), size: 56, meanLabel: 'lowest rank' });
 }
 
 export function rankStepChart(root) {

@@ -334,11 +334,24 @@ function stepValues(samples, metric) {
   return [...acc.entries()].sort((a, b) => a[0] - b[0]).map(([step, a]) => ({ step, value: a.sum / a.n, ts: a.ts }));
 }
 
-// Appends live points after the trial's newest bucket (its series is re-read from the API later).
-function appendLive(jobId, samples) {
+// A message's reduced step rows (issue 26: {step, ts, <field>: [min, mean, max, n], metrics: {name:
+// [min, last, max]}}): the metric's mean over every rank per step, or the lowest rank's user metric.
+function rowValues(rows, metric) {
+  const out = [];
+  for (const r of rows || []) {
+    if (!r || !Number.isInteger(r.step)) continue;
+    const v = Array.isArray(r[metric]) ? r[metric][1] : r.metrics && Array.isArray(r.metrics[metric]) ? r.metrics[metric][1] : undefined;
+    if (isNum(v)) out.push({ step: r.step, value: v, ts: r.ts });
+  }
+  return out.sort((a, b) => a.step - b.step);
+}
+
+// Appends live points after the trial's newest bucket (its series is re-read from the API later): from
+// the message's reduced steps when it has them (every rank's), else from its samples.
+function appendLive(jobId, msg) {
   const exp = state.exp;
   if (!exp || !exp.search) return;
-  const points = stepValues(samples, exp.search.metric);
+  const points = Array.isArray(msg.steps) ? rowValues(msg.steps, exp.search.metric) : stepValues(msg.samples, exp.search.metric);
   if (!points.length) return;
   let s = state.series.get(jobId);
   if (!s) {
@@ -382,7 +395,7 @@ function syncSockets(exp) {
     if (state.live.has(job) || state.live.size >= MAX_LIVE) continue;
     const sock = new LiveSocket(`/ws/jobs/${job}/`, {
       onMessage: (msg) => {
-        if (msg.type === 'telemetry' || msg.type === 'window') appendLive(job, msg.samples);
+        if (msg.type === 'telemetry' || msg.type === 'window') appendLive(job, msg);
         else if (msg.type === 'status') refreshSoon();
       },
     }).start();

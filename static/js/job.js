@@ -4,7 +4,7 @@
 // This module wires the page (header, queue, alerts, charts, logs, the socket); the attempts and
 // checkpoints tables (with the staff's Roll back / Pin) are in jobtables.js, the events in timeline.js.
 import { LiveSocket, bindIndicator } from './live.js';
-import { SampleStore } from './store.js';
+import { SampleStore, StepStore } from './store.js';
 import { lossChart, throughputChart, breakdownChart, rankStepChart, bytesChart, shareChart,
   attemptMarkers } from './charts.js';
 import { LogPane } from './logs.js';
@@ -18,7 +18,9 @@ import { $, $$, el, TERMINAL, fmtNum, fmtSeconds, fmtClock, fmtDateTime, frameTh
   readJSONScript, statusBadge, isNum } from './util.js';
 
 const cfg = readJSONScript('job-config');
-const store = new SampleStore({ maxSteps: 2000 });
+const store = new SampleStore({ maxSteps: 2000 });  // the named ranks' per-rank samples (every rank of a small job)
+const steps = new StepStore({ maxSteps: 3000 });     // every rank's min/mean/max per step (or bucket of steps)
+const drill = { rank: null, values: {}, fetches: 0 };  // the rank picked for drill-down: chart key -> Map(step -> value)
 const charts = {
   loss: lossChart($('#chart-loss')),
   throughput: throughputChart($('#chart-throughput')),
@@ -84,22 +86,22 @@ function renderTelemetry() {
 
 function renderHeader() {
   const total = cfg.total_steps || 0;
-  const step = Math.max(state.step || 0, store.lastStep || 0);
+  const step = Math.max(state.step || 0, store.lastStep || 0, steps.lastStep || 0);
   state.step = step;
   $('#job-step').textContent = `${step} / ${total}`;
   const pct = total ? Math.min(100, (100 * step) / total) : 0;
   const bar = $('#job-progress');
   bar.style.width = `${pct.toFixed(1)}%`;
   bar.parentElement.setAttribute('aria-valuenow', pct.toFixed(0));
-  const sps = store.recentSum('samples_per_s', state.world);
-  const tps = store.recentSum('tokens_per_s', state.world);
+  const sps = steps.recentTotal('samples_per_s', state.world);
+  const tps = steps.recentTotal('tokens_per_s', state.world);
   $('#job-throughput').textContent = isNum(sps) ? fmtNum(sps) : '–';
   $('#job-tokens').textContent = isNum(tps) ? `${fmtNum(tps)} tokens/s` : '';
-  const loss = store.latest('loss');
+  const loss = steps.latest('loss');
   $('#job-loss').textContent = isNum(loss) ? fmtNum(loss, 4) : '–';
-  const stepS = store.latest('step_s');
+  const stepS = steps.latest('step_s');
   $('#job-step-time').textContent = isNum(stepS) ? fmtSeconds(stepS) : '–';
-  renderPlanMeasured(store);
+  renderPlanMeasured(steps);
 }
 
 // ---------------------------------------------------------------- queue position, predicted start
@@ -166,15 +168,74 @@ function renderAlerts(job) {
 // ---------------------------------------------------------------- socket messages
 
 const redrawCharts = frameThrottle(() => {
-  if (store.metricNames.size) addUserCharts($('#charts'), store, charts);
-  if (store.steps.length && !state.hasTelemetry) {
+  if (store.metricNames.size || steps.metricNames.size) {
+    addUserCharts($('#charts'), { metricNames: new Set([...store.metricNames, ...steps.metricNames]) }, charts);
+  }
+  if ((store.steps.length || steps.steps.length) && !state.hasTelemetry) {
     state.hasTelemetry = true;
     renderTelemetry();
   }
-  const ctx = { store, world: state.world, markers: state.markers };
+  renderNamed();
+  const ctx = { store, steps, drill, world: state.world, markers: state.markers };
   for (const c of Object.values(charts)) c.update(ctx);
   renderHeader();
 }, 100);
+// The named ranks under the step-time chart: "Slowest: rank 17 (40 of 200 steps) ...".
+function renderNamed() {
+  const box = $('#named-ranks');
+  if (!box) return;
+  const n = steps.named;
+  const names = (list) => (list || []).map((x) => `rank ${x.rank}`).join(', ');
+  box.dataset.slowest = n ? (n.slowest || []).map((x) => x.rank).join(',') : '';
+  box.dataset.fastest = n ? (n.fastest || []).map((x) => x.rank).join(',') : '';
+  if (!n || n.all || !(n.slowest || []).length) {
+    box.textContent = n && n.all ? 'every rank drawn' : '';
+    return;
+  }
+  box.textContent = `Slowest: ${names(n.slowest)} · fastest: ${names(n.fastest)} (most often the step's extreme over the last ${n.window} steps)`;
+}
+
+// Drill-down: one rank's series of each per-rank chart from GET /api/v1/jobs/<id>/series/ (bucketed in
+// the database; the socket sends only the named ranks' samples). `rank` null clears it.
+const DRILL_METRICS = { loss: 'loss', step_s: 'step_s', bytes_sent: 'bytes_sent', share: 'share' };
+async function pickRank(rank) {
+  const status = $('#rank-pick-status');
+  drill.rank = Number.isInteger(rank) && rank >= 0 ? rank : null;
+  drill.values = {};
+  if (drill.rank === null) {
+    if (status) status.textContent = '';
+    redrawCharts();
+    return;
+  }
+  const wanted = { ...DRILL_METRICS };
+  for (const name of new Set([...store.metricNames, ...steps.metricNames])) wanted[`metric:${name}`] = name;
+  if (status) status.textContent = `loading rank ${drill.rank}…`;
+  const picked = drill.rank;
+  await Promise.all(Object.entries(wanted).map(async ([key, metric]) => {
+    try {
+      const data = await getJSON(`/api/v1/jobs/${cfg.id}/series/?metric=${encodeURIComponent(metric)}&rank=${picked}`);
+      if (drill.rank === picked) drill.values[key] = new Map((data.buckets || []).map((b) => [b.x, b.last]));
+    } catch (err) {
+      console.warn('trainyard: could not read rank', picked, metric, err);
+    }
+  }));
+  drill.fetches += 1;
+  if (status && drill.rank === picked) {
+    const n = drill.values.step_s ? drill.values.step_s.size : 0;
+    status.textContent = n ? `rank ${picked}: ${n} points` : `rank ${picked}: no samples kept`;
+  }
+  redrawCharts();
+}
+
+const pickForm = $('#rank-pick');
+if (pickForm) {
+  pickForm.addEventListener('submit', (ev) => {
+    ev.preventDefault();
+    const v = pickForm.querySelector('input').value.trim();
+    pickRank(v === '' ? null : Number(v));
+  });
+}
+
 const redrawEvents = frameThrottle(() => timeline.render(), 200);
 
 let fetchTimer = null;
@@ -217,6 +278,8 @@ function onMessage(msg) {
       for (const e of msg.events || []) timeline.add(e);  // before the job: chart markers read rollback events
       for (const c of msg.checkpoints || []) checkpoints.add(c);
       applyJob(msg.job);
+      steps.merge(msg.steps);
+      steps.setNamed(msg.named);
       store.merge(msg.samples, { downsampled: !!msg.downsampled });
       logs.reset(msg.logs || []);  // the live pane (hidden once the kept logs show)
       checkpoints.render();
@@ -224,10 +287,14 @@ function onMessage(msg) {
       redrawCharts();
       break;
     case 'telemetry':
+      steps.merge(msg.steps);
+      steps.setNamed(msg.named);
       store.merge(msg.samples);
       redrawCharts();
       break;
     case 'window':
+      steps.merge(msg.steps);
+      steps.setNamed(msg.named);
       store.merge(msg.samples, { downsampled: msg.downsampled !== false });
       if (Array.isArray(msg.logs)) logs.reset(msg.logs);  // log lines skipped while behind
       redrawCharts();
@@ -285,7 +352,7 @@ const socket = new LiveSocket(`/ws/jobs/${cfg.id}/`, { onMessage, onState: bindI
 
 // For the browser tests and for poking around in the console.
 window.trainyard = {
-  store, charts, socket, logs, kept, profile, state, onMessage,
+  store, steps, drill, pickRank, charts, socket, logs, kept, profile, state, onMessage,
   stats: () => store.stats(),
   chartSteps: (name) => charts[name].seriesSteps(),
 };

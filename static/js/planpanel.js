@@ -13,16 +13,14 @@ function median(xs) {
   return s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2;
 }
 
-export function measuredPlan(store, window = WINDOW) {
+// `steps`: the page's StepStore (each step's mean over ranks and max of mem_bytes, issue 26).
+export function measuredPlan(steps, window = WINDOW) {
   const stepTimes = [];
   let mem = null;
-  for (let i = store.steps.length - 1; i >= 0 && stepTimes.length < window; i--) {
-    const vals = [];
-    for (const s of store.rows.get(store.steps[i]).values()) {
-      if (isNum(s.step_s)) vals.push(s.step_s);
-      if (isNum(s.mem_bytes)) mem = Math.max(mem ?? 0, s.mem_bytes);
-    }
-    if (vals.length) stepTimes.push(vals.reduce((a, b) => a + b, 0) / vals.length);
+  for (let i = steps.steps.length - 1; i >= 0 && stepTimes.length < window; i--) {
+    const row = steps.rows.get(steps.steps[i]);
+    if (Array.isArray(row.step_s) && isNum(row.step_s[1])) stepTimes.push(row.step_s[1]);
+    if (Array.isArray(row.mem_bytes) && isNum(row.mem_bytes[2])) mem = Math.max(mem ?? 0, row.mem_bytes[2]);
   }
   return { stepS: median(stepTimes), memBytes: mem, steps: stepTimes.length };
 }

@@ -10,7 +10,7 @@ export function addUserCharts(container, store, charts) {
     const key = `metric:${name}`;
     if (charts[key]) continue;
     const root = el('section', { class: 'card chart user-metric', dataset: { metric: name, points: '0' } },
-      el('div', { class: 'chart-head' }, el('h2', {}, name, ' ', el('small', {}, 'your metric, per rank'))),
+      el('div', { class: 'chart-head' }, el('h2', {}, name, ' ', el('small', {}, 'your metric: the lowest rank, min–max band'))),
       el('div', { class: 'chart-plot' }, el('p', { class: 'chart-empty' }, 'Waiting for the first step…')));
     container.append(root);
     charts[key] = userMetricChart(root, name);

@@ -185,6 +185,44 @@ def test_large_snapshot_goes_out_in_frames_under_daphnes_1mib_limit(app, job, us
         assert bodies[0]["type"] == "snapshot" and all(b["type"] == "telemetry" for b in bodies[1:])
         assert all(len(f["text"].encode()) < 1 << 20 for f in frames)
         keys = {(s["rank"], s["step"]) for b in bodies for s in b["samples"]}
-        assert len(keys) == sum(len(b["samples"]) for b in bodies) == 3600
+        assert len(keys) == sum(len(b["samples"]) for b in bodies) == 1000  # every rank's last 500 steps
+        # the reduced steps: 1,795 steps bucketed to at most 1,500 points, 500 rows a frame
+        steps = [r["step"] for b in bodies for r in b["steps"]]
+        assert len(bodies) >= 3 and len(bodies[0]["steps"]) == consumers.CHUNK_STEPS
+        assert steps == sorted(set(steps)) and len(steps) <= 1500 and steps[-1] == 1800
+        assert bodies[0]["bucketed"] is True and bodies[0]["named"]["all"] is True
+        await comm.disconnect()
+    run(go)
+
+
+def test_the_relays_reduced_message_is_spliced_into_the_frame_and_flow_controlled(app, job, user):
+    from jobs.telemetry.publish import reduced_message
+
+    layer = get_channel_layer()
+    headers = session_headers(user)
+    named = {"slowest": [{"rank": 17, "count": 3}], "fastest": [], "all": False, "window": 3}
+
+    def row(step):
+        return {"attempt": 1, "step": step, "ts": 1.0, "ranks": 64, "step_s": [0.1, 0.2, 0.9, 64]}
+
+    async def go():
+        comm, _ = await connect(app, f"/ws/jobs/{job.pk}/", headers)
+        snap = await comm.receive_json_from(timeout=5)
+        await layer.group_send(f"job.{job.pk}", reduced_message([row(6), row(7)], [sample(1, 17, 6)], named))
+        live = await comm.receive_json_from(timeout=5)
+        assert live == {"type": "telemetry", "seq": snap["seq"] + 1, "steps": [row(6), row(7)],
+                        "samples": [sample(1, 17, 6)], "named": named}
+        await layer.group_send(f"job.{job.pk}", reduced_message([], [], named))  # nothing in it: not sent
+        for step in range(8, 8 + consumers.MAX_INFLIGHT + 5):
+            await layer.group_send(f"job.{job.pk}", reduced_message([row(step)], [], named))
+        received = []
+        while not await comm.receive_nothing(timeout=0.3):
+            received.append(await comm.receive_json_from())
+        assert len(received) == consumers.MAX_INFLIGHT - 2  # the snapshot and the first are unacked
+        assert received[0]["steps"][0]["step"] == 8
+        await comm.send_json_to({"type": "ack", "seq": received[-1]["seq"]})
+        window = await comm.receive_json_from(timeout=5)
+        assert window["type"] == "window" and window["from_step"] == received[-1]["steps"][0]["step"] + 1
+        assert set(window) >= {"steps", "samples", "named", "bucketed", "logs"}
         await comm.disconnect()
     run(go)
