@@ -221,6 +221,95 @@ def fit(points: list[tuple[int, float]], at: int) -> float:
     return my + slope * (at - mx)
 
 
+def generate(args, old_steps: list[int]):
+    """The simulated job (per-step rows, per-rank rows as retention keeps them) and the old-path jobs
+    (full per-rank rows): (job, per-step rows, per-rank rows, [(steps, rows, job)], seconds)."""
+    from django.db import connection
+
+    if connection.vendor == "sqlite":
+        with connection.cursor() as cur:  # generation only: nothing here must survive a crash
+            cur.execute("PRAGMA synchronous = OFF")
+            cur.execute("PRAGMA journal_mode = MEMORY")
+            cur.execute("PRAGMA cache_size = -400000")
+    t0 = time.time() - args.steps
+    started = time.monotonic()
+    job, attempt = new_job("charts-bench")
+    n_steps = write_rows(*step_rows(job.pk, attempt.pk, args.steps, t0))
+    kept = [s for s in range(args.steps) if s >= args.steps - args.window or s % THIN_EVERY == 0]
+    n_samples = write_rows(*sample_rows(job.pk, attempt.pk, kept, args.steps, t0))
+    say(f"{n_steps} per-step rows and {n_samples} per-rank rows in {time.monotonic() - started:.0f} s")
+    olds = []
+    for n in old_steps:
+        j, a = new_job(f"old-{n}")
+        rows = write_rows(*sample_rows(j.pk, a.pk, range(n), n, t0))
+        olds.append((n, rows, j))
+    with connection.cursor() as cur:
+        cur.execute("ANALYZE")
+    generation_s = round(time.monotonic() - started, 1)
+    say(f"generated in {generation_s} s")
+    return job, n_steps, n_samples, olds, generation_s
+
+
+def measure_new(client, job, repeat: int) -> dict[str, dict]:
+    """p50/p99 of today's chart calls: the series (over step, time, a user metric) and the ranks view."""
+    new: dict[str, dict] = {}
+    for name, query in (("loss", "metric=loss"), ("step_s", "metric=step_s"),
+                        ("loss_time", "metric=loss&x=time"), ("acc", "metric=acc")):
+        say(f"new: series {query} ...")
+        new[f"series_{name}"], body = calls(client, f"/api/v1/jobs/{job.pk}/series/?{query}&buckets=1500", repeat)
+        new[f"series_{name}"]["buckets"] = len(body["buckets"])
+        if name == "loss":
+            new["series_loss"]["spikes_kept"] = sum(1 for b in body["buckets"] if b["max"] > 10)
+    say("new: ranks step_s ...")
+    new["ranks_step_s"], body = calls(client, f"/api/v1/jobs/{job.pk}/ranks/?metric=step_s", repeat)
+    new["ranks_step_s"].update(band=len(body["band"]), slowest=[r["rank"] for r in body["slowest"]][:3],
+                               slowest_mean=body["slowest"][0]["mean"])
+    return new
+
+
+def measure_old(client, olds, args, new: dict[str, dict]) -> dict[str, dict]:
+    """The old per-rank series query at the old-path jobs' sizes, its growth, and its figure
+    extrapolated (linearly in rows) to the simulated job's size."""
+    from django.db import connection
+
+    from jobs.models import MetricSample
+    from jobs.telemetry import series
+
+    table = MetricSample._meta.db_table
+    with connection.cursor() as cur:
+        # the index the old path read its bounds through (dropped by issue 26's migration), only
+        # now: the new path must not find it (the ranks endpoint's per-rank means would use it)
+        cur.execute(f"CREATE INDEX bench_metric_job_step ON {table} (job_id, step)")
+        cur.execute("ANALYZE")
+    old: dict[str, dict] = {}
+    real = series.job_series
+    series.job_series = old_job_series  # the endpoint as it was: the per-rank query
+    try:
+        for metric in ("loss", "step_s"):
+            measured = []
+            for n, rows, j in olds:
+                say(f"old: series {metric} at {RANKS} x {n} ...")
+                stats, _ = calls(client, f"/api/v1/jobs/{j.pk}/series/?metric={metric}&buckets=1500", args.old_repeat)
+                measured.append({"steps": n, "rows": rows, **stats})
+            at = RANKS * args.steps
+            est = fit([(m["rows"], m["p50_ms"]) for m in measured], at)
+            first, lastm = measured[0], measured[-1]
+            old[f"series_{metric}"] = {
+                "measured": measured,
+                "growth": f"x{lastm['p50_ms'] / first['p50_ms']:.2f} from {first['steps']} to "
+                          f"{lastm['steps']} steps (x{lastm['rows'] / first['rows']:.0f} rows)",
+                "ms_per_million_rows": round((lastm["p50_ms"] - first["p50_ms"])
+                                             / ((lastm["rows"] - first["rows"]) / 1e6), 1),
+                "extrapolated_rows": at,
+                "extrapolated_ms": round(est, 0),
+                "ratio_extrapolated": round(est / new[f"series_{metric}"]["p50_ms"], 0),
+                "note": f"EXTRAPOLATED to {args.steps} steps x {RANKS} ranks (linear in rows); not measured",
+            }
+    finally:
+        series.job_series = real
+    return old
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100_000)
@@ -235,86 +324,16 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="charts-bench-") as tmp:
         server = setup_django(Path(tmp), args.postgres)
         try:
+            from django.conf import settings
             from django.db import connection
             from django.test import Client
 
-            from jobs.models import MetricSample
-            from jobs.telemetry import series
-
-            if connection.vendor == "sqlite":
-                with connection.cursor() as cur:  # generation only: nothing here must survive a crash
-                    cur.execute("PRAGMA synchronous = OFF")
-                    cur.execute("PRAGMA journal_mode = MEMORY")
-                    cur.execute("PRAGMA cache_size = -400000")
-            t0 = time.time() - args.steps
-            started = time.monotonic()
-            job, attempt = new_job("charts-bench")
-            n_steps = write_rows(*step_rows(job.pk, attempt.pk, args.steps, t0))
-            kept = [s for s in range(args.steps) if s >= args.steps - args.window or s % THIN_EVERY == 0]
-            n_samples = write_rows(*sample_rows(job.pk, attempt.pk, kept, args.steps, t0))
-            say(f"{n_steps} per-step rows and {n_samples} per-rank rows in {time.monotonic() - started:.0f} s")
-            olds = []
-            for n in old_steps:
-                j, a = new_job(f"old-{n}")
-                rows = write_rows(*sample_rows(j.pk, a.pk, range(n), n, t0))
-                olds.append((n, rows, j))
-            with connection.cursor() as cur:
-                cur.execute("ANALYZE")
-            generation_s = round(time.monotonic() - started, 1)
-            say(f"generated in {generation_s} s")
-
-            from django.conf import settings
-
+            job, n_steps, n_samples, olds, generation_s = generate(args, old_steps)
             settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
             client = Client()
             client.force_login(job.owner)
-            new: dict[str, dict] = {}
-            for name, query in (("loss", "metric=loss"), ("step_s", "metric=step_s"),
-                                ("loss_time", "metric=loss&x=time"), ("acc", "metric=acc")):
-                say(f"new: series {query} ...")
-                new[f"series_{name}"], body = calls(client, f"/api/v1/jobs/{job.pk}/series/?{query}&buckets=1500",
-                                                    args.repeat)
-                new[f"series_{name}"]["buckets"] = len(body["buckets"])
-                if name == "loss":
-                    new["series_loss"]["spikes_kept"] = sum(1 for b in body["buckets"] if b["max"] > 10)
-            say("new: ranks step_s ...")
-            new["ranks_step_s"], body = calls(client, f"/api/v1/jobs/{job.pk}/ranks/?metric=step_s", args.repeat)
-            new["ranks_step_s"].update(band=len(body["band"]), slowest=[r["rank"] for r in body["slowest"]][:3],
-                                       slowest_mean=body["slowest"][0]["mean"])
-
-            table = MetricSample._meta.db_table
-            with connection.cursor() as cur:
-                # the index the old path read its bounds through (dropped by issue 26's migration), only
-                # now: the new path must not find it (the ranks endpoint's per-rank means would use it)
-                cur.execute(f"CREATE INDEX bench_metric_job_step ON {table} (job_id, step)")
-                cur.execute("ANALYZE")
-            old: dict[str, dict] = {}
-            real = series.job_series
-            series.job_series = old_job_series  # the endpoint as it was: the per-rank query
-            try:
-                for metric in ("loss", "step_s"):
-                    measured = []
-                    for n, rows, j in olds:
-                        say(f"old: series {metric} at {RANKS} x {n} ...")
-                        stats, _ = calls(client, f"/api/v1/jobs/{j.pk}/series/?metric={metric}&buckets=1500",
-                                         args.old_repeat)
-                        measured.append({"steps": n, "rows": rows, **stats})
-                    at = RANKS * args.steps
-                    est = fit([(m["rows"], m["p50_ms"]) for m in measured], at)
-                    first, lastm = measured[0], measured[-1]
-                    old[f"series_{metric}"] = {
-                        "measured": measured,
-                        "growth": f"x{lastm['p50_ms'] / first['p50_ms']:.2f} from {first['steps']} to "
-                                  f"{lastm['steps']} steps (x{lastm['rows'] / first['rows']:.0f} rows)",
-                        "ms_per_million_rows": round((lastm["p50_ms"] - first["p50_ms"])
-                                                     / ((lastm["rows"] - first["rows"]) / 1e6), 1),
-                        "extrapolated_rows": at,
-                        "extrapolated_ms": round(est, 0),
-                        "ratio_extrapolated": round(est / new[f"series_{metric}"]["p50_ms"], 0),
-                        "note": f"EXTRAPOLATED to {args.steps} steps x {RANKS} ranks (linear in rows); not measured",
-                    }
-            finally:
-                series.job_series = real
+            new = measure_new(client, job, args.repeat)
+            old = measure_old(client, olds, args, new)
             print(json.dumps({
                 "database": connection.vendor, "ranks": RANKS, "steps": args.steps, "per_step_rows": n_steps,
                 "per_rank_rows": n_samples, "per_rank_window": args.window, "thinned_every": THIN_EVERY,

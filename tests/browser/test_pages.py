@@ -67,7 +67,7 @@ def test_job_list_shows_progress_queue_position_and_throughput_in_one_query(clie
     with CaptureQueriesContext(connection) as q:
         r = client_alice.get("/jobs/")
     assert r.status_code == 200
-    assert sum("jobs_metricsample" in x["sql"] for x in q.captured_queries) == 1, [x["sql"] for x in q.captured_queries]
+    assert sum("jobs_metricstep" in x["sql"] for x in q.captured_queries) == 1, [x["sql"] for x in q.captured_queries]
     html = r.content.decode()
     row = re.search(rf'<tr data-job="{job.pk}">.*?</tr>', html, re.S).group(0)
     assert "220 samples/s" in row  # mean over ranks at the newest step (110) x 2 ranks

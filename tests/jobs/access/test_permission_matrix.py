@@ -75,6 +75,10 @@ MATRIX = {
     # issue 25: compare page and bucketed series (a list leaves invisible jobs out: `missing`)
     "compare": row("GET", LOGIN, 200, 200, 404, 200),
     "api-job-series": row("GET", 401, 200, 200, 404, 200),
+    "api-job-ranks": row("GET", 401, 200, 200, 404, 200),
+    # everyone signed in reads the site's retention (and their own teams'); writes (PUT) are staff-only:
+    # tests/jobs/telemetry/test_retention.py
+    "api-retention": row("GET", 401, 200, 200, 200, 200),
     "api-series": row("GET", 401, 200, 200, 200, 200),
     "api-series-metrics": row("GET", 401, 200, 200, 200, 200),
     # experiments (issue 25): the owner stops first, so staff then finds it stopped (409)
@@ -168,6 +172,8 @@ def url_for(name: str, world) -> str:
         return f"{reverse(name)}?jobs={job.pk}"
     if name == "api-job-series":
         return f"{reverse(name, kwargs={'pk': job.pk})}?metric=loss"
+    if name == "api-job-ranks":
+        return f"{reverse(name, kwargs={'pk': job.pk})}?metric=step_s"
     if name in ("api-series", "api-series-metrics"):
         return f"{reverse(name)}?jobs={job.pk}&metric=loss"
     if name == "api-code-detail":
