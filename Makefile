@@ -64,9 +64,9 @@ lint: venv
 docs: venv
 	DJANGO_SETTINGS_MODULE=controlplane.settings $(BIN)/python scripts/gen_reference.py
 
-# Only tests that start no processes.
+# Only tests that start no processes, on two workers (pytest-xdist: each its own test database).
 test-fast: venv
-	$(PYTEST) -q -m "not procs"
+	$(PYTEST) -q -m "not procs" -n 2
 
 # The GPU checks of the CUDA/NCCL paths (bench/gpu_checks.py): one JSON line per check; checks
 # that need more GPUs than the machine has are printed as skipped. Not part of CI (no GPU there).
