@@ -13,9 +13,11 @@ One round: XREADGROUPs over all streams, READ_STREAMS at a time, up to `batch` e
 new stream starts at FIRST_COUNT and doubles while its entries are small; one that sent an entry
 over BIG_ENTRY_BYTES is read one entry a round until it sends small ones again, so memory per round
 stays bounded by Redis' proto-max-bulk-len, not by what a job chooses to send), blocking only when idle,
-one transaction for everything read, then the committed samples go to the Channels groups
-`job.<id>` (through a long-lived publisher thread, in order, at most PUBLISH_MAX_SAMPLES per
-message), the log lines go to the kept files on disk (jobs.telemetry.keptlogs: a writer thread, so a slow
+one transaction for everything read (the per-rank rows and their per-step rollup: ingest.py,
+rollup.py), then what was committed goes to the Channels groups `job.<id>` (through a long-lived
+publisher thread, in order): one reduced row per (attempt, step) the round touched, read back from
+MetricStep in one SELECT, plus the samples of the few named ranks (publish.reduced_messages, at most
+PUBLISH_MAX_SAMPLES per message), so a frame grows with the steps, not the ranks; the log lines go to the kept files on disk (jobs.telemetry.keptlogs: a writer thread, so a slow
 disk never holds a round up for long) and one pipelined round trip XACKs, XDELs, appends logs to
 the live Redis list and, every STATS_EVERY_S,
 bumps the counters in keys.RELAY_STATS_KEY (read by /metrics). Rounds start at most every MIN_ROUND_S;
