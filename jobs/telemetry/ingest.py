@@ -73,9 +73,10 @@ def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
         return None
     if not _METRIC_TYPES.issuperset(map(type, vals)):
         return None
-    for v in vals:
-        if type(v) is int and not -_INT64 <= v < _INT64:
-            return None
+    # int64 bounds of the int fields (rank and step are checked above; the schema bounds them too)
+    big = [v for v in vals[3:] if type(v) is int]
+    if big and (max(big) >= _INT64 or min(big) < -_INT64):
+        return None
     return (job_id, attempt_id) + vals
 
 
