@@ -22,6 +22,11 @@ log = logging.getLogger("trainyard.relay")
 
 
 PUBLISH_MAX_STEPS = 200  # step rows per message: at most ~160 KB of JSON
+# Steps of one attempt a round publishes at most: its newest ones. Live, a round touches a few steps;
+# only a relay catching up a backlog commits thousands of one attempt's steps in a round, and turning
+# each into its wire row cost more than committing it (a 2-rank backlog: half the relay's time). A
+# chart holds ~1,500 points, and the page's next snapshot or catch-up window reads the rest.
+LIVE_STEPS_PER_ROUND = 500
 
 
 def reduced_messages(per_job: list[tuple[int, list[dict]]], tracker: reduced.NamedTracker, *,
@@ -36,6 +41,9 @@ def reduced_messages(per_job: list[tuple[int, list[dict]]], tracker: reduced.Nam
             attempt, step = s.get("attempt"), s.get("step")
             if type(attempt) is int and type(step) is int:
                 keys.setdefault(attempt, set()).add(step)
+    for attempt, steps in keys.items():
+        if len(steps) > LIVE_STEPS_PER_ROUND:
+            keys[attempt] = set(sorted(steps)[-LIVE_STEPS_PER_ROUND:])
     by_job: dict[int, list[dict]] = {}
     for row in reduced.steps_of(keys):
         by_job.setdefault(row.pop("job"), []).append(row)

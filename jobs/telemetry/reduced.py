@@ -57,6 +57,12 @@ def step_bucket(first: int, last: int, max_points: int):
                              output_field=BigIntegerField())
 
 
+# (field, its count, mean, min and max columns) and (field, its min and max rank columns): formatted
+# once here, not per row and field (step_row runs for every step the relay publishes)
+_FIELD_KEYS = {f: (f, f"{f}_n", f"{f}_mean", f"{f}_min", f"{f}_max") for f in REDUCED_FIELDS}
+_RANK_KEYS = tuple((f, f"{f}_min_rank", f"{f}_max_rank") for f in RANKED_FIELDS)
+
+
 def step_row(r: dict, *, lo: dict | None = None, hi: dict | None = None, first: int | None = None,
              fields=REDUCED_FIELDS) -> dict:
     """The wire form of one MetricStep row (a dict of step_columns(fields)); lo/hi: a bucket's min/max
@@ -65,11 +71,12 @@ def step_row(r: dict, *, lo: dict | None = None, hi: dict | None = None, first: 
     if first is not None and first != r["step"]:
         out["first"] = first
     for f in fields:
-        n = r[f"{f}_n"]
-        if not n or r[f"{f}_mean"] is None:
+        _, kn, kmean, kmin, kmax = _FIELD_KEYS[f]
+        n, mean = r[kn], r[kmean]
+        if not n or mean is None:
             continue
-        out[f] = [lo[f] if lo and f in lo else r[f"{f}_min"], r[f"{f}_mean"], hi[f] if hi and f in hi else r[f"{f}_max"], n]
-    by = {f: [r[f"{f}_min_rank"], r[f"{f}_max_rank"]] for f in RANKED_FIELDS if r[f"{f}_max_rank"] is not None}
+        out[f] = [lo[f] if lo and f in lo else r[kmin], mean, hi[f] if hi and f in hi else r[kmax], n]
+    by = {f: [r[kmin], r[kmax]] for f, kmin, kmax in _RANK_KEYS if r[kmax] is not None}
     if by:
         out["by"] = by
     extra = r["extra"]

@@ -225,3 +225,18 @@ def test_a_round_of_many_steps_is_split_and_big_rounds_keep_their_samples(runnin
     assert [len(m["steps"]) for m in msgs] == [200, 200, 50, 0, 0, 0]  # 1,800 samples: 500 with the steps, the rest alone
     assert sum(len(m["samples"]) for m in msgs) == 1800 and all(m["count"] for m in msgs)
     assert MetricSample.objects.filter(attempt=attempt).count() == 1800
+
+
+def test_a_catch_up_round_publishes_only_an_attempts_newest_steps(running):
+    """A relay draining a backlog commits thousands of one attempt's steps in a round: it publishes the
+    newest LIVE_STEPS_PER_ROUND of them (every one is stored; the page's next snapshot reads them)."""
+    from jobs.telemetry.publish import LIVE_STEPS_PER_ROUND
+
+    job, attempt = running
+    published = Published()
+    relay = Relay("redis://127.0.0.1:1/0", publish=published)
+    steps = LIVE_STEPS_PER_ROUND + 300
+    relay_round(relay, attempt, [s for step in range(1, steps + 1) for s in wide(attempt, step, range(2))])
+    sent = [r["step"] for _, m in published.telemetry() for r in m["steps"]]
+    assert sent == list(range(301, steps + 1))
+    assert MetricStep.objects.filter(attempt=attempt).count() == steps
