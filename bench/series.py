@@ -83,8 +83,8 @@ def fill(n: int) -> int:
             for ddl in rollup.stage_ddl(connection.vendor):
                 cur.execute(ddl)
             cur.executemany(f"INSERT INTO {rollup.STAGE} VALUES ({marks})", batch)
-            for name in ("insert", "reduce", "clear"):
-                cur.execute(sql[name])
+            for statement in sql:
+                cur.execute(statement)
 
     for step in range(steps):
         for rank in (0, 1):

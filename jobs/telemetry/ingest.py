@@ -69,11 +69,11 @@ def _metric_row(job_id: int, attempt_id: int, s: dict) -> tuple | None:
     sample never rejects the batch it came in. ~3 us: this runs for every sample."""
     vals = tuple(map(s.get, METRIC_FIELDS))
     rank, step = vals[0], vals[1]
-    if type(rank) is not int or type(step) is not int or rank < 0 or step < 0 or vals[2] is None:
+    if type(rank) is not int or type(step) is not int or rank < 0 or not 0 <= step < _INT64 or vals[2] is None:
         return None
     if not _METRIC_TYPES.issuperset(map(type, vals)):
         return None
-    # int64 bounds of the int fields (rank and step are checked above; the schema bounds them too)
+    # int64 bounds of the other int fields (rank and step are checked above)
     big = [v for v in vals[3:] if type(v) is int]
     if big and (max(big) >= _INT64 or min(big) < -_INT64):
         return None
@@ -170,8 +170,8 @@ def _store_rows(cursor, connection, rows: list[tuple]) -> None:
     else:
         marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
         raw.executemany(f"INSERT OR IGNORE INTO {rollup.STAGE} VALUES ({marks})", rows)
-    for name in ("dedupe", "insert", "reduce", "clear"):
-        cursor.execute(sql[name])
+    for statement in sql:
+        cursor.execute(statement)
 
 
 def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from django.db.models import BigIntegerField, Count, ExpressionWrapper, F, Max, Min, Q, Value
+from django.db.models import BigIntegerField, Count, ExpressionWrapper, F, Max, Min, Value
 
 from jobs.models import MetricSample, MetricStep
 from jobs.models.telemetry import RANKED_FIELDS, REDUCED_FIELDS

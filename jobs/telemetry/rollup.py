@@ -209,18 +209,23 @@ def reduce_rows(rows: list[tuple]) -> list[tuple]:
     return list(zip(*(c.tolist() for c in out)))
 
 
-def ingest_sql(vendor: str) -> dict[str, str]:
-    """The statements of one round after its rows are staged: drop the ones already stored, insert the
-    rest, reduce them, empty the stage (SQLite; PostgreSQL's empties itself at commit)."""
+def ingest_sql(vendor: str) -> list[str]:
+    """The statements of one round after its rows are staged, in order.
+
+    SQLite (one writer at a time): drop the staged rows already stored, insert the rest, reduce them,
+    empty the stage. PostgreSQL: one statement inserts with ON CONFLICT DO NOTHING and reduces exactly
+    the rows it inserted (RETURNING): another transaction (a second relay) may commit the same rows
+    between any check and the insert, and the insert then waits for it and skips them."""
     sample_table = MetricSample._meta.db_table
     cols = ", ".join(_qn(c) for c in STAGE_COLUMNS)
-    return {
-        "dedupe": (f"DELETE FROM {STAGE} WHERE EXISTS (SELECT 1 FROM {sample_table} m WHERE m.attempt_id = "
-                   f"{STAGE}.attempt_id AND m.rank = {STAGE}.rank AND m.step = {STAGE}.step)"),
-        "insert": f"INSERT INTO {sample_table} ({cols}) SELECT {cols} FROM {STAGE}",
-        "reduce": reduce_sql(vendor, STAGE),
-        "clear": f"DELETE FROM {STAGE}",
-    }
+    clear = f"DELETE FROM {STAGE}"
+    if vendor == "postgresql":
+        return [f"WITH new_rows AS (INSERT INTO {sample_table} ({cols}) SELECT {cols} FROM {STAGE} "
+                f"ON CONFLICT DO NOTHING RETURNING {cols}) " + reduce_sql(vendor, "new_rows"), clear]
+    return [(f"DELETE FROM {STAGE} WHERE EXISTS (SELECT 1 FROM {sample_table} m WHERE m.attempt_id = "
+             f"{STAGE}.attempt_id AND m.rank = {STAGE}.rank AND m.step = {STAGE}.step)"),
+            f"INSERT INTO {sample_table} ({cols}) SELECT {cols} FROM {STAGE}",
+            reduce_sql(vendor, STAGE), clear]
 
 
 def backfill_sql(vendor: str) -> str:
