@@ -42,35 +42,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from series import say, setup_django  # noqa: E402  (the same Django setup, SQLite or a PostgreSQL it starts)
 
 RANKS = 1024
 THIN_EVERY = 100
-
-
-def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def setup_django(workdir: Path, postgres: bool):
-    os.environ["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
-    os.environ["TRAINYARD_VAR_DIR"] = str(workdir / "var")
-    os.environ.setdefault("DJANGO_SECRET_KEY", "bench-only")
-    server = None
-    if postgres:
-        from tests.postgres import PostgresServer
-
-        server = PostgresServer().start()  # its own directory: under root the server runs as nobody
-        os.environ["DATABASE_URL"] = server.create_database("bench")
-    else:
-        os.environ["DATABASE_URL"] = ""
-        os.environ["TRAINYARD_DB"] = str(workdir / "db.sqlite3")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    return server
 
 
 def write_rows(table: str, cols: list[str], rows) -> int:
