@@ -7,6 +7,20 @@
 // `maxSteps` every other step is dropped (the newest step always stays), so each chart series keeps
 // at most `maxSteps` points however long the job runs.
 
+// Insert `value` into the ascending array `arr` (appending is the common case: steps arrive in order).
+function insertSorted(arr, value) {
+  if (!arr.length || arr[arr.length - 1] < value) {
+    arr.push(value);
+    return;
+  }
+  let lo = 0, hi = arr.length;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (arr[mid] < value) lo = mid + 1; else hi = mid;
+  }
+  arr.splice(lo, 0, value);
+}
+
 export class SampleStore {
   constructor({ maxSteps = 2000 } = {}) {
     this.maxSteps = maxSteps;
@@ -63,17 +77,7 @@ export class SampleStore {
   }
 
   _insertStep(step) {
-    const st = this.steps;
-    if (!st.length || st[st.length - 1] < step) {
-      st.push(step);
-      return;
-    }
-    let lo = 0, hi = st.length;
-    while (lo < hi) {
-      const mid = (lo + hi) >> 1;
-      if (st[mid] < step) lo = mid + 1; else hi = mid;
-    }
-    st.splice(lo, 0, step);
+    insertSorted(this.steps, step);
   }
 
   // Remove samples of attempts older than `attempt` at steps >= `step`.
@@ -251,17 +255,7 @@ export class StepStore {
   }
 
   _insertStep(step) {
-    const st = this.steps;
-    if (!st.length || st[st.length - 1] < step) {
-      st.push(step);
-      return;
-    }
-    let lo = 0, hi = st.length;
-    while (lo < hi) {
-      const mid = (lo + hi) >> 1;
-      if (st[mid] < step) lo = mid + 1; else hi = mid;
-    }
-    st.splice(lo, 0, step);
+    insertSorted(this.steps, step);
   }
 
   _dropOlder(step, attempt) {
