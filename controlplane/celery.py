@@ -15,7 +15,8 @@ from jobs.fleet.liveness import ControlStamp  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, ETA_REFRESH_TASK,  # noqa: E402
-                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK, TELEMETRY_PURGE_TASK)
+                              NODES_CHECK_TASK, SCHEDULE_TICK_TASK, SLURM_POLL_TASK, SLURM_RECONCILE_TASK,
+                              TELEMETRY_PURGE_TASK)
 
 # Ticks also run on submit and on attempt end; the beat catches everything else (nodes freed by
 # a heartbeat, lost nodes) within 2 s. Every one goes to control.beat (jobs.core.celery_app's task_routes),
@@ -30,6 +31,10 @@ app.conf.beat_schedule = {
     # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/bundles/services.py).
     "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
     # Telemetry retention (jobs/telemetry/retention.py): every TRAINYARD_TELEMETRY_PURGE_S (default 60 s).
+    # Slurm pools (jobs/fleet/services/slurm.py): one batched squeue per pool; orphans every minute.
+    "slurm-poll": {"task": SLURM_POLL_TASK, "schedule": settings.TRAINYARD_SLURM_POLL_S,
+                   "options": {"expires": 2 * settings.TRAINYARD_SLURM_POLL_S}},
+    "slurm-reconcile": {"task": SLURM_RECONCILE_TASK, "schedule": 60.0, "options": {"expires": 60}},
     "telemetry-purge": {"task": TELEMETRY_PURGE_TASK, "schedule": settings.TRAINYARD_TELEMETRY_PURGE_S,
                         "options": {"expires": settings.TRAINYARD_TELEMETRY_PURGE_S}},
 }

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -241,6 +242,12 @@ TRAINYARD_CONTROL_STALL_S = float(os.environ.get("TRAINYARD_CONTROL_STALL_S") or
 TRAINYARD_ALIVE_TTL_S = float(os.environ.get("TRAINYARD_ALIVE_TTL_S", "10"))
 # A STARTING attempt whose ranks never report within this window is failed as a launch timeout.
 TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", "120"))
+# Slurm pools (issue 27; jobs/fleet/services/slurm.py). The Redis URL the ephemeral agents on Slurm's
+# nodes connect to (empty: REDIS_URL's host; each agent gets its own seat's user), the Python they run
+# with when a pool names none, and how often the batched squeue runs.
+TRAINYARD_SLURM_REDIS_URL = os.environ.get("TRAINYARD_SLURM_REDIS_URL", "")
+TRAINYARD_SLURM_AGENT_PYTHON = os.environ.get("TRAINYARD_SLURM_AGENT_PYTHON", "") or sys.executable
+TRAINYARD_SLURM_POLL_S = float(os.environ.get("TRAINYARD_SLURM_POLL_S", "3"))
 # A STARTING attempt with no rank reported this long after its launch gets its launch sent once more
 # (a control worker killed between the tick's commit and its sends; agents ignore duplicates).
 TRAINYARD_LAUNCH_RESEND_S = float(os.environ.get("TRAINYARD_LAUNCH_RESEND_S", "20"))

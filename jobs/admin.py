@@ -2,7 +2,8 @@ from django import forms
 from django.contrib import admin, messages
 
 from jobs.models import (Allocation, ApiToken, Attempt, Checkpoint, CodeBundle, Experiment, ExperimentEvent, Job, JobEvent,
-                         MetricSample, MetricStep, Node, NodeJoinRequest, Quota, QuotaChange, SecurityEvent, Trial)
+                         MetricSample, MetricStep, Node, NodeJoinRequest, Pool, Quota, QuotaChange, SecurityEvent,
+                         SlurmJob, Trial)
 from jobs.models.telemetry import RetentionPolicy
 
 
@@ -30,6 +31,58 @@ class NodeAdmin(admin.ModelAdmin):
                                               address=node.address, reissue=True)
             messages.warning(request, f"Credential of node {node.name} (shown once, put it in the node's 0600 "
                                       f"--credential-file): {credential}")
+
+
+class PoolForm(forms.ModelForm):
+    """The pool's fields and Slurm settings checked by the same service as `manage.py pool_set`
+    (jobs.fleet.services.pools.pool_check): each bad field is shown on its own."""
+
+    class Meta:
+        model = Pool
+        fields = ["name", "kind", "enabled", "max_nodes", "slots_per_node", "device", "gpu_memory_gb", "settings",
+                  "agent_python", "agent_code_dir", "agent_run_dir", "agent_env"]
+
+    def clean(self):
+        from jobs.core.errors import InvalidInput
+        from jobs.fleet.services.pools import POOL_FIELDS, pool_check
+
+        data = super().clean()
+        try:
+            checked = pool_check({k: data[k] for k in POOL_FIELDS if k in data})
+        except InvalidInput as exc:
+            for path, msgs in exc.errors.items():
+                field = path.split(".")[0]
+                self.add_error(field if field in self.fields else None, f"{path}: {' '.join(msgs)}")
+            return data
+        data["settings"] = checked["settings"]
+        return data
+
+
+@admin.register(Pool)
+class PoolAdmin(admin.ModelAdmin):
+    """Slurm pools (issue 27): staff say how to reach Slurm (the CLI here, or SSH to a login node
+    with a key they provide), the partition, account, QOS, priority bands and time limit, and how
+    many nodes Trainyard may hold. Saving brings the pool's seats (nodes <name>-<i>) in line."""
+
+    form = PoolForm
+    list_display = ("name", "kind", "enabled", "max_nodes", "slots_per_node", "device", "updated_at")
+
+    def save_model(self, request, obj, form, change):
+        from jobs.fleet.services.pools import POOL_FIELDS, pool_save
+
+        pool_save(obj.name, **{k: form.cleaned_data[k] for k in POOL_FIELDS if k in form.cleaned_data})
+        obj.refresh_from_db()
+
+
+@admin.register(SlurmJob)
+class SlurmJobAdmin(admin.ModelAdmin):
+    list_display = ("slurm_id", "attempt", "pool", "state", "category", "reason", "submitted_at", "launched_at",
+                    "ended_at", "released_at")
+    list_filter = ("state", "pool")
+    readonly_fields = [f.name for f in SlurmJob._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
 
 
 @admin.register(NodeJoinRequest)

@@ -28,6 +28,10 @@ from jobs.attempts.services.rollback import job_rollback
 from jobs.attempts.services.tuning import attempts_tune
 from jobs.fleet.services.reports import attempt_node_exit, attempt_ranks
 from jobs.fleet.services.nodes import node_clear, node_heartbeat, node_set_schedulable, nodes_check
+from jobs.fleet.services.slurm import gang_submit as slurm_gang_submit
+from jobs.fleet.services.slurm import seat_draining as slurm_seat_draining
+from jobs.fleet.services.slurm import seat_up as slurm_seat_up
+from jobs.fleet.services.slurm import slurm_poll, slurm_reconcile
 from jobs.scheduling.services.quotas import quota_audit, quotas_update
 from jobs.scheduling.services.tick import eta_refresh, schedule_tick
 from jobs.attempts.services.launch import launches_resend_due
@@ -43,6 +47,7 @@ __all__ = [
     "job_rollback", "attempt_access_reconcile",
     "job_submit", "launches_resend_due", "node_add", "node_clear", "node_heartbeat", "node_set_schedulable",
     "nodes_check", "quota_audit", "quotas_update", "report_open", "schedule_tick", "security_event", "submitted_spec",
+    "slurm_gang_submit", "slurm_poll", "slurm_reconcile", "slurm_seat_draining", "slurm_seat_up",
     "telemetry_ingest", "telemetry_purge", "retention_update", "experiment_stop", "experiment_submit", "experiments_advance", "trial_continue",
     "delivery_try", "notify_event", "notify_fanout",
 ]

@@ -12,12 +12,12 @@ from pydantic import ValidationError
 from trainyard.keys import CONTROL_BEAT_QUEUE, NOTIFY_QUEUE
 from trainyard.launch import (ATTEMPTS_CHECK_TASK, BUNDLES_GC_TASK, CALIBRATION_REPORT_TASK, ETA_REFRESH_TASK,
                               HEARTBEAT_TASK, NODE_EXIT_TASK, NODES_CHECK_TASK, RANKS_TASK, SCHEDULE_TICK_TASK,
-                              TELEMETRY_PURGE_TASK,
+                              SLURM_POLL_TASK, SLURM_RECONCILE_TASK, TELEMETRY_PURGE_TASK,
                               CalibrationReport, ExitReport, Heartbeat, RanksReport)
 
 from jobs.core import dispatch
 from jobs import services
-from jobs.core.celery_app import NOTIFY_DELIVER_TASK, NOTIFY_FANOUT_TASK, app
+from jobs.core.celery_app import NOTIFY_DELIVER_TASK, NOTIFY_FANOUT_TASK, SLURM_SUBMIT_TASK, app
 
 log = logging.getLogger("trainyard.security")
 
@@ -107,6 +107,23 @@ def telemetry_purge() -> dict:
     return services.telemetry_purge().as_dict()
 
 
+# Slurm pools (issue 27, jobs/fleet/services/slurm.py): sbatch off the tick, the batched status and
+# the orphans' reconcile. A Slurm command waits at most its runner's timeout (30 s), under these limits.
+@app.task(name=SLURM_SUBMIT_TASK, **BEAT, time_limit=120, soft_time_limit=100)
+def slurm_submit(slurm_job_id: int) -> str | None:
+    return services.slurm_gang_submit(slurm_job_id)
+
+
+@app.task(name=SLURM_POLL_TASK, **BEAT, time_limit=120, soft_time_limit=100, expires=10)
+def slurm_poll() -> int:
+    return services.slurm_poll()
+
+
+@app.task(name=SLURM_RECONCILE_TASK, **BEAT, time_limit=120, soft_time_limit=100)
+def slurm_reconcile() -> int:
+    return services.slurm_reconcile()
+
+
 # Every report is a trainyard.launch.Signed envelope: services.report_open checks the signature
 # against the registered node's credential (refused and counted as a security event otherwise)
 # before one service applies the body as that node's.
@@ -121,6 +138,11 @@ def node_heartbeat(envelope: dict) -> None:
         services.security_event("malformed", opened[0].name, f"heartbeat: {exc.error_count()} errors")
         return
     node, orphans = services.node_heartbeat(beat, signer=opened[0].name)
+    if node is not None and node.holder_id:
+        if beat.draining:  # Slurm takes the node back: checkpoint and requeue (trainyard/slurm's preemption)
+            services.slurm_seat_draining(node.name, beat.draining)
+        else:
+            services.slurm_seat_up(node.name)  # a pool's seat: the last agent of its gang in launches it
     for attempt_id in orphans:
         # The agent runs an attempt the control plane has already ended: stop it there.
         dispatch.send_stop(node.name, 0, attempt_id, "orphan")

@@ -2,7 +2,7 @@
 # Install the Debian packages Trainyard needs when they are missing: redis-server (broker, streams,
 # channel layer), bubblewrap and util-linux's setpriv/prlimit (the node agents' job sandbox,
 # workers/sandbox.py), and those named as arguments (chromium, iproute2, postgresql for `make
-# test-postgres`). Root installs them with apt-get; anyone else gets the exact command to run.
+# test-postgres`, slurm for `make test-slurm`: slurm-wlm's slurmctld/slurmd/sbatch and munge). Root installs them with apt-get; anyone else gets the exact command to run.
 set -euo pipefail
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -13,6 +13,9 @@ for pkg in "$@"; do
     chromium) [ -x /usr/bin/chromium ] || missing+=(chromium) ;;
     # the server binaries live in /usr/lib/postgresql/<version>/bin (tests/postgres.py finds them)
     postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql) ;;
+    # Debian's slurm-wlm carries slurmctld, slurmd and the client commands; munge authenticates them
+    slurm) { command -v slurmctld && command -v slurmd && command -v sbatch; } >/dev/null 2>&1 || missing+=(slurm-wlm)
+           command -v munged >/dev/null 2>&1 || missing+=(munge) ;;
     *) dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg") ;;
   esac
 done

@@ -64,7 +64,8 @@ def test_heartbeat_ranks_and_stop():
     assert (beat.labels, beat.devices, beat.agent_id, beat.attempts) == ({}, [], "", [])
     full = beat.model_dump(mode="json")
     assert set(full) == {"name", "address", "slots", "labels", "devices", "cpu_percent", "mem_percent",
-                         "agent_id", "attempts"}
+                         "agent_id", "attempts", "allocation", "draining"}
+    assert (beat.allocation, beat.draining) == ("", "")  # only a Slurm seat's ephemeral agent sets them
     rank = {"rank": 1, "local_rank": 0, "pid": 4243, "node": "node-b"}
     assert RankInfo.model_validate(rank).model_dump(mode="json") == rank
     stop = {"job_id": 0, "attempt_id": 9, "reason": "orphan"}

@@ -53,6 +53,10 @@ ETA_REFRESH_TASK = "jobs.tasks.eta_refresh"
 # (control beat) delete code bundles no job references, unused for TRAINYARD_BUNDLE_GC_AGE_S
 BUNDLES_GC_TASK = "jobs.tasks.bundles_gc"
 TELEMETRY_PURGE_TASK = "jobs.tasks.telemetry_purge"
+SLURM_POLL_TASK = "jobs.tasks.slurm_poll"
+"""Control beat: the Slurm pools' batched status (squeue), pending reasons, ends, releases (issue 27)."""
+SLURM_RECONCILE_TASK = "jobs.tasks.slurm_reconcile"
+"""Control beat: cancel tagged Slurm jobs no live attempt owns (every minute)."""
 """Control queue: queued jobs' predicted start times (beat every 5 s)."""
 HEARTBEAT_TASK = "jobs.tasks.node_heartbeat"
 """Control queue: a node agent's heartbeat (args: [Signed(body=Heartbeat)])."""
@@ -189,6 +193,10 @@ class Heartbeat(_Message):
     mem_percent: float | None = None
     agent_id: str = Field("", description="changes when the agent restarts")
     attempts: list[int] = Field(default_factory=list, description="attempt ids with processes here")
+    allocation: str = Field("", max_length=32, description="an ephemeral agent's Slurm job id (a pool's seat "
+                                                            "counts its heartbeat only from that job)")
+    draining: str = Field("", max_length=200, description="an ephemeral agent's node is being taken back by "
+                                                          "Slurm (preemption, scancel): stop its attempt cooperatively")
 
 
 class Signed(_Message):

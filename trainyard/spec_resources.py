@@ -17,6 +17,7 @@ MAX_GPU_MEMORY_GB = 4096
 MAX_NODES = 4096
 _LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+POOL_NAME = r"^[a-z][a-z0-9-]{0,30}[a-z0-9]$"
 
 
 def _check_labels(labels: dict[str, str]) -> dict[str, str]:
@@ -54,6 +55,10 @@ class ResourcesSpec(_Strict):
     labels: NodeLabels = Field(default_factory=dict, description="node selector: run only on nodes carrying "
                                                                  "every one of these labels (the agents' --labels), "
                                                                  "e.g. {gpu: a100, rack: r2}")
+    pool: str | None = Field(None, pattern=POOL_NAME,
+                             description="where the job runs: null = Trainyard's own node agents; the name of a "
+                                         "pool staff configured (a Slurm cluster: the job runs on nodes Slurm "
+                                         "allocates for each attempt)")
 
     @model_validator(mode="before")
     @classmethod

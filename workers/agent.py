@@ -30,7 +30,7 @@ from .launch_spec import InterfaceError, warm_ranks
 from .launcher import LaunchRequest, Supervisor, launched_attempts, pick_free_port
 from .entrypoint import UserCodeError, check_python_runs, prepare
 from .gpus import GpuMonitor, NvmlUnavailable
-from . import sandbox, standby
+from . import agent_once, sandbox, standby
 from .launch_spec import CHAOS_VAR
 
 log = logging.getLogger("trainyard.agent")
@@ -87,6 +87,7 @@ class Agent:
         self._stop = threading.Event()
         self.cores_per_slot = max(1, (os.cpu_count() or 1) // slots)
         self.standbys = standby.Standbys(run_base, self.sandbox_cfg)
+        self.lifetime = agent_once.Lifetime.from_env(self)
 
     # ---------------------------------------------------------------- helpers
     def report(self, task: str, body: dict, **options) -> None:
@@ -148,6 +149,7 @@ class Agent:
             client.close()
             report = NodeExit.model_validate(dict(result, node=self.name))
             self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
+            self.lifetime.attempt_ended(attempt_id)
 
         return {"on_ranks": on_ranks, "on_log": on_log, "on_exit": on_exit}
 
@@ -313,6 +315,7 @@ class Agent:
         report = NodeExit(attempt_id=attempt_id, node=self.name, exit_code=None, signal=None, stopped=True,
                           failures=[], log_tail={}, duration_s=0.0, reason=reason)
         self.report(NODE_EXIT_TASK, ExitReport(attempt_id=attempt_id, result=report.wire()).model_dump(mode="json"))
+        self.lifetime.attempt_ended(attempt_id)
 
     # ---------------------------------------------------------------- lifecycle
     def adopt_running(self) -> None:
@@ -336,7 +339,8 @@ class Agent:
         return Heartbeat(
             name=self.name, address=self.address, slots=self.slots, labels=self.labels,
             devices=discover_devices(self.device, self.slots, self.gpus), cpu_percent=psutil.cpu_percent(None),
-            mem_percent=psutil.virtual_memory().percent, agent_id=self.agent_id, attempts=attempts)
+            mem_percent=psutil.virtual_memory().percent, agent_id=self.agent_id, attempts=attempts,
+            allocation=self.lifetime.allocation, draining=self.lifetime.draining)
 
     def stop_all(self) -> None:
         """Graceful agent shutdown (Ctrl-C under `make run`): stop every attempt running here, in parallel."""
@@ -359,6 +363,7 @@ class Agent:
             with self._registry_lock:
                 jobs = {sup.req.job_id for sup in self.supervisors.values()}
             self.standbys.expire(jobs)
+            self.lifetime.check_idle()
             self._stop.wait(HEARTBEAT_S)
 
 
@@ -453,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # A crash (SIGKILL) leaves attempts running for the next agent to re-attach; a deliberate
     # stop (SIGTERM/Ctrl-C) takes them down too, so `make run` leaves no training behind.
-    worker_shutting_down.connect(lambda **_: AGENT.stop_all(), weak=False)
+    worker_shutting_down.connect(lambda **_: AGENT.lifetime.on_shutdown(), weak=False)
     threading.Thread(target=AGENT.heartbeat_forever, name="heartbeat", daemon=True).start()
     # No gossip, mingle or worker heartbeat events: each would need a pub/sub channel, which the
     # node's Redis user does not have (the agent's own signed heartbeat is a task on `control`).

@@ -273,6 +273,8 @@ def build_env(req: LaunchRequest, base: Mapping[str, str] | None = None, *,
     # PYTHONPATH/LD_* names), under what Trainyard sets below.
     env.update({str(k): str(v) for k, v in req.env.items()})
     env["TRAINYARD_RUN_CONFIG"] = req.config_path
+    if agent_env.get("TRAINYARD_AGENT_ONCE"):  # an agent in a Slurm allocation: SIGTERM means preemption
+        env["TRAINYARD_SIGTERM_PREEMPTS"] = "1"
     env["TRAINYARD_NODE"] = req.node
     env["TRAINYARD_RUN_DIR"] = run_dir
     env["TRAINYARD_JOB_ID"] = str(req.job_id)

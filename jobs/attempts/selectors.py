@@ -69,3 +69,17 @@ def attempt_rank_rows(attempt) -> list[dict]:
 def attempt_rank_nodes(attempt_id: int) -> dict[int, str]:
     return {r["rank"]: a.node.name for a in Allocation.objects.filter(attempt_id=attempt_id).select_related("node")
             for r in a.ranks}
+
+
+def attempt_slurm_row(attempt) -> dict | None:
+    """An attempt's Slurm job as the API and job page show it (issue 27), or None off Slurm."""
+    from jobs.models import SlurmJob
+
+    try:
+        sj = attempt.slurm
+    except SlurmJob.DoesNotExist:
+        return None
+    return {"pool": sj.pool.name, "job_id": sj.slurm_id or None, "state": sj.state, "reason": sj.reason,
+            "category": sj.category, "eta": sj.eta.isoformat() if sj.eta else None, "nodes": list(sj.slurm_nodes),
+            "seats": list(sj.seats), "submitted_at": sj.submitted_at.isoformat() if sj.submitted_at else None,
+            "launched_at": sj.launched_at.isoformat() if sj.launched_at else None, "error": sj.error}

@@ -256,3 +256,43 @@ def bus_users() -> set[int] | None:
         return None
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
     return {int(n[len(prefix):]) for n in names if n.startswith(prefix) and n[len(prefix):].isdigit()}
+
+
+# ---------------------------------------------------------------- Slurm pools' seats (issue 27)
+
+def node_user_grant(node: str, password: str) -> None:
+    """Create (or reset) a seat's Redis user, the rules of any node's (redis_acl.node_rule), with the
+    password minted for its current Slurm allocation (jobs/fleet/services/slurm.py)."""
+    import hashlib
+
+    import redis
+
+    from trainyard import redis_acl
+
+    try:
+        client = _redis()
+        client.execute_command("ACL", "SETUSER", node,
+                               *redis_acl.node_rule(node, hashlib.sha256(password.encode()).hexdigest()))
+        _acl_save(client)
+    except redis.RedisError as exc:
+        log.warning("could not create the Redis user of seat %s: %s", node, exc)
+
+
+def node_users_revoke(nodes: list[str]) -> None:
+    """Delete seats' Redis users when their allocation ends (Redis disconnects their agents)."""
+    import redis
+
+    try:
+        client = _redis()
+        client.execute_command("ACL", "DELUSER", *nodes)
+        _acl_save(client)
+    except redis.RedisError as exc:
+        log.warning("could not delete the Redis users of seats %s: %s", nodes, exc)
+
+
+def send_slurm_submit(slurm_job_id: int) -> None:
+    """Run sbatch for a SlurmJob row off the tick (jobs.tasks.slurm_submit): on control.beat, which
+    only the control plane may write."""
+    from jobs.core.celery_app import SLURM_SUBMIT_TASK
+
+    app.send_task(SLURM_SUBMIT_TASK, args=[slurm_job_id], queue=CONTROL_BEAT_QUEUE)

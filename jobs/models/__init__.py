@@ -7,6 +7,7 @@ from jobs.models.bundles import CodeBundle
 from jobs.models.experiments import Experiment, ExperimentEvent, Trial
 from jobs.models.fleet import ControlPlaneClock, Node, NodeJoinRequest, SecurityEvent
 from jobs.models.notify import Delivery, DeliveryAttempt, Subscription
+from jobs.models.pools import Pool, SlurmJob
 from jobs.models.planning import AdaptationOutcome, Calibration, KnowledgeRecord
 from jobs.models.runs import Job, JobTag
 from jobs.models.scheduling import Quota, QuotaChange, SchedulerLock
@@ -14,5 +15,5 @@ from jobs.models.telemetry import MetricSample, MetricStep, RetentionPolicy
 
 __all__ = ["AdaptationOutcome", "Allocation", "ApiToken", "Attempt", "Calibration", "Checkpoint", "CodeBundle",
            "ControlPlaneClock", "Delivery", "DeliveryAttempt", "Experiment", "ExperimentEvent", "Job", "JobEvent",
-           "JobTag", "KnowledgeRecord", "MetricSample", "MetricStep", "Node", "NodeJoinRequest", "Quota", "QuotaChange",
-           "RetentionPolicy", "SchedulerLock", "SecurityEvent", "Subscription", "Trial"]
+           "JobTag", "KnowledgeRecord", "MetricSample", "MetricStep", "Node", "NodeJoinRequest", "Pool", "Quota", "QuotaChange",
+           "RetentionPolicy", "SchedulerLock", "SecurityEvent", "SlurmJob", "Subscription", "Trial"]

@@ -42,6 +42,10 @@ class Node(models.Model):
     credential_salt = models.CharField(max_length=64, blank=True)
     credential_digest = models.CharField(max_length=64, blank=True)
     slots_approved = models.PositiveIntegerField(null=True, blank=True)
+    # A seat of a pool (jobs/models/pools.py): placed on like any node; `holder` is the Slurm job whose
+    # allocation it stands for now (its credential is minted for it and revoked when it ends).
+    pool = models.ForeignKey("jobs.Pool", null=True, blank=True, on_delete=models.PROTECT, related_name="seats")
+    holder = models.ForeignKey("jobs.SlurmJob", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
 
     class Meta:
         ordering = ["name"]

@@ -16,15 +16,21 @@ class AttemptSerializer(serializers.ModelSerializer):
     """One attempt of a job, with its ranks (node, pid, place in the parallel plan)."""
 
     ranks = serializers.SerializerMethodField()
+    slurm = serializers.SerializerMethodField()
 
     class Meta:
         model = Attempt
         fields = ["id", "number", "status", "outcome", "resumed_from", "resumed_from_step", "stop_reason", "failure",
                   "last_step", "last_progress_at", "stragglers", "profile", "created_at", "started_at", "ended_at",
-                  "ranks"]
+                  "ranks", "slurm"]
 
     def get_ranks(self, obj) -> list[dict]:
         return attempts_selectors.attempt_rank_rows(obj)
+
+    def get_slurm(self, obj) -> dict | None:
+        """An attempt on a Slurm pool (issue 27): its Slurm job, what Slurm last said (state; while
+        pending, the reason, its category and squeue --start's estimate) and its nodes; else null."""
+        return attempts_selectors.attempt_slurm_row(obj)
 
 
 class JobSerializer(serializers.ModelSerializer):

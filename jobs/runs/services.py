@@ -58,16 +58,22 @@ def job_submit(*, user: AbstractUser, spec: JobSpec) -> Job:
     code_errors = code_problems(parsed)
     if code_errors:
         raise SpecError(code_errors)
-    nodes = selectors.cluster_snapshot()
+    r = parsed.resources
+    everything = selectors.cluster_snapshot()
+    nodes = [n for n in everything if n.pool == (r.pool or "")]  # a pool's seats, or Trainyard's own agents
+    if r.pool and not nodes:
+        pools = sorted({n.pool for n in everything if n.pool})
+        raise SpecError({"resources.pool": [f"no pool named {r.pool}; "
+                                            + (f"pools: {', '.join(pools)}" if pools else "staff have configured none")]})
     if not nodes:
         raise SpecError({"resources": ["no nodes have registered yet; start a node agent first"]})
-    r = parsed.resources
     warnings = placement_warnings(nodes, parsed)
     least = r.min_nodes or r.nodes  # an elastic job runs on its least nodes too
     if not (r.device != "cpu" or r.labels) and not scheduling.fits_cluster(nodes, least, r.procs_per_node):
         biggest = max(n.slots for n in nodes)
+        where = f"pool {r.pool}" if r.pool else "the cluster"
         raise SpecError({"resources": [
-            f"needs {least} node(s) with {r.procs_per_node} slot(s) each, but the cluster has "
+            f"needs {least} node(s) with {r.procs_per_node} slot(s) each, but {where} has "
             f"{len(nodes)} node(s) with at most {biggest} slot(s): it could never run"]})
     auto = None
     runs = parsed

@@ -18,9 +18,11 @@ def cluster_snapshot() -> list[NodeState]:
     return [
         NodeState(n.name, n.address, eligibility.node_slots(n.slots, n.device_kind, n.gpu_count),
                   frozenset(used.get(n.pk, ())),
-                  n.status == Node.Status.READY and n.quarantined_at is None, (n.labels or {}).get("rack"),
-                  n.device_kind, n.gpu_count, n.gpu_memory_bytes, _pairs(n.labels))
-        for n in Node.objects.defer("devices")
+                  # a pool's seat takes work only while no Slurm job holds it (released after its attempt)
+                  n.status == Node.Status.READY and n.quarantined_at is None and n.holder_id is None,
+                  (n.labels or {}).get("rack"), n.device_kind, n.gpu_count, n.gpu_memory_bytes, _pairs(n.labels),
+                  pool=n.pool.name if n.pool_id else "")
+        for n in Node.objects.defer("devices").select_related("pool")
     ]
 
 

@@ -116,11 +116,16 @@ def _upload(api: Api, directory: str) -> str:
 @click.argument("spec_file", metavar="SPEC.yaml", type=click.Path(dir_okay=False))
 @click.option("--code", "code_dir", type=click.Path(file_okay=False),
               help="pack this directory (honouring .gitignore and .trainyardignore), upload it and run the job from it")
+@click.option("--pool", help="run on this pool (a Slurm cluster staff configured): sets resources.pool")
 @click.option("--watch", "watch_job", is_flag=True, help="then follow the job live; exit 0 iff it SUCCEEDED")
 @click.option("--json", "as_json", is_flag=True, help="print the job as JSON instead of its id")
-def submit(spec_file, code_dir, watch_job, as_json):
+def submit(spec_file, code_dir, pool, watch_job, as_json):
     """Submit the JobSpec in SPEC.yaml (YAML or JSON) and print the new job's id."""
     spec = _load_spec(spec_file)
+    if pool:
+        if not isinstance(spec.get("resources", {}), dict):
+            raise click.UsageError(f"{spec_file}: resources must be a mapping to set --pool")
+        spec["resources"] = {**spec.get("resources", {}), "pool": pool}
     api = _api()
     if code_dir:
         spec["code"] = {"bundle": _upload(api, code_dir)}

@@ -67,6 +67,10 @@ def job_view(job: dict) -> list:
         failure = a.get("failure") or {}
         why = failure.get("message") or failure.get("class") or "" if isinstance(failure, dict) else str(failure)
         nodes = sorted({r.get("node", "") for r in a.get("ranks") or []})
+        slurm = a.get("slurm") or {}
+        if slurm and not why:  # on a Slurm pool: its Slurm job, and why it waits while Slurm pends
+            why = f"Slurm job {slurm.get('job_id') or '?'} {slurm.get('state', '')}" + (
+                f": {slurm.get('category')} ({slurm.get('reason')})" if slurm.get("state") == "pending" else "")
         _row(attempts, str(a.get("number")), str(a.get("id")), a.get("status", ""), a.get("outcome") or "",
                        str(a.get("last_step") or 0), f"{len(a.get('ranks') or [])} on {','.join(nodes)}", why)
     return [fields, attempts] if job.get("attempts") else [fields]

@@ -101,6 +101,29 @@ def buffer_size_from_env() -> int:
     return size
 
 
+SIGTERM_PREEMPTS_ENV = "TRAINYARD_SIGTERM_PREEMPTS"
+
+
+def catch_sigterm(flag: threading.Event) -> bool:
+    """On a Slurm node (the agent sets SIGTERM_PREEMPTS_ENV for its ranks) the batch system takes the
+    node back by SIGTERMing every process of the job, the ranks included, and SIGKILLs after its
+    GraceTime: a SIGTERM there is a preemption request like the control plane's (checkpoint, exit 83),
+    not a death. Only from the main thread (where Python runs handlers); True if installed."""
+    import os
+    import signal
+
+    if os.environ.get(SIGTERM_PREEMPTS_ENV) != "1" or threading.current_thread() is not threading.main_thread():
+        return False
+
+    def on_term(signum, frame):
+        if not flag.is_set():
+            os.write(2, b"trainyard: SIGTERM from the batch system: checkpointing and stopping (preemption)\n")
+        flag.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    return True
+
+
 class Reporter:
     def __init__(self, redis_url: str, stream: str, *, rank: int, attempt: int | None = None,
                  buffer: int | None = None, preempt_key: str | None = None,
@@ -134,6 +157,7 @@ class Reporter:
         self._fence_unknown = False
         self._thread = threading.Thread(target=self._run, name="trainyard-reporter", daemon=True)
         self._thread.start()
+        catch_sigterm(self.preempt_requested)
 
     # ---- training thread -------------------------------------------------------------
     def metric(self, sample: dict) -> None:

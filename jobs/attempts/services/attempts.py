@@ -130,6 +130,12 @@ def _attempt_outcome(job: Job, attempt: Attempt) -> tuple[str, dict]:
         return "preempted", {"class": "preempted", "retry": True, "message": attempt.preempt_reason}
     if reason == "hang":
         return "failed:hang", attempt.failure  # the detector wrote the evidence when it stopped it
+    if reason in ("placement", "placement_refused"):  # a pool's scheduler (Slurm) failed the allocation
+        # (retried), or refused the request itself (a bad partition or account: not retried); its words
+        # are on the attempt's SlurmJob (jobs/fleet/services/slurm.py)
+        message = getattr(getattr(attempt, "slurm", None), "error", "") or "the pool's scheduler failed the allocation"
+        return "failed:placement", {"class": "placement", "retry": reason == "placement", "node": None,
+                                    "exclude": [], "message": message}
     if reason == "launch_timeout":
         return "failed:launch_timeout", {
             "class": "launch_timeout", "retry": True, "node": not_joined[0] if not_joined else None,

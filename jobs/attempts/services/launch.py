@@ -10,7 +10,9 @@ from django.db import transaction
 from django.utils import timezone
 from trainyard import keys, redis_acl
 from trainyard.launch import Launch, Resume
+from trainyard.backends import Gang
 from jobs.core import dispatch
+from jobs.core.agents_backend import AGENTS
 from jobs.models import Allocation, Attempt, Job, Node
 from jobs.attempts.policy import diagnosis
 from jobs.attempts.services.busaccess import attempt_access_grant, attempt_secrets
@@ -48,7 +50,7 @@ def launches_resend_due() -> int:
     """launch_resend for every STARTING attempt older than TRAINYARD_LAUNCH_RESEND_S and younger
     than the launch timeout (run with nodes_check, every few seconds); returns how many."""
     now = timezone.now()
-    due = (Attempt.objects.filter(status=Attempt.Status.STARTING, stop_reason="",
+    due = (Attempt.objects.filter(status=Attempt.Status.STARTING, stop_reason="", slurm__isnull=True,
                                   created_at__lt=now - timedelta(seconds=settings.TRAINYARD_LAUNCH_RESEND_S),
                                   created_at__gte=now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S))
            .exclude(events__kind="launch_resent").select_related("job", "resumed_from"))
@@ -99,12 +101,20 @@ def attempt_start(placement: scheduling.Placement) -> bool:
         Job.objects.filter(pk=job.pk).update(step=attempt.resumed_from_step)
     nodes = {n.name: n for n in Node.objects.filter(name__in=[s.node for s in placement.shares])}
     attempt_access_grant(attempt)  # after commit, before the launches: the ranks' own Redis user
+    # A pool's seats (a Slurm pool) have no agent yet: the scheduler's tick asks Slurm for the nodes
+    # (jobs.fleet.services.slurm.gang_start) and the launches go out once their agents registered.
+    deferred = any(n.pool_id is not None for n in nodes.values())
+    launches = []
     for share in placement.shares:
         alloc = Allocation.objects.create(attempt=attempt, node=nodes[share.node], node_rank=share.node_rank,
                                           slot_ids=list(share.slot_ids))
-        payload = launch_payload(job, attempt, alloc, rdzv_host=placement.shares[0].address,
-                                 nnodes=len(placement.shares), local_addr=share.address)
-        transaction.on_commit(partial(dispatch.send_launch, share.node, payload))
+        if not deferred:
+            launches.append((share.node, launch_payload(job, attempt, alloc, rdzv_host=placement.shares[0].address,
+                                                        nnodes=len(placement.shares), local_addr=share.address)))
+    if not deferred:  # Trainyard's own agents: the launch backend sends each node its Launch after commit
+        gang = Gang(job_id=job.pk, attempt_id=attempt.pk, nodes=len(launches),
+                    procs_per_node=len(placement.shares[0].slot_ids), launches=tuple(launches))
+        transaction.on_commit(partial(AGENTS.submit, gang))
     elastic_started(job, attempt, len(placement.shares), placement.reason)
     where = ", ".join(f"{s.node}[{','.join(map(str, s.slot_ids))}]" for s in placement.shares)
     origin = (f"resuming from the checkpoint at step {resume.step}" if resume

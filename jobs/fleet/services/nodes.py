@@ -8,6 +8,7 @@ from datetime import timedelta
 from functools import partial
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from trainyard.launch import Heartbeat
 from jobs.core import dispatch
@@ -19,6 +20,7 @@ from jobs.fleet.policy.devices import summarize_devices
 from jobs.attempts.services.attempts import attempt_fence, attempt_preempt, attempt_stop
 from jobs.attempts.services.events import job_event, lifecycle
 from jobs.fleet.services.identity import join_requested, security_event
+from jobs.fleet.services.slurm import seat_heartbeat_ok
 
 
 if TYPE_CHECKING:
@@ -50,6 +52,8 @@ def node_heartbeat(beat: Heartbeat, *, signer: str | None = None) -> tuple[Node 
         if node is None:
             join_requested(name, beat)
             return None, []
+        if node.pool_id is not None and not seat_heartbeat_ok(node, beat.allocation):
+            return None, []  # a pool's seat: only the agents of the Slurm job holding it
         cap = node.slots_approved if node.slots_approved is not None else node.slots
         fields = {
             "slots": min(beat.slots, cap), "devices": beat.devices, "device_kind": kind, "gpu_count": gpus,
@@ -181,7 +185,9 @@ def nodes_check() -> list[str]:
                 attempt_stop(alloc.attempt, reason=f"node_lost:{node.name}")
                 quarantine_if_blamed(alloc.attempt)
         launch_cutoff = now - timedelta(seconds=settings.TRAINYARD_LAUNCH_TIMEOUT_S)
-        stuck = Attempt.objects.filter(status=Attempt.Status.STARTING, created_at__lt=launch_cutoff)
+        # an attempt on a Slurm pool counts from its launch (its agents registered), not while Slurm pends
+        stuck = Attempt.objects.filter(Q(slurm__isnull=True) | Q(slurm__launched_at__lt=launch_cutoff),
+                                       status=Attempt.Status.STARTING, created_at__lt=launch_cutoff)
         for attempt in stuck if healthy_since < launch_cutoff else ():  # the same rule for launches
             attempt_stop(attempt, reason="launch_timeout")
             quarantine_if_blamed(attempt)

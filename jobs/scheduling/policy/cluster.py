@@ -47,6 +47,7 @@ class NodeState:
     gpus: int = 0
     gpu_memory_bytes: int = 0
     labels: tuple[tuple[str, str], ...] = ()
+    pool: str = ""  # a seat of a Slurm pool (jobs/fleet/slurm.py): only that pool's jobs run here
 
     @property
     def free_slot_ids(self) -> tuple[int, ...]:
@@ -76,6 +77,7 @@ class QueuedJob:
     # again at once on as many nodes as are free (at least min_nodes), without weighing the wait.
     min_nodes: int | None = None
     restart_now: bool = False
+    pool: str = ""  # `resources.pool`: "" = Trainyard's own agents, else the seats of that pool
 
     @property
     def slots(self) -> int:

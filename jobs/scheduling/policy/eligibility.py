@@ -27,7 +27,8 @@ def job_requirement(resources: Mapping) -> dict:
     mem = resources.get("gpu_memory_gb") or 0
     labels = resources.get("labels") or {}
     return {"device": resources.get("device", "cpu"), "gpu_memory_bytes": int(mem * GB),
-            "labels": tuple(sorted((str(k), str(v)) for k, v in labels.items()))}
+            "labels": tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+            "pool": resources.get("pool") or ""}
 
 
 def node_slots(slots: int, kind: str, gpus: int) -> int:
@@ -41,8 +42,8 @@ def labels_text(labels: Iterable[tuple[str, str]]) -> str:
 
 
 def restricted(job: QueuedJob) -> bool:
-    """Does the job restrict its nodes (a cuda device or a node selector)? A plain cpu job does not."""
-    return job.device != "cpu" or bool(job.labels)
+    """Does the job restrict its nodes (a cuda device, a node selector, a pool)? A plain cpu job does not."""
+    return job.device != "cpu" or bool(job.labels) or bool(job.pool)
 
 
 def _has_device(node: NodeState, job: QueuedJob) -> bool:
@@ -61,8 +62,9 @@ def _has_labels(node: NodeState, job: QueuedJob) -> bool:
 
 
 def eligible(node: NodeState, job: QueuedJob) -> bool:
-    """May the job's processes run on this node (whatever its status and load)?"""
-    return _has_device(node, job) and _has_memory(node, job) and _has_labels(node, job)
+    """May the job's processes run on this node (whatever its status and load)? A pool's seats run
+    only that pool's jobs, and a pool's jobs only there."""
+    return node.pool == job.pool and _has_device(node, job) and _has_memory(node, job) and _has_labels(node, job)
 
 
 def _unit(job: QueuedJob) -> str:
@@ -74,8 +76,10 @@ def unservable_reason(nodes: Iterable[NodeState], job: QueuedJob, *, schedulable
     could. `schedulable_only`: only nodes taking work count ("no READY node has ..."); else every
     registered node (the submit's warning: "no registered node has ...")."""
     where = "READY" if schedulable_only else "registered"
-    pool = [n for n in nodes if n.schedulable or not schedulable_only]
+    pool = [n for n in nodes if (n.schedulable or not schedulable_only) and n.pool == job.pool]
     what = ""
+    if job.pool and not pool:
+        return f"no {where} node in pool {job.pool}"
     if job.device != "cpu":
         pool = [n for n in pool if _has_device(n, job)]
         what = f" {job.device} devices"
@@ -97,5 +101,6 @@ def unservable_reason(nodes: Iterable[NodeState], job: QueuedJob, *, schedulable
         return None  # the plain slot shortage: the caller's own message
     most = max(n.slots for n in pool)
     sel = f" with labels {labels_text(job.labels)}" if job.labels else ""
+    sel += f" in pool {job.pool}" if job.pool else ""
     return (f"needs {job.nodes} {where} node(s) with {job.procs_per_node} {_unit(job)} each{sel}; "
             f"{len(pool)} such node(s), with at most {most}")

@@ -390,13 +390,15 @@ class Eligibility:
         for n in nodes:
             self.nodes[free.index[n.name]] = n
         self.fit_all = fit_counts(nodes)
+        # a pool's seats (NodeState.pool) are off limits to every job not of that pool
+        self.pools = any(n is not None and n.pool for n in self.nodes)
         self.cache: dict[tuple, tuple[PoolExclusion | None, list[int]]] = {}
 
     def of(self, job: QueuedJob) -> tuple[PoolExclusion | None, list[int]]:
         """(ineligible node indices or None, fit counts over the eligible schedulable nodes)."""
-        if not restricted(job):
+        if not restricted(job) and not self.pools:
             return None, self.fit_all
-        key = (job.device, job.gpu_memory_bytes, job.labels)
+        key = (job.device, job.gpu_memory_bytes, job.labels, job.pool)
         got = self.cache.get(key)
         if got is None:
             ok = [eligible(n, job) for n in self.nodes]

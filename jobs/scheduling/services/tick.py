@@ -7,6 +7,7 @@ from datetime import datetime
 from datetime import timezone as dt_timezone
 from django.db import transaction
 from jobs.attempts.services.launch import attempt_start
+from jobs.fleet.services.slurm import gang_start
 from jobs.scheduling import selectors
 from jobs.models import Attempt, Job, SchedulerLock
 from jobs.scheduling import policy as scheduling
@@ -41,6 +42,9 @@ def _tick() -> list[int]:
         for placement in decision.placements:
             if attempt_start(placement):
                 started.append(placement.job_id)
+                attempt = Attempt.objects.filter(job_id=placement.job_id).order_by("-number").first()
+                if attempt.allocations.filter(node__pool__isnull=False).exists():
+                    gang_start(attempt)  # a Slurm pool's seats: sbatch after commit
         for p in decision.preemptions:
             attempt = Attempt.objects.filter(job_id=p.job_id, status__in=(
                 Attempt.Status.STARTING, Attempt.Status.RUNNING)).order_by("-number").first()

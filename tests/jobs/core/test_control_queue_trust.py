@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import services, tasks
-from jobs.core.celery_app import BEAT_TASKS, NOTIFY_TASKS
+from jobs.core.celery_app import BEAT_TASKS, CONTROL_ONLY_TASKS, NOTIFY_TASKS
 from jobs.core.celery_app import app as control_app
 from jobs.models import SecurityEvent
 from trainyard.keys import CONTROL_BEAT_QUEUE, CONTROL_QUEUE
@@ -42,7 +42,7 @@ def test_a_periodic_task_from_the_control_queue_is_refused_and_counted(monkeypat
     assert tasks.schedule_tick() == [] and ran == ["tick", "tick"]  # called in-process: runs
 
 
-@pytest.mark.parametrize("name", BEAT_TASKS)
+@pytest.mark.parametrize("name", BEAT_TASKS + CONTROL_ONLY_TASKS)
 def test_every_periodic_task_is_beat_only_and_routed_to_control_beat(name):
     task = control_app.tasks[name]
     assert isinstance(task, tasks.BeatTask)
@@ -67,7 +67,7 @@ def test_each_app_registers_only_its_own_tasks():
     import workers.tasks  # noqa: F401  (what the agent's worker imports: its `include`)
     from workers.celery_app import app as node_app
 
-    assert sorted(control_app.tasks) == sorted({*BEAT_TASKS, HEARTBEAT_TASK, RANKS_TASK, NODE_EXIT_TASK,
+    assert sorted(control_app.tasks) == sorted({*BEAT_TASKS, *CONTROL_ONLY_TASKS, HEARTBEAT_TASK, RANKS_TASK, NODE_EXIT_TASK,
                                                 CALIBRATION_REPORT_TASK, *NOTIFY_TASKS})
     assert sorted(node_app.tasks) == ["workers.tasks.node_calibrate", "workers.tasks.node_launch",
                                       "workers.tasks.node_stop"]
