@@ -30,11 +30,13 @@ app.conf.beat_schedule = {
     "eta-refresh": {"task": ETA_REFRESH_TASK, "schedule": 5.0, "options": {"expires": 10}},
     # Code bundles no job references and unused for TRAINYARD_BUNDLE_GC_AGE_S (jobs/bundles/services.py).
     "bundles-gc": {"task": BUNDLES_GC_TASK, "schedule": 3600.0, "options": {"expires": 1800}},
-    # Telemetry retention (jobs/telemetry/retention.py): every TRAINYARD_TELEMETRY_PURGE_S (default 60 s).
-    # Slurm pools (jobs/fleet/services/slurm.py): one batched squeue per pool; orphans every minute.
+    # Slurm pools (jobs/fleet/services/slurm.py): one batched squeue per pool; orphans every minute
+    # (TRAINYARD_SLURM_RECONCILE_S).
     "slurm-poll": {"task": SLURM_POLL_TASK, "schedule": settings.TRAINYARD_SLURM_POLL_S,
                    "options": {"expires": 2 * settings.TRAINYARD_SLURM_POLL_S}},
-    "slurm-reconcile": {"task": SLURM_RECONCILE_TASK, "schedule": 60.0, "options": {"expires": 60}},
+    "slurm-reconcile": {"task": SLURM_RECONCILE_TASK, "schedule": settings.TRAINYARD_SLURM_RECONCILE_S,
+                        "options": {"expires": settings.TRAINYARD_SLURM_RECONCILE_S}},
+    # Telemetry retention (jobs/telemetry/retention.py): every TRAINYARD_TELEMETRY_PURGE_S (default 60 s).
     "telemetry-purge": {"task": TELEMETRY_PURGE_TASK, "schedule": settings.TRAINYARD_TELEMETRY_PURGE_S,
                         "options": {"expires": settings.TRAINYARD_TELEMETRY_PURGE_S}},
 }

@@ -248,6 +248,7 @@ TRAINYARD_LAUNCH_TIMEOUT_S = float(os.environ.get("TRAINYARD_LAUNCH_TIMEOUT_S", 
 TRAINYARD_SLURM_REDIS_URL = os.environ.get("TRAINYARD_SLURM_REDIS_URL", "")
 TRAINYARD_SLURM_AGENT_PYTHON = os.environ.get("TRAINYARD_SLURM_AGENT_PYTHON", "") or sys.executable
 TRAINYARD_SLURM_POLL_S = float(os.environ.get("TRAINYARD_SLURM_POLL_S", "3"))
+TRAINYARD_SLURM_RECONCILE_S = float(os.environ.get("TRAINYARD_SLURM_RECONCILE_S", "60"))
 # A STARTING attempt with no rank reported this long after its launch gets its launch sent once more
 # (a control worker killed between the tick's commit and its sends; agents ignore duplicates).
 TRAINYARD_LAUNCH_RESEND_S = float(os.environ.get("TRAINYARD_LAUNCH_RESEND_S", "20"))
