@@ -92,7 +92,7 @@ class PriorityBand(_Strict):
     @classmethod
     def _nice(cls, v: int | None) -> int | None:
         if v is not None and not 0 <= v <= 2_147_483_645:
-            raise ValueError(f"nice must be >= 0: Slurm lets only root (or SlurmUser) set a negative nice, got {v}")
+            raise ValueError(f"nice must be >= 0: a negative nice needs root (or SlurmUser) in Slurm, got {v}")
         return v
 
 
