@@ -355,7 +355,7 @@ def test_state_mapping(state, reason, expected, words):
                                  "priority partitions", "resources"),
     ("ReqNodeNotAvail, UnavailableNodes:n1", "resources"), ("BeginTime", "resources"),
     ("Reservation", "resources"), ("Priority", "priority"),
-    ("QOSMaxJobsPerUserLimit", "limits"), ("QOSGrpGRES", "other"), ("QOSGrpCpuLimit", "limits"),
+    ("QOSMaxJobsPerUserLimit", "limits"), ("QOSGrpGRES", "limits"), ("QOSMaxGRESPerUser", "limits"), ("QOSGrpCpuLimit", "limits"),
     ("AssocGrpGRES", "limits"), ("AssocMaxJobsLimit", "limits"), ("PartitionTimeLimit", "limits"),
     ("PartitionNodeLimit", "limits"), ("MaxJobsPerUser", "limits"),
     ("JobHeldUser", "held"), ("JobHeldAdmin", "held"), ("HeldByUser", "held"),
@@ -581,7 +581,7 @@ def test_local_runner_runs_bin_dir_programs_for_real(tmp_path):
     bin_dir.mkdir()
     _script(bin_dir, "sbatch", 'echo "$SLURM_CONF" >&2; for a in "$@"; do echo "[$a]"; done\n')
     _script(bin_dir, "squeue", "cat; exit 3\n")
-    _script(bin_dir, "slow", "sleep 5\n")
+    _script(bin_dir, "slow", "exec sleep 5\n")
     r = LocalRunner(bin_dir=str(bin_dir), slurm_conf="/etc/slurm/test.conf")
     rc, out, err = r.run(["sbatch", "a b", "$HOME", "';x"], timeout=5)
     assert (rc, out, err) == (0, "[a b]\n[$HOME]\n[';x]\n", "/etc/slurm/test.conf\n")

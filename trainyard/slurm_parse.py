@@ -26,7 +26,7 @@ _CATEGORY_RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("held", re.compile(r"JobHeld(User|Admin)|Held.*|.*Hold|launch failed requeued held")),
     ("dependency", re.compile(r"Dependency(NeverSatisfied)?")),
     ("priority", re.compile(r"Priority")),
-    ("limits", re.compile(r"QOS.*Limit.*|Assoc(Grp|Max).*|.*TimeLimit|PartitionNodeLimit|MaxJobsPerUser.*"
+    ("limits", re.compile(r"QOS.*Limit.*|QOS(Grp|Max|Min).*|Assoc(Grp|Max).*|.*TimeLimit|PartitionNodeLimit|MaxJobsPerUser.*"
                           r"|JobArrayTaskLimit|.*MinCPUs|.*Max.*PerAccount.*|QOSUsageThreshold")),
     ("resources", re.compile(r"Resources|Nodes required for job.*|ReqNodeNotAvail.*|BeginTime|NodeDown"
                              r"|Licenses|Reservation|PartitionConfig|Cleaning|Prolog|BurstBufferResources.*")),
