@@ -25,16 +25,20 @@ def pool_check(fields: dict) -> dict:
     unknown = sorted(set(fields) - set(POOL_FIELDS))
     if unknown:
         errors["detail"] = [f"unknown fields: {', '.join(unknown)}"]
-    if not 1 <= int(fields.get("max_nodes", 1)) <= MAX_POOL_NODES:
-        errors["max_nodes"] = [f"between 1 and {MAX_POOL_NODES}"]
-    if not 1 <= int(fields.get("slots_per_node", 1)) <= 64:
-        errors["slots_per_node"] = ["between 1 and 64"]
+    for key, top in (("max_nodes", MAX_POOL_NODES), ("slots_per_node", 64)):
+        value = fields.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            errors[key] = [f"a whole number between 1 and {top}"]
     if fields.get("device", "cpu") not in ("cpu", "cuda"):
         errors["device"] = ["cpu or cuda"]
     env = fields.get("agent_env") or {}
     if not isinstance(env, dict) or any(not str(k).replace("_", "").isalnum() or str(k).startswith("TRAINYARD_NODE")
                                         for k in env):
         errors["agent_env"] = ["an object of VARIABLE: value (no TRAINYARD_NODE_* variables)"]
+    for key in ("agent_python", "agent_code_dir", "agent_run_dir"):
+        value = fields.get(key, "")
+        if not isinstance(value, str) or (value and not value.startswith("/")):
+            errors[key] = ["an absolute path on the compute nodes"]
     try:
         fields["settings"] = SlurmSettings.model_validate(fields.get("settings") or {}).model_dump(mode="json")
     except ValidationError as exc:

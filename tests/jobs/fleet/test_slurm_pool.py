@@ -270,3 +270,34 @@ def test_slurms_sigterm_is_a_cooperative_preemption(user, pool, fake, sent, pree
     attempt = Attempt.objects.get(pk=sj.attempt_id)
     assert attempt.stop_reason == "preempt" and "Slurm took node lab-1 back" in attempt.preempt_reason
     assert preempts and preempts[0][0] == attempt.pk
+
+
+def test_staff_configure_a_pool_and_every_bad_field_is_named(db):
+    from django.core.management import CommandError, call_command
+
+    from jobs.core.errors import InvalidInput
+    from jobs.fleet.services.pools import pool_save
+
+    with pytest.raises(InvalidInput) as bad:
+        pool_save("lab", max_nodes="four", slots_per_node=0, device="tpu", agent_run_dir="relative/dir",
+                  agent_env={"TRAINYARD_NODE_CREDENTIAL": "x"},
+                  settings={"state_dir": "shared", "partition": "gpu batch", "priority_map": [{"min_priority": 1,
+                                                                                               "nice": -5}],
+                            "extra_args": ["--uid=0"], "colour": "red"})
+    errors = bad.value.errors
+    assert {"max_nodes", "slots_per_node", "device", "agent_run_dir", "agent_env"} <= set(errors), errors
+    assert {"settings.state_dir", "settings.partition", "settings.priority_map.0.nice", "settings.extra_args.0",
+            "settings.colour"} <= set(errors), errors
+    assert not Pool.objects.exists() and not Node.objects.exists()  # nothing half-made
+    with pytest.raises(CommandError, match="settings.state_dir"):
+        call_command("pool_set", "lab", "--json", '{"settings": {"state_dir": "x"}}')
+    with pytest.raises(CommandError, match="not JSON"):
+        call_command("pool_set", "lab", "--json", "{max_nodes: 2")
+
+    call_command("pool_set", "lab", "--json", '{"max_nodes": 3, "settings": {"state_dir": "/shared/ty", '
+                                              '"partition": "gpu", "time_limit_s": 3600}}')
+    pool = Pool.objects.get(name="lab")
+    assert pool.settings["partition"] == "gpu" and pool.settings["time_limit_s"] == 3600
+    assert sorted(Node.objects.filter(pool=pool).values_list("name", flat=True)) == ["lab-0", "lab-1", "lab-2"]
+    call_command("pool_set", "lab", "--json", '{"max_nodes": 1, "settings": {"state_dir": "/shared/ty"}}')
+    assert list(Node.objects.filter(pool=pool).values_list("name", flat=True)) == ["lab-0"]  # idle seats removed
