@@ -270,7 +270,7 @@ def test_slurm_preemption_checkpoints_and_the_job_resumes_with_every_step_once(c
     first = slurm_job(cluster, job["id"])["job_id"]
     # An admin's urgent job on every node: Slurm preempts ours (SIGTERM, GraceTime, then the kill).
     urgent = cluster.slurm.run(["sbatch", "--parsable", "--partition=urgent", f"--nodes={len(SLURM_HOSTS)}",
-                                "--job-name=urgent", "--wrap", "sleep 12"]).stdout.strip().split(";")[0]
+                                "--job-name=urgent", "--exclusive", "--wrap", "sleep 12"]).stdout.strip().split(";")[0]
     # the next attempt waits in Slurm behind it, and the job says why
     pending = cluster.wait_for(
         lambda: (j := cluster.job(job["id"])) and len(j["attempts"]) >= 2 and "pending" in (j["status_reason"] or "")
