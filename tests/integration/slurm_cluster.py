@@ -182,9 +182,10 @@ class SlurmCluster:
 
     def run(self, argv: list[str], ns: str | None = None, check: bool = True,
             timeout: float = 30) -> subprocess.CompletedProcess:
-        """A Slurm client command with the cluster's env, in namespace `ns` (None: the caller's)."""
+        """A Slurm client command with the cluster's env, in namespace `ns` (None: the caller's), in
+        the work directory (so an sbatch job's cwd and default slurm-<id>.out are there)."""
         r = subprocess.run([*_ns_prefix(ns), *argv], env=self.env, capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, cwd=self.workdir)
         if check and r.returncode != 0:
             raise RuntimeError(f"{argv} failed rc={r.returncode}: {r.stderr.strip()}\n{self.logs()}")
         return r

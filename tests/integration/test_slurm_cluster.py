@@ -6,7 +6,6 @@ gets (and a heartbeat, whose last value is when it was SIGKILLed) into a file on
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -131,7 +130,7 @@ def test_srun_runs_a_task_on_each_host(cl):
 
 def test_scancel_signal_term_reaches_the_steps_and_scancel_ends_the_job(cl):
     jid, task = submit(cl, "sig", "--nodes=2", "--ntasks-per-node=1")
-    assert all(f"job={jid}" in w and f"cwd={os.getcwd()}" in w for w in task.started().values())
+    assert all(f"job={jid}" in w and f"cwd={cl.workdir}" in w for w in task.started().values())
     t0 = time.time()
     cl.run(["scancel", "--signal=TERM", jid])
     wait_for(lambda: len(task.signals()) >= 2, 10, "SIGTERM on both ranks", cl)
