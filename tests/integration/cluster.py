@@ -131,6 +131,7 @@ class Cluster:
         keep |= postgres.session_server_pids()  # the session's PostgreSQL server outlives every cluster
         for other in Cluster._live:  # a cluster shared by a package (tests/browser) outlives this module's
             keep |= other.pids()
+        keep |= self.outliving_pids()
         children = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
         _, alive = psutil.wait_procs(children, timeout=10)
         for p in alive:
@@ -147,6 +148,11 @@ class Cluster:
                 except psutil.Error:
                     pass
         self.redis.stop()
+
+    def outliving_pids(self) -> set[int]:
+        """Processes started under this test that outlive this cluster and are stopped by their own
+        fixture (a Slurm cluster's daemons and what they run: tests/integration/test_slurm_jobs.py)."""
+        return set()
 
     def launch_payloads(self, attempt_id: int) -> dict[str, dict]:
         """node -> the Launch the control plane sends for this attempt (its sealed secrets included),

@@ -32,6 +32,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO, RedisServer
@@ -104,6 +105,17 @@ class SlurmControlPlane(Cluster):
             self.kill_proc(name)
         for name in names:
             self.start_proc(name)
+
+    def outliving_pids(self) -> set[int]:
+        """The Slurm cluster's daemons, and the job steps under them: its own fixture stops them."""
+        pids = set()
+        for proc in self.slurm.processes.values():
+            pids.add(proc.pid)
+            try:
+                pids |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        return pids
 
     def manage(self, *args: str) -> str:
         return subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=self.env, check=True,
@@ -201,9 +213,18 @@ def seats_free(cluster) -> bool:
                if n["name"].startswith(f"{POOL}-"))
 
 
-def test_a_two_node_gpt_job_runs_on_slurm_nodes_with_live_telemetry(cluster):
+def test_a_two_node_gpt_job_submitted_from_the_cli_runs_on_slurm_nodes_with_live_telemetry(cluster, tmp_path):
     steps = 40
-    job = cluster.submit(gpt("slurm-gpt", steps, 20))
+    spec = gpt("slurm-gpt", steps, 20)
+    del spec["resources"]["pool"]  # the researcher picks the pool on the command line
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path),
+           "TRAINYARD_URL": f"http://{cluster.host}:{cluster.port}", "TRAINYARD_TOKEN": cluster.token}
+    out = subprocess.run([sys.executable, "-m", "trainyard.cli", "submit", str(tmp_path / "spec.json"), "--pool", POOL,
+                          "--json"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    job = json.loads(out.stdout)
+    assert job["spec"]["resources"]["pool"] == POOL, job["spec"]["resources"]
     done = cluster.wait_status(job["id"], TERMINAL, 240)
     assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs()
     att = done["attempts"][0]
@@ -213,6 +234,9 @@ def test_a_two_node_gpt_job_runs_on_slurm_nodes_with_live_telemetry(cluster):
     # the ranks ran on the Slurm nodes' addresses (the agents registered as the seats from there)
     addresses = {cluster.net.address(h) for h in SLURM_HOSTS}
     assert {r["node"] for r in att["ranks"]} == set(sj["seats"]), att["ranks"]
+    shown = subprocess.run([sys.executable, "-m", "trainyard.cli", "show", str(job["id"])], capture_output=True,
+                           text=True, env=env, cwd=tmp_path, timeout=120)
+    assert f"Slurm job {sj['job_id']}" in shown.stdout, shown.stdout + shown.stderr
     kinds = [e["kind"] for e in events(cluster, job["id"])]
     assert {"slurm_submitting", "slurm_submitted", "slurm_running"} <= set(kinds), kinds
     running = next(e for e in events(cluster, job["id"]) if e["kind"] == "slurm_running")
@@ -361,6 +385,8 @@ def test_an_empty_squeue_and_a_failing_scontrol_write_nothing_off(cluster):
 
 def test_the_cluster_leaves_no_slurm_job_behind(cluster):
     """Every Slurm job this control plane submitted has ended (the agents left with their attempts)."""
-    out = cluster.slurm.run(["squeue", "--noheader", "--format=%i|%j|%T"], check=False).stdout.split()
-    ours = [line for line in out if "|trainyard-" in line and "99998" not in line]
-    assert not ours, ours
+    def ours() -> list[str]:
+        out = cluster.slurm.run(["squeue", "--noheader", "--format=%i|%j|%T"], check=False).stdout.split()
+        return [line for line in out if "|trainyard-" in line and "99998" not in line]
+
+    cluster.wait_for(lambda: not ours(), 60, f"every Slurm job of ours to end: {ours()}")
