@@ -13,7 +13,7 @@ turns an admitted attempt into processes on machines and says what became of the
                                           attempts, stop the orphans
     capabilities                          native gang, requeue, suspend, elastic
 
-Implementations: Trainyard's own node agents (`jobs.fleet.backends.AgentsBackend`: Celery tasks on
+Implementations: Trainyard's own node agents (`jobs.core.agents_backend.AgentsBackend`: Celery tasks on
 each node's queue) and Slurm (`trainyard.slurm.SlurmBackend`: sbatch/squeue/sacct/scancel, an
 ephemeral agent per allocated node). A Kubernetes backend (a JobSet admitted through a Kueue
 LocalQueue) maps onto the same calls; docs/architecture.md says how.
