@@ -27,9 +27,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-import uuid
 from pathlib import Path
 
 import psutil
@@ -41,6 +38,7 @@ from tests.test_entrypoint import pack_dir
 from . import hosts
 from .cluster import Cluster
 from .slurm_cluster import slurm_cluster
+from .test_user_code import upload
 
 ok, why = hosts.available()
 if ok and not all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "munged")):
@@ -247,20 +245,10 @@ def test_a_two_node_gpt_job_submitted_from_the_cli_runs_on_slurm_nodes_with_live
     cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
 
 
-def upload(cluster, data: bytes) -> dict:
-    boundary = uuid.uuid4().hex
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="code.tar.gz"\r\n'
-            "Content-Type: application/gzip\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    req = urllib.request.Request(f"http://{cluster.host}:{cluster.port}/api/v1/code/", data=body, method="POST",
-                                 headers={"Authorization": f"Token {cluster.token}",
-                                          "Content-Type": f"multipart/form-data; boundary={boundary}"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        assert resp.status == 201
-        return json.loads(resp.read())
-
-
 def test_an_sdk_user_script_runs_on_slurm_nodes(cluster):
-    bundle = upload(cluster, pack_dir(EXAMPLES / "sdk_ddp"))["bundle"]
+    status, body = upload(cluster, pack_dir(EXAMPLES / "sdk_ddp"))
+    assert status == 201, body
+    bundle = body["bundle"]
     steps = 30
     job = cluster.submit({"name": "slurm-sdk", "code": {"bundle": bundle}, "entrypoint": {"script": "train.py"},
                           "config": {"hidden": 32, "batch": 16, "step_sleep_s": 0.02}, "train": {"steps": steps},
@@ -286,11 +274,18 @@ def test_cancel_ends_the_slurm_job(cluster):
     cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
 
 
+def checkpointed(cluster, spec: dict) -> dict:
+    """Submit (slowed), and return once the job has a checkpoint at its first `every_steps`."""
+    job = submit_slowed(cluster, spec)
+    every = spec["checkpoint"]["every_steps"]
+    cluster.wait_for(lambda: any(c["step"] >= every for c in checkpoints(cluster, job["id"])), 180,
+                     "a first checkpoint", job_id=job["id"])
+    return job
+
+
 def test_slurm_preemption_checkpoints_and_the_job_resumes_with_every_step_once(cluster):
     steps = 400
-    job = submit_slowed(cluster, gpt("slurm-preempted", steps, 10))
-    cluster.wait_for(lambda: any(c["step"] >= 10 for c in checkpoints(cluster, job["id"])), 180,
-                     "a first checkpoint", job_id=job["id"])
+    job = checkpointed(cluster, gpt("slurm-preempted", steps, 10))
     first = slurm_job(cluster, job["id"])["job_id"]
     # An admin's urgent job on every node: Slurm preempts ours (SIGTERM, GraceTime, then the kill).
     urgent = cluster.slurm.run(["sbatch", "--parsable", "--partition=urgent", f"--nodes={len(SLURM_HOSTS)}",
@@ -315,9 +310,7 @@ def test_slurm_preemption_checkpoints_and_the_job_resumes_with_every_step_once(c
 
 def test_a_node_set_down_fails_over_to_the_healthy_nodes(cluster):
     steps = 300
-    job = submit_slowed(cluster, gpt("slurm-node-down", steps, 10))
-    cluster.wait_for(lambda: any(c["step"] >= 10 for c in checkpoints(cluster, job["id"])), 180,
-                     "a first checkpoint", job_id=job["id"])
+    job = checkpointed(cluster, gpt("slurm-node-down", steps, 10))
     first = slurm_job(cluster, job["id"])
     victim = first["nodes"][1]
     cluster.slurm.set_node_down(victim, "trainyard test: disk failure")

@@ -54,7 +54,7 @@ def upload(cluster: Cluster, data: bytes, token: str | None = None) -> tuple[int
     boundary = uuid.uuid4().hex
     body = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="code.tar.gz"\r\n'
             "Content-Type: application/gzip\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{cluster.port}/api/v1/code/", data=body, method="POST",
+    req = urllib.request.Request(f"http://{cluster.host}:{cluster.port}/api/v1/code/", data=body, method="POST",
                                  headers={"Authorization": f"Token {token or cluster.token}",
                                           "Content-Type": f"multipart/form-data; boundary={boundary}"})
     try:
