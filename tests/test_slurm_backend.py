@@ -621,3 +621,18 @@ def test_ssh_runner_over_a_fake_ssh(tmp_path):
     assert r.run(["echo", "a b", "$HOME"], timeout=5) == (0, "a b $HOME\n", "")
     with pytest.raises(BackendError, match="Permission denied"):
         SshRunner("login1", "/k/id", ssh=str(tmp_path / "ssh255")).run(["squeue"], timeout=5)
+
+
+def test_unhealthy_nodes_are_those_slurm_drains_downs_or_fails():
+    listing = ("gpu-1|draining|disk errors\ngpu-1|draining|disk errors\n"   # one line per partition
+               "gpu-2|mixed|none\ngpu-3|down*|Not responding\ngpu-4|drained|bad gpu|really\n"
+               "gpu-5|idle*|none\ngpu-6|allocated+|none\ngpu-7|failing|health check\nother|down|not asked\n")
+    b = backend(FakeRunner(sinfo=[(0, listing, "")]))
+    bad = b.unhealthy_nodes(["gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7", "bad name;rm"])
+    assert bad == {"gpu-1": ("draining", "disk errors"), "gpu-3": ("down", "Not responding"),
+                   "gpu-4": ("drained", "bad gpu|really"), "gpu-7": ("failing", "health check")}
+    call = b.runner.calls[0]
+    assert call[:3] == ["sinfo", "--noheader", "--Node"] and call[3] == "--nodes=gpu-1,gpu-2,gpu-3,gpu-4,gpu-5,gpu-6,gpu-7"
+    assert backend(FakeRunner()).unhealthy_nodes([]) == {}
+    with pytest.raises(BackendError, match="sinfo failed"):
+        backend(FakeRunner(sinfo=[(1, "", "Unable to contact slurm controller")])).unhealthy_nodes(["gpu-1"])

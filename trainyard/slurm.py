@@ -11,12 +11,14 @@ pool of the control plane. Pure of Django and torch.
              cancel(handle, 0) after the grace); 0: scancel
     signal   "checkpoint" / "preempt": the pool's signal to the steps (scancel --signal)
     reconcile  the user's jobs carrying this pool's comment: live tags adopted, orphans cancelled
+    unhealthy_nodes  which of a gang's nodes Slurm has DOWN, draining or failing (one sinfo)
 
 Every job carries `--comment=trainyard:<pool>` and `--job-name=<tag>`: only jobs with both are
 ever adopted or cancelled.
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from .backends import (BackendError, Capabilities, Gang, Handle, HandleStatus, Reconciled, State, SubmitRefused,
@@ -38,6 +40,10 @@ _INVALID_ID = "invalid job id"
 _ALREADY_DONE = ("already completing or completed", _INVALID_ID)
 _ACCOUNTING_OFF = "accounting storage is disabled"
 _GONE = "not known to Slurm any more"
+NODE_FORMAT = SEP.join(["%N", "%T", "%E"])   # node, long state, the reason last (free text)
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# sinfo's long states (lower case, a trailing flag like * stripped) that mean "move off this node".
+UNHEALTHY_STATES = ("drain", "down", "fail")   # draining, drained, down, fail, failing
 
 
 def _err(cmd: str, rc: int, stderr: str) -> str:
@@ -215,6 +221,32 @@ class SlurmBackend:
         if sig not in signals:
             raise ValueError(f"unknown signal {sig!r} (checkpoint or preempt)")
         self._scancel(self._own(handle), f"--signal={signals[sig]}")
+
+    # -- nodes ----------------------------------------------------------------------------------
+
+    def unhealthy_nodes(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]]:
+        """{node: (state, reason)} for those of `nodes` Slurm has DOWN, draining/drained or failing
+        (an admin's `scontrol update State=DRAIN`, a health check's verdict): a running gang on one
+        of them should move. Slurm lets a job on a draining node run on, and one on a DOWN node is
+        killed: the caller checkpoints first where it still can. A node Slurm does not list (or
+        only marks not responding, `*`, which its SlurmdTimeout settles) is not reported. One sinfo
+        for all; a failed answer raises BackendError."""
+        names = sorted({n for n in nodes if NODE_NAME_RE.fullmatch(n)})
+        if not names:
+            return {}
+        rc, out, err = self._run(["sinfo", "--noheader", "--Node", f"--nodes={','.join(names)}",
+                                  f"--format={NODE_FORMAT}"])
+        if rc != 0:
+            raise BackendError(_err("sinfo", rc, err))
+        bad: dict[str, tuple[str, str]] = {}
+        for line in out.splitlines():
+            parts = line.strip().split(SEP, 2)
+            if len(parts) < 2 or parts[0] not in names:
+                continue
+            state = parts[1].strip().lower().rstrip("*~#!%$@^-+")
+            if state.startswith(UNHEALTHY_STATES):
+                bad[parts[0]] = (state, parts[2].strip() if len(parts) == 3 else "")
+        return bad
 
     # -- reconcile ------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ that Slurm job and launches torchrun as any agent does.
   a GraceTime) reaches the ranks as the cooperative stop: they checkpoint, the attempt ends
   `preempted`, the next attempt pends in Slurm with its reason on the job and resumes with every step
   once;
-- a node set DOWN mid-run: the attempt ends and the job resumes on the healthy nodes;
+- a node set DOWN mid-run: the attempt ends and the job resumes on the healthy nodes; a node set to
+  DRAIN (which Slurm lets the job run on) is left with a checkpoint of the current step;
 - the control plane killed and restarted mid-run re-adopts its Slurm job (the job finishes), and an
   orphan carrying our tag with no live attempt is cancelled;
 - while `squeue` answers nothing and `scontrol` fails, nothing is written off: the job finishes.
@@ -321,6 +322,27 @@ def test_a_node_set_down_fails_over_to_the_healthy_nodes(cluster):
         last = done["attempts"][-1]["slurm"]
         assert victim not in last["nodes"] and len(last["nodes"]) == 2, (victim, last)
         assert done["attempts"][-1]["resumed_from_step"] >= 10
+        assert_each_step_once(cluster, job["id"], steps)
+    finally:
+        cluster.slurm.resume_node(victim)
+    cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
+
+
+def test_a_node_slurm_drains_is_left_with_a_checkpoint_of_the_current_step(cluster):
+    steps = 400
+    job = checkpointed(cluster, gpt("slurm-drain", steps, 100))
+    victim = slurm_job(cluster, job["id"])["nodes"][0]
+    # Slurm lets a job on a DRAINing node run on; Trainyard moves it, with a checkpoint of the step
+    # it is on (not the last periodic one), before the admin's maintenance takes the node.
+    cluster.slurm.run(["scontrol", "update", f"NodeName={victim}", "State=DRAIN", "Reason=trainyard test: ECC errors"])
+    try:
+        done = cluster.wait_status(job["id"], TERMINAL, 300)
+        assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs()
+        first, last = done["attempts"][0], done["attempts"][-1]
+        assert first["outcome"] == "preempted" and len(done["attempts"]) == 2, done["attempts"]
+        assert victim not in last["slurm"]["nodes"], (victim, last["slurm"])
+        assert last["resumed_from_step"] > 100, last  # the drain's own checkpoint
+        assert [e for e in events(cluster, job["id"]) if e["kind"] == "slurm_node_unhealthy"]
         assert_each_step_once(cluster, job["id"], steps)
     finally:
         cluster.slurm.resume_node(victim)

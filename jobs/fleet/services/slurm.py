@@ -10,7 +10,8 @@ trainyard/slurm.py's backend:
     gang_submit(id)          sbatch (idempotent on the attempt's tag); a refusal is a placement failure
     seat_heartbeat_ok(...)   a seat's heartbeat counts only from the Slurm job that holds it
     seat_up(node)            every seat's agent registered: the launches go out (compare-and-set)
-    slurm_poll()             batched status: Slurm's pending reason on the job, ends, cancels, releases
+    slurm_poll()             batched status: Slurm's pending reason on the job, ends, cancels, releases;
+                             a gang on a node Slurm drains or downs checkpoints and moves
     slurm_reconcile()        our tagged Slurm jobs with no live attempt are cancelled
 
 Two queues, one truth: Trainyard's quotas, priorities and fair share decide what is admitted (the
@@ -342,7 +343,38 @@ def slurm_poll() -> int:
             st = answers.get(Handle(backend.name, sj.slurm_id)) if sj.slurm_id else None
             with transaction.atomic():
                 _apply(sj, st, backend, now)
+        _move_off_unhealthy(backend, group, answers)
     return len(rows)
+
+
+def _move_off_unhealthy(backend, group: list[SlurmJob], answers: dict) -> None:
+    """A running gang on a node Slurm has DOWN, draining or failing (an admin's DRAIN, a health
+    check) is asked to checkpoint and stop, as a lost node would make it, but with a checkpoint of
+    the current step: the next attempt's sbatch gets healthy nodes. One sinfo per pool per pass."""
+    running = {}
+    for sj in group:
+        st = answers.get(Handle(backend.name, sj.slurm_id)) if sj.slurm_id else None
+        if (st is not None and st.state == State.RUNNING and sj.launched_at is not None
+                and sj.attempt.status in (Attempt.Status.STARTING, Attempt.Status.RUNNING) and not sj.attempt.stop_reason):
+            running[sj.pk] = (sj, st.nodes)
+    if not running:
+        return
+    try:
+        bad = backend.unhealthy_nodes(sorted({n for _, nodes in running.values() for n in nodes}))
+    except backends.BackendError as exc:
+        log.warning("Slurm pool %s: node states unknown this pass: %s", backend.name, exc)
+        return
+    for sj, nodes in running.values():
+        hit = next((n for n in nodes if n in bad), None)
+        if hit is None:
+            continue
+        state, reason = bad[hit]
+        with transaction.atomic():
+            attempt = Attempt.objects.select_related("job").get(pk=sj.attempt_id)
+            if attempt_preempt(attempt, reason=f"Slurm node {hit} is {state}" + (f": {reason}" if reason else "")):
+                job_event(attempt.job, "slurm_node_unhealthy", f"attempt {attempt.number}: Slurm node {hit} is {state}"
+                          + (f" ({reason})" if reason else "") + "; checkpointing to move to healthy nodes",
+                          attempt=attempt, node=hit, state=state, reason=reason[:200])
 
 
 def slurm_reconcile() -> int:

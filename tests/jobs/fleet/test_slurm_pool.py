@@ -34,6 +34,7 @@ class FakeBackend:
         self.answers: dict[str, HandleStatus] = {}
         self.files: dict[str, str] = {}
         self.next_id = 100
+        self.bad: dict[str, tuple[str, str]] = {}
         self.refuse = ""
 
     def put_file(self, tag: str, name: str, data: str) -> str:
@@ -54,6 +55,10 @@ class FakeBackend:
 
     def cancel(self, handle, grace_s):
         self.calls.append(("cancel", handle.id, grace_s))
+
+    def unhealthy_nodes(self, nodes):
+        self.calls.append(("sinfo", tuple(nodes)))
+        return {n: self.bad[n] for n in nodes if n in self.bad}
 
     def reconcile(self, live_tags):
         self.calls.append(("reconcile", frozenset(live_tags)))
@@ -270,6 +275,31 @@ def test_slurms_sigterm_is_a_cooperative_preemption(user, pool, fake, sent, pree
     attempt = Attempt.objects.get(pk=sj.attempt_id)
     assert attempt.stop_reason == "preempt" and "Slurm took node lab-1 back" in attempt.preempt_reason
     assert preempts and preempts[0][0] == attempt.pk
+
+
+def test_a_gang_on_a_node_slurm_drains_checkpoints_and_moves(user, pool, fake, sent, preempts,
+                                                               django_capture_on_commit_callbacks):
+    sj = placed(user, fake, django_capture_on_commit_callbacks)
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
+        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
+    for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
+        services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
+                               ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+    fake.answers["101"] = HandleStatus(State.RUNNING, nodes=("gpu-1", "gpu-2"))
+    slurm.slurm_poll()
+    assert ("sinfo", ("gpu-1", "gpu-2")) in fake.calls and not preempts  # healthy: nothing moves
+    fake.bad["gpu-2"] = ("draining", "disk errors")
+    with django_capture_on_commit_callbacks(execute=True):
+        slurm.slurm_poll()
+        slurm.slurm_poll()
+    attempt = Attempt.objects.get(pk=sj.attempt_id)
+    assert attempt.stop_reason == "preempt" and attempt.preempt_reason == "Slurm node gpu-2 is draining: disk errors"
+    assert len(preempts) == 1 and preempts[0][0] == attempt.pk
+    assert attempt.job.events.filter(kind="slurm_node_unhealthy").count() == 1
+    calls = len(fake.calls)
+    slurm.slurm_poll()  # stopping: its nodes are not asked about again
+    assert not [c for c in fake.calls[calls:] if c[0] == "sinfo"]
 
 
 def test_staff_configure_a_pool_and_every_bad_field_is_named(db):
