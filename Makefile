@@ -38,9 +38,9 @@ test: venv test-deps
 # tests/integration: whole Trainyard clusters (tests/integration/cluster.py: Redis, web, control
 # worker, beat, relay, two sandboxed node agents) per module: control path, chaos, hostile jobs,
 # network-namespace hosts, user code, CLI, and a real Slurm cluster (slurmctld + one slurmd per test
-# host, tests/integration/slurm_cluster.py: Debian's slurm-wlm and munge).
+# host, tests/integration/slurm_cluster.py: Debian's slurm-wlm and munge; sshd as its login node).
 test-integration: venv test-deps
-	@scripts/ensure_system_deps.sh slurm
+	@scripts/ensure_system_deps.sh slurm openssh-server
 	$(PYTEST) -q tests/integration
 
 # The control-plane suite and the integration tests of the control plane's own behaviour (chaos, API

@@ -18,10 +18,13 @@ that Slurm job and launches torchrun as any agent does.
   DRAIN (which Slurm lets the job run on) is left with a checkpoint of the current step;
 - the control plane killed and restarted mid-run re-adopts its Slurm job (the job finishes), and an
   orphan carrying our tag with no live attempt is cancelled;
-- while `squeue` answers nothing and `scontrol` fails, nothing is written off: the job finishes.
+- while `squeue` answers nothing and `scontrol` fails, nothing is written off: the job finishes;
+- a pool reached over SSH through a login node (sshd on a test host, a key and a pinned host key)
+  runs a job the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +36,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, RedisServer
+from tests.conftest import REPO, RedisServer, free_port
 from tests.test_entrypoint import pack_dir
 
 from . import hosts
@@ -125,7 +128,7 @@ def wrappers(bin_dir: Path, flag: Path) -> None:
     """The pool's Slurm commands: the real ones, except while `flag` exists: then squeue answers
     nothing (rc 0) and scontrol fails, as a controller restarting or a login node's hiccup looks."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for cmd in ("sbatch", "squeue", "sacct", "scontrol", "scancel"):
+    for cmd in ("sbatch", "squeue", "sacct", "scontrol", "scancel", "sinfo"):
         real = shutil.which(cmd)
         body = {"squeue": f'[ -e "{flag}" ] && exit 0\n',
                 "scontrol": f'[ -e "{flag}" ] && {{ echo "slurm_load_jobs error: Socket timed out" >&2; exit 1; }}\n'}
@@ -396,6 +399,61 @@ def test_an_empty_squeue_and_a_failing_scontrol_write_nothing_off(cluster):
     done = cluster.wait_status(job["id"], TERMINAL, 240)
     assert done["status"] == "SUCCEEDED" and len(done["attempts"]) == 1, cluster.job_state(job["id"])
     assert_each_step_once(cluster, job["id"], steps)
+
+
+@contextlib.contextmanager
+def login_node(net: hosts.Hosts, host: str, workdir: Path):
+    """An SSH login node: sshd on the test host `host` (its own config, host key, authorized key and
+    log under workdir), as a Slurm cluster's login node is reached. Yields (port, client key,
+    known_hosts file, sshd's log)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)], check=True)
+    (workdir / "authorized_keys").write_text((workdir / "client_key.pub").read_text())
+    port, addr = free_port(), net.address(host)
+    (workdir / "known_hosts").write_text(f"[{addr}]:{port} {(workdir / 'host_key.pub').read_text()}")
+    (workdir / "sshd_config").write_text("\n".join([
+        f"ListenAddress {addr}:{port}", f"HostKey {workdir / 'host_key'}", f"PidFile {workdir / 'sshd.pid'}",
+        f"AuthorizedKeysFile {workdir / 'authorized_keys'}", "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+        "LogLevel VERBOSE", ""]))
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    log = workdir / "sshd.log"
+    proc = subprocess.Popen(net.exec_argv(host, ["/usr/sbin/sshd", "-D", "-f", str(workdir / "sshd_config"),
+                                                 "-E", str(log)]))
+    try:
+        deadline = time.monotonic() + 15
+        while "Server listening" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.1)
+        yield port, workdir / "client_key", workdir / "known_hosts", log
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/sshd").exists(), reason="openssh-server is not installed: "
+                    "scripts/ensure_system_deps.sh openssh-server")
+def test_a_pool_reached_over_ssh_through_a_login_node(cluster):
+    """A pool whose Slurm CLI runs on a login node (settings.login) over SSH with a key staff provide
+    and a pinned host key: sbatch, squeue, the agents' file, scancel all go through it."""
+    with login_node(cluster.net, "gpu-1", cluster.dir / "login") as (port, key, known_hosts, log):
+        login = {"login": f"root@{cluster.net.address('gpu-1')}", "ssh_port": port, "ssh_key": str(key),
+                 "known_hosts": str(known_hosts)}
+        pool = json.loads(cluster.manage("shell", "-c", "import json; from jobs.models import Pool; "
+                                         "p = Pool.objects.get(name='lab'); "
+                                         "print(json.dumps({'settings': p.settings}))").splitlines()[-1])
+        cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": {**pool["settings"], **login}}))
+        try:
+            job = cluster.submit(gpt("slurm-over-ssh", 30, 10))
+            done = cluster.wait_status(job["id"], TERMINAL, 240)
+            assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs() + log.read_text()
+            assert_each_step_once(cluster, job["id"], 30)
+            assert "Accepted publickey for root" in log.read_text()
+            assert ended_in_slurm(cluster, done["attempts"][0]["slurm"]["job_id"]) == "COMPLETED"
+            cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
+        finally:
+            cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": pool["settings"]}))
 
 
 def test_the_cluster_leaves_no_slurm_job_behind(cluster):
