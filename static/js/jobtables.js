@@ -30,6 +30,20 @@ function failureRow(a) {
     f.suggestion ? el('p', { class: 'suggestion' }, el('b', {}, 'Suggestion: '), f.suggestion) : ''));
 }
 
+// On a Slurm pool: the attempt's Slurm job, its state and, while Slurm holds it pending, Slurm's reason,
+// its category and expected start (issue 27; the API's attempt `slurm` block).
+function slurmLine(s) {
+  if (!s) return '';
+  let text = `Slurm job ${s.job_id || '(submitting)'} · ${s.state}`;
+  if (s.state === 'pending') {
+    text += `: ${s.category || 'other'} (${s.reason || 'None'})`;
+    if (s.eta) text += `, expected ${fmtDateTime(s.eta)}`;
+  }
+  if (s.nodes && s.nodes.length) text += ` on ${s.nodes.join(', ')}`;
+  if (s.error) text += ` · ${s.error}`;
+  return el('div', { class: 'muted slurm' }, text);
+}
+
 // An attempt's outcome as a colour class (the timeline colours attempt_ended events the same way).
 export function outcomeClass(outcome) {
   if (!outcome) return '';
@@ -48,7 +62,7 @@ export function renderAttempts(attempts, markers) {
   for (const a of sorted) {
     rows.push(el('tr', { dataset: { attempt: a.id, number: a.number, outcome: a.outcome || '' } },
       el('td', {}, `#${a.number}`),
-      el('td', {}, statusBadge(a.status)),
+      el('td', {}, statusBadge(a.status), slurmLine(a.slurm)),
       el('td', {}, el('span', { class: `outcome o-${outcomeClass(a.outcome)}` },
         a.outcome || (a.status === 'ENDED' ? '' : '…')),
         a.stop_reason ? el('div', { class: 'muted' }, a.stop_reason) : ''),

@@ -9,11 +9,12 @@ that Slurm job and launches torchrun as any agent does.
 
 - a 2-node built-in GPT job and an SDK user script go from submit to SUCCEEDED on Slurm's nodes, with
   every rank's telemetry, and their Slurm jobs end by themselves;
-- a cancel ends the Slurm job;
+- a cancel ends the Slurm job; a request sbatch refuses (no such partition) fails the job at once
+  with Slurm's words (a placement failure, not retried);
 - Slurm's own preemption (a job in the higher-priority `urgent` partition, PreemptMode=REQUEUE with
   a GraceTime) reaches the ranks as the cooperative stop: they checkpoint, the attempt ends
-  `preempted`, the next attempt pends in Slurm with its reason on the job and resumes with every step
-  once;
+  `preempted`, the next attempt pends in Slurm with its reason on the job (API and job page) and
+  resumes with every step once;
 - a node set DOWN mid-run: the attempt ends and the job resumes on the healthy nodes; a node set to
   DRAIN (which Slurm lets the job run on) is left with a checkpoint of the current step;
 - the control plane killed and restarted mid-run re-adopts its Slurm job (the job finishes), and an
@@ -35,8 +36,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from playwright.sync_api import sync_playwright
 
 from tests.conftest import REPO, RedisServer, free_port
+from tests.browser.conftest import CHROMIUM, CHROMIUM_ARGS, login
 from tests.test_entrypoint import pack_dir
 
 from . import hosts
@@ -293,13 +296,27 @@ def test_slurm_preemption_checkpoints_and_the_job_resumes_with_every_step_once(c
     first = slurm_job(cluster, job["id"])["job_id"]
     # An admin's urgent job on every node: Slurm preempts ours (SIGTERM, GraceTime, then the kill).
     urgent = cluster.slurm.run(["sbatch", "--parsable", "--partition=urgent", f"--nodes={len(SLURM_HOSTS)}",
-                                "--job-name=urgent", "--exclusive", "--wrap", "sleep 12"]).stdout.strip().split(";")[0]
+                                "--job-name=urgent", "--exclusive", "--wrap", "sleep 20"]).stdout.strip().split(";")[0]
     # the next attempt waits in Slurm behind it, and the job says why
     pending = cluster.wait_for(
         lambda: (j := cluster.job(job["id"])) and len(j["attempts"]) >= 2 and "pending" in (j["status_reason"] or "")
         and j, 120, "the next attempt pending in Slurm with its reason", job_id=job["id"])
-    assert f"Slurm job {pending['attempts'][-1]['slurm']['job_id']} pending: " in pending["status_reason"], pending
-    assert pending["attempts"][-1]["slurm"]["category"] in {"resources", "priority"}, pending["attempts"][-1]
+    second = pending["attempts"][-1]["slurm"]
+    assert f"Slurm job {second['job_id']} pending: " in pending["status_reason"], pending
+    assert second["category"] in {"resources", "priority"}, second
+    # the job page says so too, in the attempts table
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            base = f"http://{cluster.host}:{cluster.port}"
+            login(page, base)
+            page.goto(f"{base}/jobs/{job['id']}/")
+            line = page.locator("#attempts-body .slurm", has_text=f"Slurm job {second['job_id']} · pending: ")
+            line.first.wait_for(timeout=30_000)
+            assert second["category"] in line.first.inner_text()
+        finally:
+            browser.close()
     done = cluster.wait_status(job["id"], TERMINAL, 300)
     assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs()
     preempted = done["attempts"][0]
@@ -401,6 +418,27 @@ def test_an_empty_squeue_and_a_failing_scontrol_write_nothing_off(cluster):
     assert_each_step_once(cluster, job["id"], steps)
 
 
+def pool_settings(cluster) -> dict:
+    return json.loads(cluster.manage("shell", "-c", "import json; from jobs.models import Pool; "
+                                     f"print(json.dumps(Pool.objects.get(name='{POOL}').settings))").splitlines()[-1])
+
+
+def test_a_request_slurm_refuses_fails_the_job_with_slurms_words_and_no_retry(cluster):
+    settings = pool_settings(cluster)
+    cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": {**settings, "partition": "nosuchpart"}}))
+    try:
+        job = cluster.submit(gpt("slurm-refused", 10, 10))
+        done = cluster.wait_status(job["id"], TERMINAL, 120)
+    finally:
+        cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": settings}))
+    assert done["status"] == "FAILED" and len(done["attempts"]) == 1, cluster.job_state(job["id"])
+    att = done["attempts"][0]
+    assert att["outcome"] == "failed:placement", att
+    assert "Slurm refused the job" in att["slurm"]["error"] and "invalid partition" in att["slurm"]["error"].lower(), att
+    assert not att["slurm"]["job_id"]
+    cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
+
+
 @contextlib.contextmanager
 def login_node(net: hosts.Hosts, host: str, workdir: Path):
     """An SSH login node: sshd on the test host `host` (its own config, host key, authorized key and
@@ -440,10 +478,8 @@ def test_a_pool_reached_over_ssh_through_a_login_node(cluster):
     with login_node(cluster.net, "gpu-1", cluster.dir / "login") as (port, key, known_hosts, log):
         login = {"login": f"root@{cluster.net.address('gpu-1')}", "ssh_port": port, "ssh_key": str(key),
                  "known_hosts": str(known_hosts)}
-        pool = json.loads(cluster.manage("shell", "-c", "import json; from jobs.models import Pool; "
-                                         "p = Pool.objects.get(name='lab'); "
-                                         "print(json.dumps({'settings': p.settings}))").splitlines()[-1])
-        cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": {**pool["settings"], **login}}))
+        settings = pool_settings(cluster)
+        cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": {**settings, **login}}))
         try:
             job = cluster.submit(gpt("slurm-over-ssh", 30, 10))
             done = cluster.wait_status(job["id"], TERMINAL, 240)
@@ -453,7 +489,7 @@ def test_a_pool_reached_over_ssh_through_a_login_node(cluster):
             assert ended_in_slurm(cluster, done["attempts"][0]["slurm"]["job_id"]) == "COMPLETED"
             cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
         finally:
-            cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": pool["settings"]}))
+            cluster.manage("pool_set", POOL, "--json", json.dumps({"settings": settings}))
 
 
 def test_the_cluster_leaves_no_slurm_job_behind(cluster):
