@@ -56,6 +56,7 @@ class Migration(migrations.Migration):
                 ('checked_at', models.DateTimeField(blank=True, null=True)),
                 ('unknown_since', models.DateTimeField(blank=True, help_text='no answer about it since', null=True)),
                 ('cancel_at', models.DateTimeField(blank=True, help_text='scancel (the kill) due after the grace', null=True)),
+                ('signalled_at', models.DateTimeField(blank=True, help_text='scancel --signal sent: a stop the agents did not finish in time', null=True)),
                 ('ended_at', models.DateTimeField(blank=True, null=True)),
                 ('released_at', models.DateTimeField(blank=True, help_text="its seats' credentials revoked", null=True)),
                 ('error', models.CharField(blank=True, max_length=500)),

@@ -73,6 +73,8 @@ class SlurmJob(models.Model):
     checked_at = models.DateTimeField(null=True, blank=True)
     unknown_since = models.DateTimeField(null=True, blank=True, help_text="no answer about it since")
     cancel_at = models.DateTimeField(null=True, blank=True, help_text="scancel (the kill) due after the grace")
+    signalled_at = models.DateTimeField(null=True, blank=True,
+                                        help_text="scancel --signal sent: a stop the agents did not finish in time")
     ended_at = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True, help_text="its seats' credentials revoked")
     error = models.CharField(max_length=500, blank=True)

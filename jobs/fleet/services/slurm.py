@@ -48,7 +48,8 @@ AGENTS_FILE = "agents.json"
 # long without any answer, one whose agents never registered is given up as a placement failure.
 UNKNOWN_GIVE_UP_S = 300.0
 RESUBMIT_AFTER_S = 10.0   # a SUBMITTING row whose submit task did not finish (worker killed, Slurm away)
-STOP_GRACE_S = 30.0       # after the attempt ended: the agents exit by themselves; scancel after this
+STOP_GRACE_S = 30.0       # a stop the agents have not finished, or agents still there after the attempt
+                          # ended: scancel --signal (then scancel) after this
 LIVE = (SlurmJob.State.SUBMITTING, SlurmJob.State.PENDING, SlurmJob.State.RUNNING, SlurmJob.State.UNKNOWN)
 
 
@@ -300,6 +301,8 @@ def _apply(sj: SlurmJob, st: backends.HandleStatus | None, backend, now) -> None
                   slurm_nodes=list(st.nodes),
                   eta=datetime.fromtimestamp(st.eta, tz=dt_timezone.utc) if st.eta else None)
     SlurmJob.objects.filter(pk=sj.pk).update(**fields)
+    if attempt.status == Attempt.Status.STOPPING and st.state == State.RUNNING and handle:
+        _enforce_stop(sj, backend, handle, now)
     if st.state == State.PENDING:
         Job.objects.filter(pk=attempt.job_id, status=Job.Status.STARTING).update(
             status_reason=_pending_text(sj, st)[:500])
@@ -311,6 +314,22 @@ def _apply(sj: SlurmJob, st: backends.HandleStatus | None, backend, now) -> None
                                   + (f" (exit {st.exit_code})" if st.exit_code not in (None, 0) else ""))
         elif attempt.allocations.filter(active=True).exists():
             _write_off(sj, st)
+
+
+def _enforce_stop(sj: SlurmJob, backend, handle: Handle, now) -> None:
+    """A stop (cancel, preemption, rollback) goes to the agents first, as on Trainyard's own nodes;
+    Slurm enforces it when they do not finish it: after STOP_GRACE_S, `scancel --signal=TERM` to
+    every step (the ranks' cooperative stop), and STOP_GRACE_S later `scancel`."""
+    if sj.cancel_at is None:
+        SlurmJob.objects.filter(pk=sj.pk).update(cancel_at=now + timedelta(seconds=STOP_GRACE_S))
+    elif sj.cancel_at <= now and sj.signalled_at is None:
+        transaction.on_commit(partial(_cancel_quietly, backend, handle, STOP_GRACE_S))
+        SlurmJob.objects.filter(pk=sj.pk).update(signalled_at=now, cancel_at=now + timedelta(seconds=STOP_GRACE_S))
+        job_event(sj.attempt.job, "slurm_signalled", f"attempt {sj.attempt.number}: still stopping after "
+                  f"{STOP_GRACE_S:.0f} s; Slurm job {sj.slurm_id} sent SIGTERM (scancel --signal)",
+                  attempt=sj.attempt, slurm_job=sj.slurm_id)
+    elif sj.cancel_at <= now:
+        transaction.on_commit(partial(_cancel_quietly, backend, handle, 0.0))
 
 
 def _cancel_quietly(backend, handle: Handle, grace_s: float) -> None:

@@ -249,6 +249,35 @@ def test_the_end_releases_the_seats_and_cancels_what_slurm_still_runs(
         (None, "", "")}
 
 
+def test_a_stop_the_agents_do_not_finish_is_enforced_by_scancel_signal_then_scancel(
+        user, pool, fake, sent, django_capture_on_commit_callbacks):
+    sj = placed(user, fake, django_capture_on_commit_callbacks)
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
+        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
+    for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
+        services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
+                               ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+    with django_capture_on_commit_callbacks(execute=True):
+        services.job_cancel(Job.objects.get(pk=sj.attempt.job_id), user=user)
+    assert Attempt.objects.get(pk=sj.attempt_id).status == "STOPPING"
+    fake.answers["101"] = HandleStatus(State.RUNNING, nodes=("n1", "n2"))
+
+    def poll() -> list:
+        before = len(fake.calls)
+        with django_capture_on_commit_callbacks(execute=True):
+            slurm.slurm_poll()
+        return [c for c in fake.calls[before:] if c[0] == "cancel"]
+
+    assert poll() == []  # the agents are stopping it: Slurm waits STOP_GRACE_S
+    SlurmJob.objects.filter(pk=sj.pk).update(cancel_at=timezone.now() - timedelta(seconds=1))
+    assert poll() == [("cancel", "101", slurm.STOP_GRACE_S)]  # scancel --signal=TERM to the steps
+    assert poll() == []
+    SlurmJob.objects.filter(pk=sj.pk).update(cancel_at=timezone.now() - timedelta(seconds=1))
+    assert poll() == [("cancel", "101", 0.0)]  # then scancel
+    assert Job.objects.get(pk=sj.attempt.job_id).events.filter(kind="slurm_signalled").count() == 1
+
+
 def test_a_cancel_while_slurm_pends_ends_the_attempt_and_scancels(
         user, pool, fake, sent, django_capture_on_commit_callbacks):
     sj = placed(user, fake, django_capture_on_commit_callbacks)
