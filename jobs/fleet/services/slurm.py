@@ -107,10 +107,13 @@ def _gang(sj: SlurmJob, path: str) -> backends.Gang:
            **{str(k): str(v) for k, v in (pool.agent_env or {}).items()}}
     if pool.agent_code_dir:
         env["PYTHONPATH"] = pool.agent_code_dir
+    # the ranks each node runs (the job's procs_per_node): Slurm allocates that many GPUs per node,
+    # not the whole node's, so the rest stay Slurm's to give to others
+    per_node = max((len(a.slot_ids) for a in attempt.allocations.filter(active=True)), default=pool.slots_per_node)
     return backends.Gang(
-        job_id=job.pk, attempt_id=attempt.pk, nodes=len(sj.seats), procs_per_node=pool.slots_per_node,
+        job_id=job.pk, attempt_id=attempt.pk, nodes=len(sj.seats), procs_per_node=per_node,
         command=(pool.agent_python or settings.TRAINYARD_SLURM_AGENT_PYTHON, "-m", "workers.slurm_agent", path),
-        gpus_per_node=pool.slots_per_node if pool.device == "cuda" else 0, priority=job.priority, env=env)
+        gpus_per_node=per_node if pool.device == "cuda" else 0, priority=job.priority, env=env)
 
 
 def _agents_file(sj: SlurmJob) -> str:

@@ -34,6 +34,7 @@ class FakeBackend:
         self.answers: dict[str, HandleStatus] = {}
         self.files: dict[str, str] = {}
         self.next_id = 100
+        self.gangs: list = []
         self.bad: dict[str, tuple[str, str]] = {}
         self.refuse = ""
 
@@ -44,6 +45,7 @@ class FakeBackend:
 
     def submit(self, gang):
         self.calls.append(("submit", gang.tag, gang.nodes, gang.command))
+        self.gangs.append(gang)
         if self.refuse:
             raise backends.SubmitRefused(self.refuse)
         self.next_id += 1
@@ -84,8 +86,8 @@ def pool(db):
     return p
 
 
-def on_pool(user, nodes=2, **kw):
-    return submit(user, resources={"nodes": nodes, "procs_per_node": 1, "pool": "lab"}, **kw)
+def on_pool(user, nodes=2, procs_per_node=1, **kw):
+    return submit(user, resources={"nodes": nodes, "procs_per_node": procs_per_node, "pool": "lab"}, **kw)
 
 
 def placed(user, fake, django_capture_on_commit_callbacks, **kw) -> SlurmJob:
@@ -329,6 +331,15 @@ def test_a_gang_on_a_node_slurm_drains_checkpoints_and_moves(user, pool, fake, s
     calls = len(fake.calls)
     slurm.slurm_poll()  # stopping: its nodes are not asked about again
     assert not [c for c in fake.calls[calls:] if c[0] == "sinfo"]
+
+
+def test_slurm_is_asked_for_the_gpus_the_job_uses_on_each_node(user, pool, fake, sent,
+                                                                django_capture_on_commit_callbacks):
+    Pool.objects.filter(pk=pool.pk).update(device="cuda", slots_per_node=8)
+    seats_sync(Pool.objects.get(pk=pool.pk))
+    placed(user, fake, django_capture_on_commit_callbacks, procs_per_node=2, nodes=2)
+    gang = fake.gangs[-1]
+    assert (gang.nodes, gang.procs_per_node, gang.gpus_per_node) == (2, 2, 2)
 
 
 def test_staff_configure_a_pool_and_every_bad_field_is_named(db):
