@@ -10,7 +10,8 @@ turns an admitted attempt into processes on machines and says what became of the
     cancel(handle, grace_s)               a stop signal now, the kill after grace_s
     signal(handle, sig)                   "checkpoint" or "preempt" notice to the gang's processes
     reconcile(live_tags)    -> Reconciled  everything carrying our tag: adopt those of live
-                                          attempts, stop the orphans
+                                          attempts, stop the orphans (`live_tags` answers `in`:
+                                          the caller may count attempts newer than its read live)
     capabilities                          native gang, requeue, suspend, elastic
 
 Implementations: Trainyard's own node agents (`jobs.core.agents_backend.AgentsBackend`: Celery tasks on
@@ -25,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Container, Mapping, Protocol, Sequence, runtime_checkable
 
 TAG_PREFIX = "trainyard-"
 _TAG = re.compile(r"trainyard-(\d+)-a(\d+)")
@@ -140,4 +141,4 @@ class LaunchBackend(Protocol):
 
     def signal(self, handle: Handle, sig: str) -> None: ...
 
-    def reconcile(self, live_tags: set[str]) -> Reconciled: ...
+    def reconcile(self, live_tags: Container[str]) -> Reconciled: ...

@@ -19,7 +19,7 @@ ever adopted or cancelled.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Container, Sequence
 
 from .backends import (BackendError, Capabilities, Gang, Handle, HandleStatus, Reconciled, State, SubmitRefused,
                        parse_tag)
@@ -250,7 +250,7 @@ class SlurmBackend:
 
     # -- reconcile ------------------------------------------------------------------------------
 
-    def reconcile(self, live_tags: set[str]) -> Reconciled:
+    def reconcile(self, live_tags: Container[str]) -> Reconciled:
         """This user's unended jobs with this pool's comment and a tag for a name: the lowest job id
         of a live tag adopted; orphans (and a live tag's duplicates) cancelled. A cancel that fails
         is left for the next round (not listed); a failed squeue raises BackendError."""

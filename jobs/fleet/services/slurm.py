@@ -399,13 +399,30 @@ def _move_off_unhealthy(backend, group: list[SlurmJob], answers: dict) -> None:
                           attempt=attempt, node=hit, state=state, reason=reason[:200])
 
 
+class _LiveTags:
+    """The tags of attempts whose Slurm job may live: those not yet released when read, and any
+    attempt newer than the newest then (a tick that commits an attempt and its sbatch between this
+    read and reconcile's squeue must not see its fresh Slurm job cancelled as an orphan)."""
+
+    def __init__(self):
+        self.tags = {backends.attempt_tag(j, a) for a, j in SlurmJob.objects.filter(released_at=None)
+                     .values_list("attempt_id", "attempt__job_id")}
+        self.newest = Attempt.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+
+    def __contains__(self, tag: object) -> bool:
+        parsed = backends.parse_tag(tag) if isinstance(tag, str) else None
+        return tag in self.tags or (parsed is not None and parsed[1] > self.newest)
+
+    def __iter__(self):
+        return iter(self.tags)
+
+
 def slurm_reconcile() -> int:
     """Cancel our tagged Slurm jobs that no live attempt owns (left by a control plane that died
     between sbatch and recording the id, or after its database was restored); adopt the others.
     A failed answer cancels nothing. Returns how many were cancelled."""
     cancelled = 0
-    live = {backends.attempt_tag(j, a) for a, j in SlurmJob.objects.filter(released_at=None)
-            .values_list("attempt_id", "attempt__job_id")}
+    live = _LiveTags()
     for pool in Pool.objects.filter(kind=Pool.Kind.SLURM):
         try:
             got = backend_for(pool).reconcile(live)

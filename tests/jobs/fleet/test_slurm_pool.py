@@ -371,3 +371,23 @@ def test_staff_configure_a_pool_and_every_bad_field_is_named(db):
     assert sorted(Node.objects.filter(pool=pool).values_list("name", flat=True)) == ["lab-0", "lab-1", "lab-2"]
     call_command("pool_set", "lab", "--json", '{"max_nodes": 1, "settings": {"state_dir": "/shared/ty"}}')
     assert list(Node.objects.filter(pool=pool).values_list("name", flat=True)) == ["lab-0"]  # idle seats removed
+
+
+def test_reconcile_cancels_orphans_but_never_a_job_newer_than_its_read(user, pool, fake, sent, monkeypatch,
+                                                                      django_capture_on_commit_callbacks):
+    """With the real backend over a scripted squeue: our live attempt's job adopted, an orphan of
+    an attempt this database knows (ended, released) cancelled, and a tag newer than any attempt
+    read (a tick committing its sbatch while reconcile runs) left alone."""
+    from tests.test_slurm_backend import FakeRunner
+    from trainyard.slurm import SlurmBackend, SlurmSettings
+
+    sj = placed(user, fake, django_capture_on_commit_callbacks)
+    live = backends.attempt_tag(sj.attempt.job_id, sj.attempt_id)
+    old = backends.attempt_tag(sj.attempt.job_id, sj.attempt_id - 1)
+    newer = backends.attempt_tag(sj.attempt.job_id + 1, sj.attempt_id + 1)
+    listing = f"101|{live}|RUNNING|trainyard:lab\n55|{old}|RUNNING|trainyard:lab\n102|{newer}|PENDING|trainyard:lab\n"
+    runner = FakeRunner(squeue=[(0, listing, "")])
+    real = SlurmBackend("lab", SlurmSettings.model_validate({"state_dir": "/shared/ty"}), runner)
+    monkeypatch.setattr(slurm, "backend_for", lambda pool: real)
+    assert slurm.slurm_reconcile() == 1
+    assert [c for c in runner.calls if c[0] == "scancel"] == [["scancel", "55"]]
