@@ -10,8 +10,8 @@ turns an admitted attempt into processes on machines and says what became of the
     cancel(handle, grace_s)               a stop signal now, the kill after grace_s
     signal(handle, sig)                   "checkpoint" or "preempt" notice to the gang's processes
     reconcile(live_tags)    -> Reconciled  everything carrying our tag: adopt those of live
-                                          attempts, stop the orphans (`live_tags` answers `in`:
-                                          the caller may count attempts newer than its read live)
+                                          attempts, stop the orphans (`live_tags` answers `in`,
+                                          asked after the listing: the caller may look again)
     capabilities                          native gang, requeue, suspend, elastic
 
 Implementations: Trainyard's own node agents (`jobs.core.agents_backend.AgentsBackend`: Celery tasks on

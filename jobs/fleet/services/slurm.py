@@ -400,18 +400,20 @@ def _move_off_unhealthy(backend, group: list[SlurmJob], answers: dict) -> None:
 
 
 class _LiveTags:
-    """The tags of attempts whose Slurm job may live: those not yet released when read, and any
-    attempt newer than the newest then (a tick that commits an attempt and its sbatch between this
-    read and reconcile's squeue must not see its fresh Slurm job cancelled as an orphan)."""
+    """The tags of attempts whose Slurm job may live (not yet released). A tag not among those read
+    first is looked up again when reconcile asks, after its squeue: a tick that committed an attempt
+    (and so its sbatch) after the first read must not see its fresh Slurm job cancelled as an orphan."""
 
     def __init__(self):
         self.tags = {backends.attempt_tag(j, a) for a, j in SlurmJob.objects.filter(released_at=None)
                      .values_list("attempt_id", "attempt__job_id")}
-        self.newest = Attempt.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
 
     def __contains__(self, tag: object) -> bool:
+        if tag in self.tags:
+            return True
         parsed = backends.parse_tag(tag) if isinstance(tag, str) else None
-        return tag in self.tags or (parsed is not None and parsed[1] > self.newest)
+        return parsed is not None and SlurmJob.objects.filter(
+            attempt_id=parsed[1], attempt__job_id=parsed[0], released_at=None).exists()
 
     def __iter__(self):
         return iter(self.tags)

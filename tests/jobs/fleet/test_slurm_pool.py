@@ -373,21 +373,34 @@ def test_staff_configure_a_pool_and_every_bad_field_is_named(db):
     assert list(Node.objects.filter(pool=pool).values_list("name", flat=True)) == ["lab-0"]  # idle seats removed
 
 
-def test_reconcile_cancels_orphans_but_never_a_job_newer_than_its_read(user, pool, fake, sent, monkeypatch,
-                                                                      django_capture_on_commit_callbacks):
-    """With the real backend over a scripted squeue: our live attempt's job adopted, an orphan of
-    an attempt this database knows (ended, released) cancelled, and a tag newer than any attempt
-    read (a tick committing its sbatch while reconcile runs) left alone."""
+def test_reconcile_cancels_orphans_but_never_a_job_committed_after_its_first_read(
+        user, pool, fake, sent, monkeypatch, django_capture_on_commit_callbacks):
+    """With the real backend over a scripted squeue: our live attempt's job adopted, a tagged job no
+    attempt owns cancelled, and the job of an attempt committed between reconcile's first read and
+    its squeue (a tick's sbatch meanwhile) adopted, not cancelled."""
     from tests.test_slurm_backend import FakeRunner
     from trainyard.slurm import SlurmBackend, SlurmSettings
 
-    sj = placed(user, fake, django_capture_on_commit_callbacks)
-    live = backends.attempt_tag(sj.attempt.job_id, sj.attempt_id)
-    old = backends.attempt_tag(sj.attempt.job_id, sj.attempt_id - 1)
-    newer = backends.attempt_tag(sj.attempt.job_id + 1, sj.attempt_id + 1)
-    listing = f"101|{live}|RUNNING|trainyard:lab\n55|{old}|RUNNING|trainyard:lab\n102|{newer}|PENDING|trainyard:lab\n"
-    runner = FakeRunner(squeue=[(0, listing, "")])
-    real = SlurmBackend("lab", SlurmSettings.model_validate({"state_dir": "/shared/ty"}), runner)
+    first = placed(user, fake, django_capture_on_commit_callbacks)
+    tag = backends.attempt_tag(first.attempt.job_id, first.attempt_id)
+    orphan = backends.attempt_tag(99999, 99999)
+    real = SlurmBackend("lab", SlurmSettings.model_validate({"state_dir": "/shared/ty"}), None)
+
+    class Runner(FakeRunner):
+        def run(self, argv, *, timeout, input=None):
+            if argv[0] == "squeue" and not self.calls:  # a tick commits the next attempt meanwhile
+                job = on_pool(user, nodes=1)
+                with django_capture_on_commit_callbacks(execute=True):
+                    services.schedule_tick()
+                job.refresh_from_db()
+                assert SlurmJob.objects.filter(attempt__job=job).exists(), (job.status, job.status_reason)
+                self.late = SlurmJob.objects.get(attempt__job=job)
+                late = backends.attempt_tag(self.late.attempt.job_id, self.late.attempt_id)
+                self.answers["squeue"] = [(0, f"101|{tag}|RUNNING|trainyard:lab\n55|{orphan}|RUNNING|trainyard:lab\n"
+                                              f"102|{late}|PENDING|trainyard:lab\n", "")]
+            return super().run(argv, timeout=timeout, input=input)
+
+    real.runner = Runner()
     monkeypatch.setattr(slurm, "backend_for", lambda pool: real)
     assert slurm.slurm_reconcile() == 1
-    assert [c for c in runner.calls if c[0] == "scancel"] == [["scancel", "55"]]
+    assert [c for c in real.runner.calls if c[0] == "scancel"] == [["scancel", "55"]]
