@@ -329,44 +329,37 @@ def test_slurm_preemption_checkpoints_and_the_job_resumes_with_every_step_once(c
     cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
 
 
-def test_a_node_set_down_fails_over_to_the_healthy_nodes(cluster):
-    steps = 300
-    job = checkpointed(cluster, gpt("slurm-node-down", steps, 10))
-    first = slurm_job(cluster, job["id"])
-    victim = first["nodes"][1]
-    cluster.slurm.set_node_down(victim, "trainyard test: disk failure")
+def moved_off_a_node(cluster, name: str, steps: int, every: int, state: str, index: int) -> tuple[str, dict]:
+    """A job running on Slurm with a first checkpoint; an admin sets its `index`-th node to `state`
+    (DOWN, DRAIN); it must SUCCEED, last on nodes without that one, every step once. Returns (the
+    node, the finished job); the node is resumed and the seats released afterwards."""
+    job = checkpointed(cluster, gpt(name, steps, every))
+    victim = slurm_job(cluster, job["id"])["nodes"][index]
+    cluster.slurm.run(["scontrol", "update", f"NodeName={victim}", f"State={state}", "Reason=trainyard test"])
     try:
         done = cluster.wait_status(job["id"], TERMINAL, 300)
         assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs()
-        assert len(done["attempts"]) >= 2
-        last = done["attempts"][-1]["slurm"]
-        assert victim not in last["nodes"] and len(last["nodes"]) == 2, (victim, last)
-        assert done["attempts"][-1]["resumed_from_step"] >= 10
+        last = done["attempts"][-1]
+        assert len(done["attempts"]) >= 2 and victim not in last["slurm"]["nodes"], (victim, done["attempts"])
+        assert len(last["slurm"]["nodes"]) == 2 and last["resumed_from_step"] >= every, last
         assert_each_step_once(cluster, job["id"], steps)
     finally:
         cluster.slurm.resume_node(victim)
     cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
+    return victim, done
+
+
+def test_a_node_set_down_fails_over_to_the_healthy_nodes(cluster):
+    moved_off_a_node(cluster, "slurm-node-down", 300, 10, "DOWN", 1)
 
 
 def test_a_node_slurm_drains_is_left_with_a_checkpoint_of_the_current_step(cluster):
-    steps = 400
-    job = checkpointed(cluster, gpt("slurm-drain", steps, 100))
-    victim = slurm_job(cluster, job["id"])["nodes"][0]
     # Slurm lets a job on a DRAINing node run on; Trainyard moves it, with a checkpoint of the step
     # it is on (not the last periodic one), before the admin's maintenance takes the node.
-    cluster.slurm.run(["scontrol", "update", f"NodeName={victim}", "State=DRAIN", "Reason=trainyard test: ECC errors"])
-    try:
-        done = cluster.wait_status(job["id"], TERMINAL, 300)
-        assert done["status"] == "SUCCEEDED", cluster.job_state(job["id"]) + cluster.slurm.logs()
-        first, last = done["attempts"][0], done["attempts"][-1]
-        assert first["outcome"] == "preempted" and len(done["attempts"]) == 2, done["attempts"]
-        assert victim not in last["slurm"]["nodes"], (victim, last["slurm"])
-        assert last["resumed_from_step"] > 100, last  # the drain's own checkpoint
-        assert [e for e in events(cluster, job["id"]) if e["kind"] == "slurm_node_unhealthy"]
-        assert_each_step_once(cluster, job["id"], steps)
-    finally:
-        cluster.slurm.resume_node(victim)
-    cluster.wait_for(lambda: seats_free(cluster), 60, "the seats to be released")
+    _, done = moved_off_a_node(cluster, "slurm-drain", 400, 100, "DRAIN", 0)
+    assert done["attempts"][0]["outcome"] == "preempted" and len(done["attempts"]) == 2, done["attempts"]
+    assert done["attempts"][-1]["resumed_from_step"] > 100, done["attempts"][-1]  # the drain's own checkpoint
+    assert [e for e in events(cluster, done["id"]) if e["kind"] == "slurm_node_unhealthy"]
 
 
 def test_a_restarted_control_plane_re_adopts_its_slurm_job_and_cancels_orphans(cluster):

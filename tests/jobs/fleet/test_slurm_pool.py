@@ -100,6 +100,18 @@ def placed(user, fake, django_capture_on_commit_callbacks, **kw) -> SlurmJob:
     return sj
 
 
+def agents_up(sj: SlurmJob, django_capture_on_commit_callbacks, ranks: bool = False) -> None:
+    """Both seats' agents of Slurm job 101 registered (so the launches went out), and with `ranks`
+    the ranks reported (the attempt RUNNING)."""
+    with django_capture_on_commit_callbacks(execute=True):
+        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
+        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
+    if ranks:
+        for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
+            services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
+                                   ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+
+
 def seat_beat(seat: str, allocation: str, address: str, **extra) -> dict:
     """A heartbeat of the seat's ephemeral agent, signed with the credential minted for its allocation."""
     node = Node.objects.get(name=seat)
@@ -232,9 +244,7 @@ def test_a_slurm_job_that_fails_before_its_agents_is_a_placement_failure(
 def test_the_end_releases_the_seats_and_cancels_what_slurm_still_runs(
         user, pool, fake, sent, django_capture_on_commit_callbacks):
     sj = placed(user, fake, django_capture_on_commit_callbacks)
-    with django_capture_on_commit_callbacks(execute=True):
-        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
-        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
+    agents_up(sj, django_capture_on_commit_callbacks)
     for seat in sj.seats:
         services.attempt_node_exit(sj.attempt_id, node_name=seat, result={
             "attempt_id": sj.attempt_id, "node": seat, "exit_code": 0, "failures": [], "log_tail": {}})
@@ -254,12 +264,7 @@ def test_the_end_releases_the_seats_and_cancels_what_slurm_still_runs(
 def test_a_stop_the_agents_do_not_finish_is_enforced_by_scancel_signal_then_scancel(
         user, pool, fake, sent, django_capture_on_commit_callbacks):
     sj = placed(user, fake, django_capture_on_commit_callbacks)
-    with django_capture_on_commit_callbacks(execute=True):
-        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
-        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
-    for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
-        services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
-                               ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+    agents_up(sj, django_capture_on_commit_callbacks, ranks=True)
     with django_capture_on_commit_callbacks(execute=True):
         services.job_cancel(Job.objects.get(pk=sj.attempt.job_id), user=user)
     assert Attempt.objects.get(pk=sj.attempt_id).status == "STOPPING"
@@ -295,12 +300,7 @@ def test_a_cancel_while_slurm_pends_ends_the_attempt_and_scancels(
 def test_slurms_sigterm_is_a_cooperative_preemption(user, pool, fake, sent, preempts,
                                                      django_capture_on_commit_callbacks):
     sj = placed(user, fake, django_capture_on_commit_callbacks)
-    with django_capture_on_commit_callbacks(execute=True):
-        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
-        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
-    for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
-        services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
-                               ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+    agents_up(sj, django_capture_on_commit_callbacks, ranks=True)
     with django_capture_on_commit_callbacks(execute=True):
         tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3", draining="SIGTERM from Slurm"))
     attempt = Attempt.objects.get(pk=sj.attempt_id)
@@ -311,12 +311,7 @@ def test_slurms_sigterm_is_a_cooperative_preemption(user, pool, fake, sent, pree
 def test_a_gang_on_a_node_slurm_drains_checkpoints_and_moves(user, pool, fake, sent, preempts,
                                                                django_capture_on_commit_callbacks):
     sj = placed(user, fake, django_capture_on_commit_callbacks)
-    with django_capture_on_commit_callbacks(execute=True):
-        tasks.node_heartbeat(seat_beat("lab-0", "101", "10.0.0.2"))
-        tasks.node_heartbeat(seat_beat("lab-1", "101", "10.0.0.3"))
-    for alloc in Attempt.objects.get(pk=sj.attempt_id).allocations.select_related("node"):
-        services.attempt_ranks(sj.attempt_id, node_name=alloc.node.name,
-                               ranks=[{"rank": alloc.node_rank, "local_rank": 0, "pid": 10}])
+    agents_up(sj, django_capture_on_commit_callbacks, ranks=True)
     fake.answers["101"] = HandleStatus(State.RUNNING, nodes=("gpu-1", "gpu-2"))
     slurm.slurm_poll()
     assert ("sinfo", ("gpu-1", "gpu-2")) in fake.calls and not preempts  # healthy: nothing moves
