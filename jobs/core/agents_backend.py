@@ -8,7 +8,7 @@ is what the agents' reports wrote; `cancel` and `signal` are the Stop command an
 per node). The handle's id is the attempt's tag."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Container, Sequence
 
 from trainyard.backends import Capabilities, Gang, Handle, HandleStatus, Reconciled, State, parse_tag
 
@@ -75,7 +75,7 @@ class AgentsBackend:
 
             dispatch.request_preempt(attempt.pk, _SIGNALS[sig], settings.TRAINYARD_PREEMPT_GRACE_S)
 
-    def reconcile(self, live_tags: set[str]) -> Reconciled:
+    def reconcile(self, live_tags: Container[str]) -> Reconciled:
         """Stop what agents still run for attempts that are not live (ended with a node that never
         reported back); the attempts that are live are adopted as they are."""
         from jobs.models import Allocation
