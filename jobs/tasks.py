@@ -142,7 +142,7 @@ def node_heartbeat(envelope: dict) -> None:
         if beat.draining:  # Slurm takes the node back: checkpoint and requeue (trainyard/slurm's preemption)
             services.slurm_seat_draining(node.name, beat.draining)
         else:
-            services.slurm_seat_up(node.name)  # a pool's seat: the last agent of its gang in launches it
+            services.slurm_seat_up(node.holder_id)  # a pool's seat: the last agent of its gang in launches it
     for attempt_id in orphans:
         # The agent runs an attempt the control plane has already ended: stop it there.
         dispatch.send_stop(node.name, 0, attempt_id, "orphan")

@@ -70,7 +70,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
             jobs = runs_selectors.jobs_listed(self.request.user, runs_selectors.job_query(self.request.query_params))
         else:
             jobs = access_selectors.jobs_visible_to(self.request.user).prefetch_related("tags").order_by("-id")
-        return jobs.select_related("trial").prefetch_related("attempts__allocations__node").annotate(
+        return jobs.select_related("trial").prefetch_related(
+            "attempts__allocations__node", "attempts__slurm__pool").annotate(
             has_telemetry=telemetry_selectors.has_telemetry_expr())
 
     @extend_schema(parameters=_LIST_PARAMETERS)

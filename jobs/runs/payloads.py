@@ -17,7 +17,8 @@ def job_snapshot(job_id: int, *, max_points: int = SNAPSHOT_POINTS) -> dict:
     """What a job socket sends first: the job, its charts (reduced steps bucketed to at most max_points,
     the named ranks and their recent samples: jobs/telemetry/payloads.py chart_telemetry), logs, events,
     checkpoints."""
-    job = Job.objects.prefetch_related("attempts__allocations__node").select_related("owner").get(pk=job_id)
+    job = (Job.objects.prefetch_related("attempts__allocations__node", "attempts__slurm__pool")
+           .select_related("owner").get(pk=job_id))
     charts = chart_telemetry(job_id, max_points=max_points)
     return {
         "type": "snapshot", "job": JobSerializer(job).data, "steps": charts["steps"],

@@ -9,7 +9,7 @@ trainyard/slurm.py's backend:
                              credentials and Redis users, then (after commit) the submit task
     gang_submit(id)          sbatch (idempotent on the attempt's tag); a refusal is a placement failure
     seat_heartbeat_ok(...)   a seat's heartbeat counts only from the Slurm job that holds it
-    seat_up(node)            every seat's agent registered: the launches go out (compare-and-set)
+    seat_up(holder)          every seat's agent registered: the launches go out (compare-and-set)
     slurm_poll()             batched status: Slurm's pending reason on the job, ends, cancels, releases;
                              a gang on a node Slurm drains or downs checkpoints and moves
     slurm_reconcile()        our tagged Slurm jobs with no live attempt are cancelled
@@ -188,17 +188,17 @@ def seat_heartbeat_ok(node: Node, allocation: str) -> bool:
     return True
 
 
-def seat_up(node_name: str) -> bool:
-    """After a seat's heartbeat: when every seat of its Slurm job has an agent with an address, send
-    the attempt's launches (once: compare-and-set on launched_at). True if they went out now."""
+def seat_up(holder_id: int) -> bool:
+    """After a heartbeat of a seat held by SlurmJob `holder_id`: when every seat of it has an agent
+    with an address, send the attempt's launches (once: compare-and-set on launched_at). True if
+    they went out now. Once launched, one query per heartbeat."""
     with transaction.atomic():
-        node = Node.objects.filter(name=node_name).exclude(holder=None).first()
-        if node is None:
+        sj = (SlurmJob.objects.select_related("attempt__job", "attempt__resumed_from")
+              .filter(pk=holder_id, launched_at=None).first())
+        if sj is None:
             return False
-        sj = SlurmJob.objects.select_related("attempt__job", "attempt__resumed_from").get(pk=node.holder_id)
         seats = {n.name: n for n in Node.objects.filter(name__in=sj.seats, holder=sj)}
-        if sj.launched_at is not None or any(not (seats.get(s) and seats[s].address and seats[s].agent_id)
-                                             for s in sj.seats):
+        if any(not (seats.get(s) and seats[s].address and seats[s].agent_id) for s in sj.seats):
             return False
         attempt = sj.attempt
         if attempt.status != Attempt.Status.STARTING or attempt.stop_reason:

@@ -47,7 +47,7 @@ class NodeState:
     gpus: int = 0
     gpu_memory_bytes: int = 0
     labels: tuple[tuple[str, str], ...] = ()
-    pool: str = ""  # a seat of a Slurm pool (jobs/fleet/slurm.py): only that pool's jobs run here
+    pool: str = ""  # a seat of a Slurm pool (jobs/fleet/services/slurm.py): only that pool's jobs run here
 
     @property
     def free_slot_ids(self) -> tuple[int, ...]:

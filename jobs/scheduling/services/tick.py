@@ -39,12 +39,12 @@ def _tick() -> list[int]:
         SchedulerLock.objects.filter(pk=1).update(ticks=lock.ticks + 1)
         view = selectors.cluster_view()
         decision = scheduling.schedule(view)
+        seats = {n.name for n in view.nodes if n.pool}
         for placement in decision.placements:
             if attempt_start(placement):
                 started.append(placement.job_id)
-                attempt = Attempt.objects.filter(job_id=placement.job_id).order_by("-number").first()
-                if attempt.allocations.filter(node__pool__isnull=False).exists():
-                    gang_start(attempt)  # a Slurm pool's seats: sbatch after commit
+                if any(s.node in seats for s in placement.shares):  # a Slurm pool's seats: sbatch after commit
+                    gang_start(Attempt.objects.filter(job_id=placement.job_id).order_by("-number").first())
         for p in decision.preemptions:
             attempt = Attempt.objects.filter(job_id=p.job_id, status__in=(
                 Attempt.Status.STARTING, Attempt.Status.RUNNING)).order_by("-number").first()
