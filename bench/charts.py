@@ -269,6 +269,9 @@ def measure_old(client, olds, args, new: dict[str, dict]) -> dict[str, dict]:
                 stats, _ = calls(client, f"/api/v1/jobs/{j.pk}/series/?metric={metric}&buckets=1500", args.old_repeat)
                 measured.append({"steps": n, "rows": rows, **stats})
             at = RANKS * args.steps
+            if len(measured) < 2:  # a line needs two sizes: the measured figure only
+                old[f"series_{metric}"] = {"measured": measured, "note": "one size: give --old-steps two or more"}
+                continue
             est = fit([(m["rows"], m["p50_ms"]) for m in measured], at)
             first, lastm = measured[0], measured[-1]
             old[f"series_{metric}"] = {

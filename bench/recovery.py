@@ -27,6 +27,14 @@ and a restart on the same nodes runs in the standby launcher the agent started f
 failed attempt trained (workers/standby.py). The lazy import of the pipeline (pp only) is in both
 sides. A node loss restarts on the other node, where no standby of the job waits: it shows the warm
 launcher alone. `--sides before|after` runs one side only; `--no-sandbox` runs both unsandboxed.
+
+Lost work per failure: on the checkpoint-restart path (both sides above) every rank goes back to
+the latest checkpoint, so the steps between it and the kill are trained again (`lost_steps`). The
+`heal` case (trainyard.sdk.heal on torchft, examples/heal/train.py; not launched by the cluster
+yet) runs two replicas under their own torchruns with a lighthouse, SIGKILLs one replica's rank,
+and measures the kill -> the healed replica's first committed step, the steps the job lost (its
+committed step never goes back: 0 by construction, checked), and the steps the survivor trained
+again (the one its peer died in, if any). `--no-heal` leaves it out.
 """
 from __future__ import annotations
 
@@ -111,6 +119,7 @@ def kill_case(c: Cluster, log=print) -> dict:
                         "to_first_step": rank_up and round(first_new - rank_up, 2),
                         "checkpoint_load": resumed and round(resumed["data"].get("load_s") or 0, 2)},
         "resumed_from_step": second["resumed_from_step"],
+        "lost_steps": c.job(job["id"])["attempts"][0]["last_step"] - (second["resumed_from_step"] or 0),
         "same_nodes": {r["node"] for r in second["ranks"]} == {"node-a", "node-b"},
     }
 
@@ -139,6 +148,24 @@ def node_loss_case(c: Cluster, log=print) -> dict:
             "breakdown_s": {"declared_to_placed": round(placed - declared, 2),
                             "placed_to_first_step": round(first_new - placed, 2)},
             "lost_node": node, "resumed_on": sorted({r["node"] for r in second["ranks"]})}
+
+
+def heal_case(log=print, steps: int = 200, kill_after_step: int = 60) -> dict:
+    from tests.workers.runtime import heal_procs
+
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-heal-") as tmp:
+        run = heal_procs.kill_one_replica(Path(tmp), steps=steps, kill_after_step=kill_after_step)
+    log(f"heal: codes {run.codes}, healed {run.heal}")
+    survivor = heal_procs.committed(run.replicas[0])
+    steady = survivor == list(range(survivor[0], steps)) if survivor else False
+    return {"model": "MLP 64-256-8 (examples/heal/train.py), gloo, CPU, 2 replicas x 1 rank",
+            "exit_codes": run.codes, "killed_after_step": run.killed_step,
+            "healed_at_step": run.heal and run.heal["step"],
+            "state_apply_ms": run.heal and round(run.heal["load_s"] * 1000, 2),
+            "kill_to_first_healed_step_s": run.kill_to_first_healed_step_s and round(run.kill_to_first_healed_step_s, 2),
+            "lost_steps": 0 if steady else None,  # the job's committed step never went back
+            "survivor_retried_steps": len(heal_procs.retried(run.replicas[0])),
+            "same_parameters_at_the_end": run.digests[0] is not None and run.digests[0] == run.digests[1]}
 
 
 def measure(log=print, sandboxed: bool = True, fast: bool = True, node_loss: bool = False) -> dict:
@@ -170,6 +197,7 @@ def main() -> None:
     ap.add_argument("--sides", choices=["both", "before", "after"], default="both")
     ap.add_argument("--no-sandbox", action="store_true")
     ap.add_argument("--no-node-loss", action="store_true", help="the kill case only")
+    ap.add_argument("--no-heal", action="store_true", help="leave out the heal-in-place case")
     args = ap.parse_args()
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     sides = {"before": [False], "after": [True], "both": [False, True]}[args.sides]
@@ -177,6 +205,8 @@ def main() -> None:
     for fast in sides:
         out["after" if fast else "before"] = measure(log=log, sandboxed=not args.no_sandbox, fast=fast,
                                                      node_loss=not args.no_node_loss)
+    if not args.no_heal:
+        out["heal"] = heal_case(log=log)
     side = out.get("after") or out["before"]
     out["target"] = {"kill_s": TARGET_KILL_S, "node_loss_s": TARGET_NODE_LOSS_S,
                      "kill_met": side["kill"]["kill_to_first_resumed_step_s"] < TARGET_KILL_S}
@@ -186,6 +216,10 @@ def main() -> None:
         b, a = out["before"], out["after"]
         out["side_by_side"] = {"kill_to_first_resumed_step_s": [b["kill"]["kill_to_first_resumed_step_s"],
                                                                 a["kill"]["kill_to_first_resumed_step_s"]]}
+        if "heal" in out:
+            out["side_by_side"]["lost_steps_per_failure"] = {
+                "checkpoint_restart_before": b["kill"]["lost_steps"], "checkpoint_restart_after": a["kill"]["lost_steps"],
+                "heal_in_place": out["heal"]["lost_steps"]}
         if "node_loss" in a:
             out["side_by_side"]["node_loss_to_first_resumed_step_s"] = [
                 b["node_loss"]["node_loss_to_first_resumed_step_s"], a["node_loss"]["node_loss_to_first_resumed_step_s"]]

@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
                     help="ranks per job in the throughput backlog (default --ranks): the relay's per-step rollup "
                          "costs per (attempt, step), so 2 ranks at 25k steps/s each is its worst case, and a "
                          "1,024-rank job at 100 steps/s its intended one")
+    ap.add_argument("--relay-workers", type=int, default=1,
+                    help="relay processes (manage.py relay --workers): each reads its share of the streams")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=2, help="simulated ranks per job (one process each)")
     ap.add_argument("--clients", type=int, default=1, help="websocket clients per job (one process each)")
@@ -140,7 +142,7 @@ def main() -> None:
                     "config": {"jobs": args.jobs, "ranks_per_job": args.ranks, "clients_per_job": args.clients,
                                "phase_s": args.phase_s, "mem_s": args.mem_s, "mem_rate": args.mem_rate,
                                "drain_samples": args.drain_samples, "entry_samples": args.entry_samples,
-                               "drain_ranks": args.drain_ranks or args.ranks,
+                               "drain_ranks": args.drain_ranks or args.ranks, "relay_workers": args.relay_workers,
                                "warmup_s": args.warmup_s}}
     try:
         bench.start()

@@ -34,6 +34,7 @@ class Bench(Stack):
                 return 0.0
 
         out = {name: used(self.procs[name].pid) for name in ("relay", "daphne", "redis")}
+        out["relay"] += sum(used(pid) for pid in self.relay_children())  # --relay-workers
         if self.db_pid:  # the PostgreSQL server and its backends (the relay's among them)
             try:
                 server = psutil.Process(self.db_pid)
@@ -134,14 +135,16 @@ class Bench(Stack):
     def sample_rss(self, duration: float, every: float) -> list:
         import psutil
 
-        procs = {n: psutil.Process(self.procs[n].pid) for n in ("relay", "daphne")}
+        procs = {n: [psutil.Process(self.procs[n].pid)] for n in ("relay", "daphne")}
+        procs["relay"] += [psutil.Process(pid) for pid in self.relay_children()]  # --relay-workers: all of them
         t0 = time.monotonic()
         out, backlog_max, next_rss = [], 0, 0.0
         while True:  # RSS every `every` s, the relay's backlog every 0.5 s
             now = time.monotonic() - t0
             backlog_max = max(backlog_max, self.backlog())
             if now >= next_rss or now >= duration:
-                out.append((round(now, 1), *(round(p.memory_info().rss / 2**20, 2) for p in procs.values())))
+                out.append((round(now, 1), *(round(sum(p.memory_info().rss for p in ps) / 2**20, 2)
+                                             for ps in procs.values())))
                 next_rss += every
             if now >= duration:
                 return out, backlog_max
@@ -149,11 +152,10 @@ class Bench(Stack):
 
     def throughput(self, n_samples: int, entry_samples: int) -> dict:
         """Pause the relay, XADD a backlog as fast as possible (the ceiling), resume, time the drain."""
-        relay = self.procs["relay"]
         per_stream = n_samples // len(self.jobs)
         start_step = self.step
         self.clients_phase(start_step)
-        relay.send_signal(signal.SIGSTOP)
+        self.signal_relay(signal.SIGSTOP)
         try:
             # Payloads are serialised up front: this measures Redis taking entries, not json.dumps.
             payloads = []
@@ -182,7 +184,7 @@ class Bench(Stack):
         finally:
             cpu0 = self.cpu()
             t1 = time.monotonic()
-            relay.send_signal(signal.SIGCONT)
+            self.signal_relay(signal.SIGCONT)
         entries_total = self.backlog()
         self.wait(lambda: self.backlog() == 0, 600, "relay to drain the backlog")
         drain_s = time.monotonic() - t1

@@ -137,7 +137,7 @@ class Stack:
         self.port = free_port()
         self.start_proc("daphne", [PY, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
                                    "controlplane.asgi:application"])
-        self.start_proc("relay", [PY, "manage.py", "relay"])
+        self.start_proc("relay", [PY, "manage.py", "relay", "--workers", str(self.args.relay_workers)])
         self.wait(self._web_ok, 60, "daphne")
         say(f"up: redis {self.redis_url}, daphne :{self.port}, jobs {self.jobs}, dir {self.dir}")
         for job in self.jobs:
@@ -170,6 +170,24 @@ class Stack:
         except OSError:
             return False
 
+    def relay_children(self) -> list[int]:
+        """The relay processes `manage.py relay --workers N` runs (none with one worker)."""
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.procs["relay"].pid).children()]
+        except psutil.Error:
+            return []
+
+    def signal_relay(self, signum: int) -> None:
+        """The relay's process and, with --relay-workers, the relay processes it runs."""
+        for pid in self.relay_children():
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+        self.procs["relay"].send_signal(signum)
+
     def start_proc(self, name: str, argv: list[str]) -> None:
         self.procs[name] = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=open(self.dir / f"{name}.log", "ab"),
                                             stderr=subprocess.STDOUT)
@@ -196,7 +214,7 @@ class Stack:
             proc = self.procs.get(name)
             if proc and proc.poll() is None:
                 if name == "relay":
-                    proc.send_signal(signal.SIGCONT)
+                    self.signal_relay(signal.SIGCONT)
                 proc.terminate()
                 try:
                     proc.wait(15)

@@ -53,6 +53,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # a NUL in the path, a query parameter or a form field: 404/400 before any view can look it up
+    "jobs.core.middleware.RefuseUnstorableText",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -137,9 +139,10 @@ REST_FRAMEWORK = {
     ],
     # IsAuthenticated, with requests without credentials counted against TRAINYARD_THROTTLE_ANON
     "DEFAULT_PERMISSION_CLASSES": ["jobs.core.throttles.IsAuthenticatedOrThrottled"],
-    # DRF's defaults, with a JSON parser that answers 400 for a body nested too deeply to parse.
-    "DEFAULT_PARSER_CLASSES": ["jobs.core.parsers.JSONParser", "rest_framework.parsers.FormParser",
-                               "rest_framework.parsers.MultiPartParser"],
+    # DRF's defaults, bounded (a body nested too deeply to parse is a 400) and refusing text no database
+    # can hold (a NUL anywhere in a body is a 400 naming the field): jobs/core/parsers.py.
+    "DEFAULT_PARSER_CLASSES": ["jobs.core.parsers.JSONParser", "jobs.core.parsers.FormParser",
+                               "jobs.core.parsers.MultiPartParser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -221,6 +224,8 @@ TRAINYARD_TELEMETRY_PURGE_BUDGET_S = float(os.environ.get("TRAINYARD_TELEMETRY_P
 # Every rank's output is kept under TRAINYARD_KEPT_LOG_ROOT/logs/; a job's files together hold at
 # most this many bytes (the oldest lines are cut first, and the logs API says how many).
 TRAINYARD_LOG_MAX_BYTES_PER_JOB = int(os.environ.get("TRAINYARD_LOG_MAX_BYTES_PER_JOB", str(200 * 1024 * 1024)))
+# manage.py relay's processes (jobs/telemetry/relay_workers.py): one per core, each its share of the job streams
+TRAINYARD_RELAY_WORKERS = max(1, int(os.environ.get("TRAINYARD_RELAY_WORKERS", "1")))
 # parallel: auto on CPU plans each process within this much memory (GB): by default a core's share
 # of this host's memory (on one machine every agent's slot is a core of it).
 TRAINYARD_CPU_DEVICE_MEMORY_GB = float(os.environ.get("TRAINYARD_CPU_DEVICE_MEMORY_GB") or round(

@@ -2,7 +2,7 @@
 """
 from __future__ import annotations
 from trainyard import keys
-from jobs.models import Allocation, MetricSample
+from jobs.models import Allocation, MetricSample, MetricStep
 
 
 def relay_alive() -> float | None:
@@ -41,6 +41,15 @@ def attempt_recent_samples(attempt_id: int, last_step: int) -> list[dict]:
     if ranks:
         qs = qs.filter(rank__in=ranks)
     return list(qs.values("rank", "step", "step_s", "data_s", "compute_s", "comm_s", "optim_s"))
+
+
+def attempt_recent_step_s(attempt_id: int, last_step: int) -> list[float]:
+    """The mean step time across ranks of each of the attempt's last STRAGGLER_WINDOW_STEPS steps
+    (MetricStep: one row a step, whatever the world): what the hang timeout is a multiple of, for
+    the detector and for the job page alike. The ranks of a step wait for one another in its
+    collectives, so their mean is the step's time; read from 20 rows instead of every rank's 20."""
+    return [v for v in MetricStep.objects.filter(attempt_id=attempt_id, step__gt=last_step - STRAGGLER_WINDOW_STEPS)
+            .values_list("step_s_mean", flat=True) if v is not None]
 
 
 def _attempt_ranks(attempt_id: int) -> list[int]:

@@ -13,6 +13,7 @@ from jobs.models import Subscription
 from jobs.notify import selectors, services
 from jobs.notify.policy.events import EVENTS, FORMATS, STAFF_EVENTS
 from jobs.notify.rows import delivery_row, subscription_row
+from trainyard.textdoc import whole_number
 
 RECENT = 5
 
@@ -52,7 +53,7 @@ def notifications(request):
                 return render(request, "jobs/notifications.html", _context(request, **shown), status=201)
         elif action in ("pause", "resume", "delete"):
             raw = request.POST.get("id", "")
-            sub = selectors.subscription_of(request.user, int(raw) if raw.isdigit() and len(raw) < 18 else 0)
+            sub = selectors.subscription_of(request.user, whole_number(raw) or 0)
             if action == "delete":
                 services.subscription_delete(sub, user=request.user)
             else:

@@ -21,6 +21,7 @@ from jobs.core.errors import InvalidInput
 from jobs.models import KnowledgeRecord
 from jobs.planning.policy.knowledge import PLAN_FIELDS, SHAPE_FIELDS, relative_error
 from trainyard.spec import ModelSpec
+from trainyard.textdoc import whole_number
 from rest_framework import status
 from jobs.core.dbtext import text_problem
 from jobs.core.errors import Forbidden
@@ -80,8 +81,8 @@ def parse_filters(params) -> dict:
         raw = (params.get(name) or "").strip()
         if not raw:
             continue
-        if raw.isdigit() and 1 <= int(raw) <= top:
-            out[name] = int(raw)
+        if (value := whole_number(raw)) is not None and 1 <= value <= top:
+            out[name] = value
         else:
             errors[name] = [f"must be a whole number from 1 to {top:,}, got {raw[:40]!r}"]
     if errors:

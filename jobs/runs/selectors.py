@@ -21,10 +21,11 @@ from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
 from jobs.access import selectors as access_selectors
+from jobs.core.dbtext import text_problem
 from jobs.core.errors import InvalidInput
 from jobs.models import Allocation, Job, JobTag
 from trainyard.tags import MAX_TAGS, tag_problem
-from trainyard.textdoc import echo
+from trainyard.textdoc import echo, whole_number
 
 MAX_VALUES = 50  # values of one filter (a comma list of 10,000 statuses is a mistake, not a query)
 MAX_SEARCH_CHARS = 200
@@ -37,6 +38,8 @@ class _Bad(ValueError):
 
 def _values(raw: list[str]) -> list[str]:
     out = [v.strip() for part in raw for v in part.split(",") if v.strip()]
+    if why := next(filter(None, map(text_problem, out)), None):  # the HTTP edge refuses these first
+        raise _Bad(f"a value {why}")
     if len(out) > MAX_VALUES:
         raise _Bad(f"at most {MAX_VALUES} values, got {len(out)}")
     return list(dict.fromkeys(out))
@@ -69,10 +72,10 @@ def _tags(raw: list[str]) -> list[str]:
 
 def _ids(raw: list[str]) -> list[int]:
     values = _values(raw)
-    bad = [v for v in values if not v.isdigit() or len(v) > 18]
-    if bad:
-        raise _Bad(f"{echo(bad[0])} is not an experiment id (a positive whole number)")
-    return [int(v) for v in values]
+    ids = [whole_number(v) for v in values]
+    if None in ids:
+        raise _Bad(f"{echo(values[ids.index(None)])} is not an experiment id (a positive whole number)")
+    return ids
 
 
 def _when(raw: list[str], *, end_of_day: bool) -> datetime:
@@ -182,6 +185,8 @@ def job_query(params) -> JobQuery:
     q = " ".join(getlist("q")).strip()
     if len(q) > MAX_SEARCH_CHARS:
         errors["q"] = [f"at most {MAX_SEARCH_CHARS} characters"]
+    elif why := text_problem(q):
+        errors["q"] = [f"the search {why}"]
     ordering = (getlist("ordering") or [""])[-1].strip() or DEFAULT_ORDERING
     if ordering.removeprefix("-") not in ORDERINGS:
         errors["ordering"] = [f"{echo(ordering)} is not a column to sort by: one of "

@@ -101,9 +101,8 @@ class JobSerializer(serializers.ModelSerializer):
         if not diagnosis.hang_armed(obj.spec.get("hang_timeout_s", "auto"), user_code=bool(obj.spec.get("entrypoint")),
                                     last_progress=a.last_progress_at and a.last_progress_at.timestamp()):
             return {"last_progress_at": None, "hang_timeout_s": None, "hang_timeout_source": "auto: from the first step"}
-        recent = attempts_selectors.attempt_recent_samples(a.pk, a.last_step)
         timeout, source = diagnosis.hang_timeout(obj.spec.get("hang_timeout_s", "auto"),
-                                                 [s["step_s"] for s in recent if s["step_s"] is not None],
+                                                 attempts_selectors.attempt_recent_step_s(a.pk, a.last_step),
                                                  settings.TRAINYARD_HANG_FLOOR_S)
         return {"last_progress_at": a.last_progress_at and timezone.localtime(a.last_progress_at).isoformat(),
                 "hang_timeout_s": round(timeout, 1), "hang_timeout_source": source}

@@ -25,6 +25,7 @@ from jobs.runs.forms import DEMO_SPEC, JobSubmitForm, field_groups, split_errors
 from jobs.models import Job, MetricStep, Node, Trial
 from trainyard.spec import SpecError, parse_text
 from trainyard.tags import MAX_NOTE_CHARS, MAX_TAGS, split_tags
+from trainyard.textdoc import whole_number
 
 
 @login_required
@@ -76,7 +77,7 @@ def _page_size(request) -> tuple[int, dict]:
     raw = request.GET.get("page_size", "")
     if raw in ("", str(DEFAULT_PAGE_SIZE)):
         return DEFAULT_PAGE_SIZE, {}
-    if raw.isdigit() and int(raw) in PAGE_SIZES:
+    if whole_number(raw) in PAGE_SIZES:
         return int(raw), {}
     return DEFAULT_PAGE_SIZE, {"page_size": [f"one of {', '.join(map(str, PAGE_SIZES))}"]}
 

@@ -20,7 +20,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from trainyard.textdoc import echo
+from trainyard.textdoc import echo, whole_number
 from jobs.access import selectors as access_selectors
 from jobs.core.errors import InvalidInput, NotFound
 from jobs.core.http import int_param
@@ -92,10 +92,10 @@ def parse_job_ids(raw: str, *, cap: int = MAX_SERIES_JOBS) -> list[int]:
         raise InvalidInput({"jobs": [f"at most {cap} jobs at a time, got {len(parts)}"]})
     ids: list[int] = []
     for p in parts:
-        if not (p.isascii() and p.isdigit() and len(p) <= 18):
+        if (job_id := whole_number(p)) is None:
             raise InvalidInput({"jobs": [f"{echo(p)} is not a job id"]})
-        if int(p) not in ids:
-            ids.append(int(p))
+        if job_id not in ids:
+            ids.append(job_id)
     return ids
 
 

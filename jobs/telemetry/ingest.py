@@ -16,15 +16,17 @@ from __future__ import annotations
 import logging
 import math
 import re
+from itertools import repeat
 from operator import itemgetter
 
+import numpy as np
 import orjson
 from django.db import transaction
 from django.utils import timezone
 
 from jobs.core.dbtext import storable
-from jobs.models import Attempt, Job, JobEvent, MetricSample
-from jobs.telemetry import rollup
+from jobs.models import Attempt, Job, JobEvent, MetricSample, MetricStep
+from jobs.telemetry import columns, pgcopy, rollup
 from jobs.attempts.services.checkpoints import checkpoint_register
 from jobs.attempts.services.events import job_event
 from jobs.planning.services.knowledge import knowledge_refresh
@@ -107,7 +109,49 @@ def _telemetry_sql(vendor: str) -> tuple[str, str, str]:
     return lookup, update, lock
 
 
-def _store_rows(cursor, connection, rows: list[tuple]) -> None:
+_INLINE_INTS = frozenset(("job_id", "attempt_id", "ranks", *(f"{f}_n" for f in rollup.REDUCED_FIELDS)))
+
+
+def _sqlite_values(names, cols: list) -> tuple[str, list[int]]:
+    """SQLite's VALUES list for rows given as columns, and the indexes of the columns left to bind: a
+    column NULL throughout, or an id or count (_INLINE_INTS) the same throughout, is written into the
+    statement. Binding costs ~50 ns a value a row: the NULL fields no rank reports and the counts (as
+    many as the ranks) were ~30% of a 57-column MetricStep row's insert. Only ints and NULL are written."""
+    parts, bound = [], []
+    for i, (name, col) in enumerate(zip(names, cols)):
+        first = col[0]
+        if first is None and col.count(None) == len(col):
+            parts.append("NULL")
+        elif name in _INLINE_INTS and type(first) is int and min(col) == max(col) == first:
+            parts.append(str(int(first)))
+        else:
+            parts.append("?")
+            bound.append(i)
+    return ", ".join(parts), bound
+
+
+def _key_order(cols: list) -> np.ndarray:
+    """The order of the rows given as columns (STAGE_COLUMNS) by (job, attempt, rank, step)."""
+    return np.lexsort(tuple(np.fromiter(cols[i], dtype=np.int64, count=len(cols[i])) for i in (3, 2, 1, 0)))
+
+
+def _copy(cursor, table: str, names: list[str], cols: list, rows, order, *, into: str = "") -> None:
+    """COPY the rows given as columns (taken in `order`) into `into` (default `table`, whose column types
+    the binary form follows): binary, built a column at a time (jobs/telemetry/pgcopy.py), or where the
+    binary form could differ psycopg's text rows, rows() (the same rows, in that order)."""
+    types = pgcopy.column_types(cursor, table)
+    data = pgcopy.binary_copy(cols, [types[c] for c in names], order)
+    target = f"{into or table} ({', '.join(names)})"
+    if data is not None:
+        with cursor.cursor.copy(f"COPY {target} FROM STDIN (FORMAT BINARY)") as copy:
+            copy.write(data)
+        return
+    with cursor.cursor.copy(f"COPY {target} FROM STDIN") as copy:
+        for row in rows():
+            copy.write_row(row)
+
+
+def _store_rows(cursor, connection, rows: list[tuple], cols: list[tuple]) -> rollup.Reduced | None:
     """Insert the round's rows (on PostgreSQL sorted by job, attempt, rank, step) into MetricSample and reduce the
     new ones into MetricStep (jobs/telemetry/rollup.py).
 
@@ -117,49 +161,56 @@ def _store_rows(cursor, connection, rows: list[tuple]) -> None:
     duplicate XADD) is rolled back to the savepoint and takes the slow path: stage, drop what exists,
     insert the rest, reduce in SQL. In key order: two writers with overlapping rows (a second relay,
     a replay) wait on each other's unique-index entries in one order, never in a cycle (PostgreSQL
-    aborted one with "deadlock detected")."""
+    aborted one with "deadlock detected").
+
+    Returns the fast path's reduction (rollup.Reduced: what the relay publishes without reading it back),
+    None after the slow path."""
     vendor = connection.vendor
     raw = cursor.cursor
     sample_cols = ", ".join(rollup.STAGE_COLUMNS)
     cursor.execute("SAVEPOINT trainyard_rows")
     try:
-        if vendor == "postgresql":
-            with raw.copy(f"COPY {MetricSample._meta.db_table} ({sample_cols}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+        if vendor == "postgresql":  # in key order (see above)
+            _copy(cursor, MetricSample._meta.db_table, rollup.STAGE_COLUMNS, cols,
+                  lambda: sorted(rows, key=_ROW_KEY), _key_order(cols))
             all_new = True
         else:
-            marks = ", ".join(["?"] * len(rollup.STAGE_COLUMNS))
-            raw.executemany(f"INSERT OR IGNORE INTO {MetricSample._meta.db_table} ({sample_cols}) VALUES ({marks})",
-                            rows)
+            values, bound = _sqlite_values(rollup.STAGE_COLUMNS, cols)
+            raw.executemany(f"INSERT OR IGNORE INTO {MetricSample._meta.db_table} ({sample_cols}) VALUES ({values})",
+                            zip(*[cols[i] for i in bound]) if len(bound) < len(cols) else rows)
             all_new = raw.rowcount == len(rows)
     except connection.Database.IntegrityError:
         all_new = False
     if all_new:
-        reduced = rollup.reduce_rows(rows)
+        step_cols = [c.tolist() for c in rollup.reduce_columns(cols)]
+        reduced = list(zip(*step_cols))
         if vendor == "postgresql":
             # one COPY and one INSERT ... SELECT: psycopg's executemany of the upsert cost ~1 ms a row here
             for ddl in rollup.step_stage_ddl():
                 cursor.execute(ddl)
-            with raw.copy(f"COPY {rollup.STEP_STAGE} ({', '.join(rollup.step_columns())}) FROM STDIN") as copy:
-                for row in reduced:
-                    copy.write_row(row)
+            names = rollup.step_columns()
+            last = [i for i, c in enumerate(names) if c != "extra"] + [names.index("extra")]  # text last
+            _copy(cursor, MetricStep._meta.db_table, [names[i] for i in last], [step_cols[i] for i in last],
+                  lambda: [tuple(r[i] for i in last) for r in reduced], None, into=rollup.STEP_STAGE)
             cursor.execute(rollup.upsert_from_stage_sql())
+            merged = set(cursor.fetchall())
             cursor.execute(f"DELETE FROM {rollup.STEP_STAGE}")
         else:
-            cursor.executemany(rollup.upsert_sql(vendor), reduced)
+            merged = rollup.stored_steps(raw, reduced)  # before the merge: one writer at a time
+            values, bound = _sqlite_values(rollup.step_columns(), step_cols)
+            raw.executemany(rollup.upsert_sql(vendor, values), zip(*[step_cols[i] for i in bound]))
         cursor.execute("RELEASE SAVEPOINT trainyard_rows")
-        return
+        return rollup.Reduced(reduced, merged)
     cursor.execute("ROLLBACK TO SAVEPOINT trainyard_rows")
     cursor.execute("RELEASE SAVEPOINT trainyard_rows")
     sql = rollup.ingest_sql(vendor)
     for ddl in rollup.stage_ddl(vendor):  # every time: a rolled-back transaction takes the table with it
         cursor.execute(ddl)
     if vendor == "postgresql":
-        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here (the
-        # rows are in key order on PostgreSQL)
+        # COPY has no ON CONFLICT: a sample twice in one round (a duplicate XADD) is dropped here, in
+        # key order
         unique, last = [], None
-        for row in rows:
+        for row in sorted(rows, key=_ROW_KEY):
             key = _ROW_KEY(row)
             if key != last:
                 unique.append(row)
@@ -174,13 +225,50 @@ def _store_rows(cursor, connection, rows: list[tuple]) -> None:
         cursor.execute(statement)
 
 
-def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, int]:
+def _sample_rows(samples: list[dict], attempts: dict[int, int], fences: dict[int, int]) -> columns.Rows:
+    """columns.sample_rows' result one sample at a time (_metric_row): the way of a round holding a sample
+    that the column checks doubt (a malformed one is dropped and counted here, the rest kept)."""
+    rows, top, attempt_top, malformed, dropped_metrics, fenced = [], {}, {}, 0, 0, 0
+    for s in samples:
+        attempt_id = s.get("attempt")
+        job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
+        if job_id is None:
+            continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
+        row = _metric_row(job_id, attempt_id, s)
+        if row is None:
+            malformed += 1
+            continue
+        if attempt_id in fences and row[3] > fences[attempt_id]:
+            fenced += 1  # trained after its node was written off: in no line of the job
+            continue
+        extra = None
+        if "metrics" in s:
+            extra, dropped = user_metrics(s["metrics"])
+            dropped_metrics += dropped
+            s["metrics"] = extra  # what the relay fans out is what is stored
+            extra = orjson.dumps(extra).decode() if extra else None
+        rows.append(row + (extra,))
+        if row[3] > top.get(job_id, 0):
+            top[job_id] = row[3]
+        if row[3] > attempt_top.get(attempt_id, -1):
+            attempt_top[attempt_id] = row[3]
+    if malformed:
+        log.warning("dropped %d malformed metric samples", malformed)
+    return columns.Rows(list(zip(*rows)), rows, top, attempt_top, fenced, dropped_metrics)
+
+
+def telemetry_ingest(samples: list[dict], *, events: list[dict], reduced: list | None = None) -> dict[int, int]:
     """Store a batch of metric samples (idempotent: duplicates of (attempt, rank, step) are skipped)
-    and runtime events, in one transaction. Returns job id -> highest step seen in the batch."""
+    and runtime events, in one transaction. Returns job id -> highest step seen in the batch.
+    `reduced`, if given, gets the batch's rollup.Reduced when its rows were all new (the relay
+    publishes those steps from it instead of reading them back)."""
     from django.db import connection
 
     lookup, update, lock = _telemetry_sql(connection.vendor)
-    wanted = {a for a in (s.get("attempt") for s in samples) if type(a) is int}
+    try:
+        wanted = {a for a in set(map(dict.get, samples, repeat("attempt"))) if type(a) is int}
+    except TypeError:  # not every sample a dict (never from the relay: its schema checked them)
+        wanted = {a for a in (s.get("attempt") for s in samples) if type(a) is int}
     wanted |= {a for a in (e.get("attempt") for e in events) if type(a) is int}
     with transaction.atomic(), connection.cursor() as cursor:
         # Inside the (IMMEDIATE) transaction: an attempt deleted meanwhile cannot break the FK.
@@ -195,41 +283,19 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict]) -> dict[int, in
                     ended.add(attempt_id)
                 if fenced_step is not None:
                     fences[attempt_id] = fenced_step
-        rows, top, attempt_top, malformed, dropped_metrics, fenced = [], {}, {}, 0, 0, 0
-        for s in samples:
-            attempt_id = s.get("attempt")
-            job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
-            if job_id is None:
-                continue  # an attempt this database does not know (e.g. deleted job): drop, never crash
-            row = _metric_row(job_id, attempt_id, s)
-            if row is None:
-                malformed += 1
-                continue
-            if attempt_id in fences and row[3] > fences[attempt_id]:
-                fenced += 1  # trained after its node was written off: in no line of the job
-                continue
-            extra = None
-            if "metrics" in s:
-                extra, dropped = user_metrics(s["metrics"])
-                dropped_metrics += dropped
-                s["metrics"] = extra  # what the relay fans out is what is stored
-                extra = orjson.dumps(extra).decode() if extra else None
-            rows.append(row + (extra,))
-            if row[3] > top.get(job_id, 0):
-                top[job_id] = row[3]
-            if row[3] > attempt_top.get(attempt_id, -1):
-                attempt_top[attempt_id] = row[3]
-        if malformed:
-            log.warning("dropped %d malformed metric samples", malformed)
-        if fenced:
-            log.warning("dropped %d samples of fenced attempts (written after their node was lost)", fenced)
-        if dropped_metrics:
+        got = columns.sample_rows(samples, attempts, fences, user_metrics) or _sample_rows(samples, attempts, fences)
+        if got.fenced:
+            log.warning("dropped %d samples of fenced attempts (written after their node was lost)", got.fenced)
+        if got.dropped_metrics:
             log.warning("dropped %d user metric values: names must match %s, values must be finite numbers, "
-                        "at most %d per sample", dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
-        if rows:
-            if connection.vendor == "postgresql":  # SQLite has one writer at a time: no lock order to keep
-                rows.sort(key=_ROW_KEY)  # and the updates below in id order (see _store_rows)
-            _store_rows(cursor, connection, rows)
+                        "at most %d per sample", got.dropped_metrics, USER_METRIC_NAME.pattern, MAX_USER_METRICS)
+        if got.rows:
+            rows = got.rows
+            # on PostgreSQL in key order (_store_rows), and the updates below in id order
+            done = _store_rows(cursor, connection, rows, got.columns)
+            if done is not None and reduced is not None:
+                reduced.append(done)
+        top, attempt_top = got.top, got.attempt_top
         for job_id, step in sorted(top.items()):
             cursor.execute(update, [step, job_id, step])
         now = timezone.now()

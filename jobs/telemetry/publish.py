@@ -15,6 +15,7 @@ import orjson
 
 from jobs.telemetry import reduced
 from jobs.telemetry.reduced import NamedTracker  # the relay's named ranks, per job
+from jobs.telemetry.rollup import Reduced
 
 __all__ = ["ChannelsPublisher", "NamedTracker", "reduced_message", "reduced_messages"]
 
@@ -29,23 +30,45 @@ PUBLISH_MAX_STEPS = 200  # step rows per message: at most ~160 KB of JSON
 LIVE_STEPS_PER_ROUND = 500
 
 
-def reduced_messages(per_job: list[tuple[int, list[dict]]], tracker: reduced.NamedTracker, *,
-                     max_samples: int = 500, max_steps: int = PUBLISH_MAX_STEPS) -> list[tuple[int, dict]]:
-    """(job id, `job.telemetry` message) for a committed round's samples per job: the (attempt, step)s
-    they touched read back from MetricStep in one SELECT (a step whose ranks arrive over several rounds
-    is sent again with its merged reduction; browsers replace it), the job's named ranks as `tracker`
-    counts them, and the samples of those ranks (every rank's in a job of at most SMALL_WORLD ranks)."""
+def _round_steps(per_job: list[tuple[int, list[dict]]], committed: Reduced | None) -> list[dict]:
+    """The step rows of the (attempt, step)s a round touched, at most the newest LIVE_STEPS_PER_ROUND of
+    each attempt, sorted by (job, step), each with its "job": with `committed` (the round's reduction as
+    the fast path stored it, rollup.Reduced) its steps, built from it but for the ones that merged into
+    a row already stored, which are read back; without, every step any sample names, read back."""
     keys: dict[int, set[int]] = {}
-    for _, samples in per_job:
-        for s in samples:
-            attempt, step = s.get("attempt"), s.get("step")
-            if type(attempt) is int and type(step) is int:
-                keys.setdefault(attempt, set()).add(step)
-    for attempt, steps in keys.items():
-        if len(steps) > LIVE_STEPS_PER_ROUND:
-            keys[attempt] = set(sorted(steps)[-LIVE_STEPS_PER_ROUND:])
+    if committed is None:
+        for _, samples in per_job:
+            for s in samples:
+                attempt, step = s.get("attempt"), s.get("step")
+                if type(attempt) is int and type(step) is int:
+                    keys.setdefault(attempt, set()).add(step)
+        for attempt, steps in keys.items():
+            if len(steps) > LIVE_STEPS_PER_ROUND:
+                keys[attempt] = set(sorted(steps)[-LIVE_STEPS_PER_ROUND:])
+        return reduced.steps_of(keys)
+    newest, runs = [], {}  # the rows are in (attempt, step) order
+    for i, row in enumerate(committed.rows):
+        runs.setdefault(row[1], [i, i])[1] = i
+    for first, last in runs.values():
+        newest += committed.rows[max(first, last + 1 - LIVE_STEPS_PER_ROUND):last + 1]
+    fresh = [row for row in newest if (row[1], row[2]) not in committed.merged]
+    for attempt, step in committed.merged:
+        keys.setdefault(attempt, set()).add(step)
+    out = reduced.steps_from(fresh) + (reduced.steps_of(keys) if keys else [])
+    out.sort(key=lambda r: (r["job"], r["step"], r["attempt"]))
+    return out
+
+
+def reduced_messages(per_job: list[tuple[int, list[dict]]], tracker: reduced.NamedTracker, *,
+                     max_samples: int = 500, max_steps: int = PUBLISH_MAX_STEPS,
+                     committed: Reduced | None = None) -> list[tuple[int, dict]]:
+    """(job id, `job.telemetry` message) for a committed round's samples per job: the (attempt, step)s
+    they touched as MetricStep holds them after the commit (_round_steps: `committed` is the round's
+    reduction, if the fast path stored it; a step whose ranks arrive over several rounds is sent again
+    with its merged reduction; browsers replace it), the job's named ranks as `tracker` counts them, and
+    the samples of those ranks (every rank's in a job of at most SMALL_WORLD ranks)."""
     by_job: dict[int, list[dict]] = {}
-    for row in reduced.steps_of(keys):
+    for row in _round_steps(per_job, committed):
         by_job.setdefault(row.pop("job"), []).append(row)
     out = []
     for job_id, samples in per_job:

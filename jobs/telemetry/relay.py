@@ -40,6 +40,7 @@ counters for /metrics.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import time
@@ -66,14 +67,47 @@ MIN_ROUND_S = 0.02  # rounds start at most 50 times a second: <= 20 ms of added 
 # message limit (autobahn closes a socket that is sent more) and a browser parses one in ~2 ms.
 PUBLISH_MAX_SAMPLES = 500
 ERROR_BACKOFF_MAX_S = 5.0
+GC_EVERY_S, GC_FULL_EVERY_S = 1.0, 60.0  # RoundCollector
+
+
+class RoundCollector:
+    """Python's cyclic garbage collector between the relay's rounds instead of inside them.
+
+    A round holds tens of thousands of young containers (orjson's dicts, the rows' tuples) alive at once:
+    with automatic collection every 700 allocations they were scanned again and again, promoted, and
+    set off full collections over everything the process holds: ~30% of the relay's CPU
+    (bench/relay_profile.py --gc off: 21 -> 15 us a sample at 2 ranks a job, 12 -> 8.5 at 1,024). What
+    startup made is frozen (never scanned again); between rounds, when the round's objects are gone,
+    the young generations are collected at most every GC_EVERY_S and everything every GC_FULL_EVERY_S,
+    so a cycle a round leaves (a traceback) lives a second, not forever."""
+
+    def __init__(self):
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        self.young = self.full = time.monotonic()
+
+    def between_rounds(self) -> None:
+        now = time.monotonic()
+        if now - self.full >= GC_FULL_EVERY_S:
+            gc.collect()
+            self.young = self.full = now
+        elif now - self.young >= GC_EVERY_S:
+            gc.collect(1)
+            self.young = now
+
+    def stop(self) -> None:
+        gc.enable()
+        gc.unfreeze()
 
 
 class Relay:
     def __init__(self, redis_url: str | None = None, consumer: str = "relay-1", batch: int = BATCH,
-                 block_ms: int = 200, publish=None, min_round_s: float = MIN_ROUND_S, keeper: LogKeeper | None = None):
+                 block_ms: int = 200, publish=None, min_round_s: float = MIN_ROUND_S, keeper: LogKeeper | None = None,
+                 shard: tuple[int, int] = (0, 1)):
         self.r = redis.Redis.from_url(redis_url or settings.REDIS_URL, socket_timeout=10)
         self.stats = RelayStats()
-        self.reader = StreamReader(self.r, consumer, batch, block_ms, self.stats)
+        self.reader = StreamReader(self.r, consumer, batch, block_ms, self.stats, shard)
         self.min_round_s = min_round_s
         self._round_start = 0.0
         self._started = time.time()  # keys.RELAY_STARTED_KEY
@@ -168,7 +202,8 @@ class Relay:
         t0 = time.monotonic()
         self._round = [(stream, e[0]) for stream, got in read for e in got]
         ok, dead = self.sort(read)
-        ok = self.apply(ok, dead)
+        reduced: list = []  # the committed rollup (rollup.Reduced), published without reading it back
+        ok = self.apply(ok, dead, reduced)
         per_job: dict[int, tuple[int, list[dict], list[dict], list[bytes]]] = {}
         for p in ok:
             _, job_samples, live_logs, logs = per_job.setdefault(p.job_id, (p.job_id, [], [], []))
@@ -179,7 +214,7 @@ class Relay:
                 logs.extend(orjson.dumps({"rank": p.data.get("rank"), "attempt": p.data.get("attempt"),
                                           "stream": p.data.get("stream"), "line": line}) for line in p.data["lines"])
         try:  # committed: nothing from here on may make the round run (and apply) again
-            self.fan_out(list(per_job.values()))
+            self.fan_out(list(per_job.values()), reduced[0] if reduced else None)
         except Exception:
             log.exception("fan-out of a committed round failed; its entries are acknowledged anyway")
         pipe = self.r.pipeline(transaction=False)
@@ -221,26 +256,27 @@ class Relay:
         return sort_entries(read, failures=self._failures, last_error=self._last_error,
                             retry=self._retry_db, stats=self.stats)
 
-    def apply(self, ok: list[Parsed], dead: list[tuple]) -> list[Parsed]:
+    def apply(self, ok: list[Parsed], dead: list[tuple], reduced: list | None = None) -> list[Parsed]:
         """Commit the samples and events of `ok` in one transaction; returns the entries applied.
         If that raises anything but a database error, each entry is applied alone (POISON_TRIES
         times at most) and the ones that still raise join `dead` (jobs/telemetry/relay_writes.py)."""
-        return apply_entries(ok, dead, self._retry_db)
+        return apply_entries(ok, dead, self._retry_db, reduced)
 
     def _retry_db(self, fn):
         """fn() until it does not raise a database error, with backoff; a stop request abandons
         the round unacknowledged (jobs/telemetry/relay_writes.py's retry_db)."""
         return retry_db(fn, running=lambda: self.running, stats=self.stats)
 
-    def fan_out(self, per_job: list[tuple[int, list, list[dict], list]]) -> None:
+    def fan_out(self, per_job: list[tuple[int, list, list[dict], list]], reduced=None) -> None:
         """Committed telemetry and log lines to the job's Channels group and the kept log files:
         a browser never sees a point the database lacks. Telemetry goes reduced (issue 26): the
         round's steps read back from MetricStep (one SELECT for all jobs) and the samples of each
-        job's few named ranks (jobs/telemetry/publish.py reduced_messages)."""
+        job's few named ranks (jobs/telemetry/publish.py reduced_messages); `reduced` (rollup.Reduced), the
+        round's reduction as committed, spares reading back the steps it stored as they are."""
         publish = self.publish
         tracker = self.__dict__.setdefault("_named", NamedTracker())  # the named ranks, per job
         for job_id, message in reduced_messages([(j[0], j[1]) for j in per_job if j[1]], tracker,
-                                                max_samples=PUBLISH_MAX_SAMPLES):
+                                                max_samples=PUBLISH_MAX_SAMPLES, committed=reduced):
             publish(f"job.{job_id}", message)
         for job_id, _, live_logs, _ in per_job:
             group = f"job.{job_id}"
@@ -275,10 +311,12 @@ class Relay:
         log.info("relay %s started", self.consumer)
         self.r.hset(keys.RELAY_STATS_KEY, mapping={"started_unixtime": time.time(), "consumer": self.consumer})
         errors = 0
+        collector = RoundCollector()
         try:
             while self.running:
                 try:
                     self.step()
+                    collector.between_rounds()
                     errors = 0
                 except Abandon:
                     log.warning("stopping with a round unacknowledged: it is read again on restart")
@@ -290,6 +328,7 @@ class Relay:
                     self.round_failed(exc)
                     time.sleep(min(ERROR_BACKOFF_MAX_S, 0.1 * 2 ** min(errors, 6)))
         finally:
+            collector.stop()
             self.close()
 
     def round_failed(self, exc: BaseException) -> None:

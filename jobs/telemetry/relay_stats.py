@@ -24,6 +24,7 @@ class RelayStats:
         self.delta = {"samples_total": 0, "entries_total": 0, "batches_total": 0,
                       "db_retries_total": 0, "orphaned_total": 0}  # not yet added to the hash
         self.last_batch: dict = {}
+        self.totals: dict[str, int] = {}  # the process' own totals last added (see write)
         self.written = 0.0  # time.monotonic() of the last write
 
     def count(self, samples: int, entries: int, t0: float) -> None:
@@ -46,8 +47,15 @@ class RelayStats:
                 pipe.hincrby(keys.RELAY_STATS_KEY, key, delta)
         self.delta = dict.fromkeys(self.delta, 0)
         kept = keeper.stats if keeper is not None else {}
-        pipe.hset(keys.RELAY_STATS_KEY, mapping={
-            **self.last_batch, "publish_errors_total": getattr(publish, "errors", 0),
-            "log_lines_kept_total": kept.get("lines_written", 0),
-            "log_lines_not_kept_total": kept.get("lines_dropped_queue", 0) + kept.get("lines_write_errors", 0)})
+        # this process' own totals, added as what changed since the last write: the relay's processes
+        # (manage.py relay --workers) add to the same counters
+        totals = {"publish_errors_total": getattr(publish, "errors", 0),
+                  "log_lines_kept_total": kept.get("lines_written", 0),
+                  "log_lines_not_kept_total": kept.get("lines_dropped_queue", 0) + kept.get("lines_write_errors", 0)}
+        for key, total in totals.items():
+            if key not in self.totals or total != self.totals[key]:  # the first write makes the field
+                pipe.hincrby(keys.RELAY_STATS_KEY, key, total - self.totals.get(key, 0))
+        self.totals = totals
+        if self.last_batch:
+            pipe.hset(keys.RELAY_STATS_KEY, mapping=self.last_batch)
         self.written = time.monotonic()

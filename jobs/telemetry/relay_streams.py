@@ -7,7 +7,9 @@ a restart), then new ones, READ_STREAMS streams per XREADGROUP. A new stream sta
 FIRST_COUNT entries a read and doubles while its entries are small, up to `batch`; one that sent
 an entry over BIG_ENTRY_BYTES is read one entry a round until it sends small ones again, so memory
 per round stays bounded by Redis' proto-max-bulk-len, not by what a job chooses to send. `gc`
-forgets the drained streams of ended attempts.
+forgets the drained streams of ended attempts. With several relay processes (manage.py relay
+--workers N) each reads the streams `shard_of` gives it (by attempt), all under one consumer name: a stream's
+pending entries are read again by whichever process reads it now, whatever N was when they were read.
 """
 from __future__ import annotations
 
@@ -34,10 +36,21 @@ FIRST_COUNT = 4  # entries of a stream's first read (it doubles while they are s
 IGNORED_FORGET_S = 60.0  # streams of no known attempt are looked up again after this
 
 
+def shard_of(stream: str, shards: int) -> int:
+    """Which of `shards` relay processes reads `stream` (manage.py relay --workers): its attempt's id
+    modulo their number, so a stream and its pending entries always go to the same one while their
+    number stays, and consecutive attempts (a few running jobs) spread evenly, as a hash of the name
+    did not (jobs 1 and 2 both went to process 0)."""
+    ids = entries.stream_ids(stream)
+    return ids[1] % shards if ids else 0
+
+
 class StreamReader:
-    def __init__(self, r: redis.Redis, consumer: str, batch: int, block_ms: int, stats: RelayStats):
+    def __init__(self, r: redis.Redis, consumer: str, batch: int, block_ms: int, stats: RelayStats,
+                 shard: tuple[int, int] = (0, 1)):
         self.r, self.stats = r, stats
         self.consumer, self.batch, self.block_ms = consumer, batch, block_ms
+        self.shard = shard  # (this process' index, how many): it reads only the streams shard_of gives it
         self.streams: dict[str, str] = {}  # stream -> next id to read ("0" = own pending first, then ">")
         self.counts: dict[str, int] = {}  # stream -> entries per read (see read)
         self._ignored: set[str] = set()  # streams of no known attempt (forgotten every IGNORED_FORGET_S)
@@ -58,6 +71,8 @@ class StreamReader:
                 continue
             if name in self.streams or name in self._ignored:
                 continue
+            if self.shard[1] > 1 and shard_of(name, self.shard[1]) != self.shard[0]:
+                continue  # another relay process' stream
             ids = entries.stream_ids(name)
             if ids is None:
                 self._ignored.add(name)

@@ -52,16 +52,25 @@ def retry_db(fn, *, running: Callable[[], bool], stats: RelayStats):
             delay = min(delay * 2, DB_BACKOFF_MAX_S)
 
 
-def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable) -> list[Parsed]:
+def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable, reduced: list | None = None) -> list[Parsed]:
     """Commit the samples and events of `ok` in one transaction, each database call through
     retry(fn); returns the entries applied. If that raises anything but a database error, each
-    entry is applied alone (POISON_TRIES times at most) and the ones that still raise join `dead`."""
+    entry is applied alone (POISON_TRIES times at most) and the ones that still raise join `dead`.
+    `reduced` gets the committed transaction's rollup.Reduced (ingest.telemetry_ingest), if any."""
     samples = [s for p in ok if p.kind == "metrics" for s in p.data]
     events = [p.data for p in ok if p.kind == "event"]
     if not samples and not events:
         return ok
+    got: list = []
+
+    def once():
+        got.clear()  # a retried transaction's first try was rolled back
+        return ingest.telemetry_ingest(samples, events=events, reduced=got)
+
     try:
-        retry(lambda: ingest.telemetry_ingest(samples, events=events))
+        retry(once)
+        if reduced is not None:
+            reduced.extend(got)
         return ok
     except Abandon:
         raise

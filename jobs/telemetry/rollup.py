@@ -16,6 +16,9 @@ TEMP table of the relay's connection, PostgreSQL's a TEMP table filled by COPY.
 """
 from __future__ import annotations
 
+from operator import itemgetter
+from typing import NamedTuple
+
 import numpy as np
 
 from jobs.models import MetricSample, MetricStep
@@ -135,14 +138,16 @@ def reduce_sql(vendor: str, source: str) -> str:
     return (f"INSERT INTO {MetricStep._meta.db_table} ({', '.join(_qn(c) for c in cols)}) {select} {_merge(vendor)}")
 
 
-def upsert_sql(vendor: str) -> str:
-    """INSERT one partial reduction per VALUES row (reduce_rows' rows), merged like reduce_sql's."""
+def upsert_sql(vendor: str, values: str | None = None) -> str:
+    """INSERT one partial reduction per VALUES row (reduce_rows' rows), merged like reduce_sql's; `values`:
+    the VALUES list (default a %s per column)."""
     cols = step_columns()
     return (f"INSERT INTO {MetricStep._meta.db_table} ({', '.join(_qn(c) for c in cols)}) "
-            f"VALUES ({', '.join(['%s'] * len(cols))}) {_merge(vendor)}")
+            f"VALUES ({values or ', '.join(['%s'] * len(cols))}) {_merge(vendor)}")
 
 
 STEP_STAGE = "trainyard_step_stage"
+_ATTEMPT, _STEP = itemgetter(1), itemgetter(2)  # of a reduce_rows row
 
 
 def step_stage_ddl() -> list[str]:
@@ -153,21 +158,49 @@ def step_stage_ddl() -> list[str]:
 
 
 def upsert_from_stage_sql() -> str:
-    """STEP_STAGE's rows merged into MetricStep, as upsert_sql merges VALUES rows (PostgreSQL)."""
+    """STEP_STAGE's rows merged into MetricStep, as upsert_sql merges VALUES rows (PostgreSQL); selects
+    the (attempt, step) of the rows that merged into one already stored (xmax is 0 for a row the
+    statement inserted), whatever another transaction committed meanwhile."""
     cols = ", ".join(_qn(c) for c in step_columns())
-    return (f"INSERT INTO {MetricStep._meta.db_table} ({cols}) SELECT {cols} FROM {STEP_STAGE} "
-            f"{_merge('postgresql')}")
+    return (f"WITH up AS (INSERT INTO {MetricStep._meta.db_table} ({cols}) SELECT {cols} FROM {STEP_STAGE} "
+            f"{_merge('postgresql')} RETURNING attempt_id, step, xmax) "
+            "SELECT attempt_id, step FROM up WHERE xmax::text <> '0'")
+
+
+class Reduced(NamedTuple):
+    """A round's reduction as the fast path stored it: `rows` (reduce_rows'), and the (attempt, step)s of
+    them that merged into a row already stored; every other row is exactly MetricStep's row now."""
+
+    rows: list[tuple]
+    merged: set[tuple[int, int]]
+
+
+def stored_steps(raw_cursor, rows: list[tuple]) -> set[tuple[int, int]]:
+    """The (attempt, step)s of reduce_rows' rows (in (attempt, step) order) that MetricStep already holds
+    (SQLite, inside the writing transaction): one range per attempt on the unique (attempt, step) index."""
+    ranges: dict[int, list[int]] = {}
+    for attempt, step in zip(map(_ATTEMPT, rows), map(_STEP, rows)):
+        ranges.setdefault(attempt, [step, step])[1] = step
+    where = " OR ".join(["(attempt_id = ? AND step BETWEEN ? AND ?)"] * len(ranges))
+    raw_cursor.execute(f"SELECT attempt_id, step FROM {MetricStep._meta.db_table} WHERE {where}",
+                       [v for a, (lo, hi) in ranges.items() for v in (a, lo, hi)])
+    return set(raw_cursor.fetchall())
 
 
 _FIELD_AT = {f: STAGE_COLUMNS.index(f) for f in REDUCED_FIELDS}  # a staged row's index of each field
 
 
-def reduce_rows(rows: list[tuple]) -> list[tuple]:
-    """The same reduction as reduce_sql, of staged rows (STAGE_COLUMNS) that are all new, in numpy:
-    one vectorised pass per column (~1 us a sample), where SQLite's GROUP BY cost ~19 us per
-    (attempt, step) group (50 aggregates each): a 2-rank job's round is mostly groups."""
-    n = len(rows)
-    cols = list(zip(*rows))
+def reduce_rows(cols: list) -> list[tuple]:
+    """reduce_columns' rows."""
+    return list(zip(*(c.tolist() for c in reduce_columns(cols))))
+
+
+def reduce_columns(cols: list) -> list[np.ndarray]:
+    """The same reduction as reduce_sql, of staged rows that are all new, given as columns (STAGE_COLUMNS
+    order, rows in any order), as columns in step_columns() order (None where NULL), rows sorted by
+    (attempt, step), in numpy: one vectorised pass per column (~1 us a sample), where SQLite's GROUP BY
+    cost ~19 us per (attempt, step) group (50 aggregates each): a 2-rank job's round is mostly groups."""
+    n = len(cols[0])
     attempt = np.array(cols[1], dtype=np.int64)
     rank = np.array(cols[2], dtype=np.int64)
     step = np.array(cols[3], dtype=np.int64)
@@ -206,7 +239,7 @@ def reduce_rows(rows: list[tuple]) -> list[tuple]:
     for f in RANKED_FIELDS:
         v, lo, hi = by_name[f]
         out += [first_where(v == np.repeat(lo, sizes)), first_where(v == np.repeat(hi, sizes))]
-    return list(zip(*(c.tolist() for c in out)))
+    return out
 
 
 def ingest_sql(vendor: str) -> list[str]:

@@ -97,10 +97,13 @@ def _samples(job_id: int, metric: str, rank: int):
 
 class _Reading:
     """How one metric is read from a queryset: its rows, and the expressions of a row's least value,
-    largest value, mean and count (what a bucket aggregates)."""
+    largest value, mean and count (what a bucket aggregates). A user metric also keeps its rows
+    before the metric is read (`rows`) and the metric's expression (`value`): the bucketing reads
+    it once per row (_user_metric_buckets)."""
 
-    def __init__(self, qs, lo, hi, mean, n):
+    def __init__(self, qs, lo, hi, mean, n, rows=None, value=None):
         self.qs, self.lo, self.hi, self.mean, self.n = qs, lo, hi, mean, n
+        self.rows, self.value = rows, value
 
 
 def _reading(job_id: int, metric: str, rank: int | None) -> _Reading:
@@ -110,7 +113,8 @@ def _reading(job_id: int, metric: str, rank: int | None) -> _Reading:
     if metric in BUILTIN_METRICS:
         return _Reading(qs.filter(**{f"{metric}_mean__isnull": False}), f"{metric}_min", f"{metric}_max",
                         f"{metric}_mean", f"{metric}_n")
-    return _Reading(qs.annotate(v=UserMetric(metric)).filter(v__isnull=False), "v", "v", "v", None)
+    return _Reading(qs.annotate(v=UserMetric(metric)).filter(v__isnull=False), "v", "v", "v", None,
+                    rows=qs, value=UserMetric(metric))
 
 
 def _step_bucket(first: int, last: int, n: int):
@@ -173,15 +177,40 @@ def job_series(job_id: int, metric: str, *, x: str = "step", max_points: int = M
     ts = qs.filter(step__in=[first, last]).aggregate(lo=Min("ts"), hi=Max("ts"))
     bucket = (_step_bucket(first, last, max_points) if x == "step"
               else _time_bucket(ts["lo"], ts["hi"], max_points))
-    aggregates = {"lo_v": Min(reading.lo), "hi_v": Max(reading.hi), "last_step": Max("step"),
-                  "n": Count("id") if reading.n is None else Sum(reading.n)}
-    if x == "time":  # over step the bucket's x is its last step: one aggregate less per row
-        aggregates["last_ts"] = Max("ts")
-    rows = list(qs.annotate(b=bucket).values("b").order_by("b").annotate(**aggregates))
+    if reading.rows is not None:
+        rows = _user_metric_buckets(reading, bucket, x)
+    else:
+        aggregates = {"lo_v": Min(reading.lo), "hi_v": Max(reading.hi), "last_step": Max("step"),
+                      "n": Count("id") if reading.n is None else Sum(reading.n)}
+        if x == "time":  # over step the bucket's x is its last step: one aggregate less per row
+            aggregates["last_ts"] = Max("ts")
+        rows = list(qs.annotate(b=bucket).values("b").order_by("b").annotate(**aggregates))
     means = _means_at(reading, [r["last_step"] for r in rows])
     key = "last_step" if x == "step" else "last_ts"
     buckets = [{"x": r[key], "min": r["lo_v"], "max": r["hi_v"], "last": means.get(r["last_step"])} for r in rows]
     return {"buckets": buckets, "samples": sum(r["n"] for r in rows), "first_ts": ts["lo"]}
+
+
+def _user_metric_buckets(reading: _Reading, bucket, x: str) -> list[dict]:
+    """The bucket rows of a user metric ({b, lo_v, hi_v, last_step, n[, last_ts]}, in b order), its
+    JSON value extracted once per row. The ORM's GROUP BY repeats the expression in the WHERE and in
+    MIN and MAX, and neither database shares them: three JSON lookups a row, ~40% of a chart read of a
+    100,000-step job on PostgreSQL (bench/charts.py). Here the rows with `b` and `v` are a derived
+    table that the planner may not merge into the outer query (OFFSET 0: neither PostgreSQL nor
+    SQLite flattens a subquery with a LIMIT/OFFSET into an aggregate), filtered and grouped outside.
+    The inner query is the ORM's, with its parameters; nothing is spliced in."""
+    from django.db import connections
+
+    inner = reading.rows.annotate(b=bucket, v=reading.value).values("step", "ts", "b", "v").order_by()
+    sql, params = inner.query.sql_with_params()
+    connection = connections[inner.db]
+    offset = " OFFSET 0" if connection.vendor == "postgresql" else " LIMIT -1 OFFSET 0"
+    last_ts = ", MAX(s.ts)" if x == "time" else ""
+    with connection.cursor() as cur:
+        cur.execute(f"SELECT s.b, MIN(s.v), MAX(s.v), MAX(s.step), COUNT(*){last_ts} FROM ({sql}{offset}) s "
+                    "WHERE s.v IS NOT NULL GROUP BY s.b ORDER BY s.b", params)
+        names = ("b", "lo_v", "hi_v", "last_step", "n", "last_ts")
+        return [dict(zip(names, row)) for row in cur.fetchall()]
 
 
 # ---------------------------------------------------------------- the per-rank view (issue 26)

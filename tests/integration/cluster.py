@@ -107,7 +107,7 @@ class Cluster:
         self.token = self.prepare_database()
         for name in self.commands():
             self.start_proc(name)
-        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_web()
         self.wait_for(lambda: {n["name"] for n in self.get("/api/v1/nodes/")["results"]
                                if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
         return self
@@ -178,10 +178,13 @@ class Cluster:
                 pass
         return pids
 
-    def logs(self, tail: int = 60) -> str:
-        """The last lines of every process's log: the agents' and the relay's first (a failure's
-        report is cut in the middle when long), beat's ticks last and shorter."""
+    def logs(self, tail: int = 60, first: str = "") -> str:
+        """The last lines of every process's log: `first`'s (the process a failure waited on), then
+        the agents' and the relay's (a failure's report is cut in the middle when long), beat's
+        ticks last and shorter."""
         def order(f: Path) -> tuple[int, str]:
+            if f.name == first:
+                return (-1, f.name)
             return ({"beat.log": 3, "web.log": 2, "control.log": 1}.get(f.name, 0), f.name)
 
         out = []
@@ -238,6 +241,28 @@ class Cluster:
 
     def metrics(self, job_id: int) -> list[dict]:
         return self.get(f"/api/v1/jobs/{job_id}/metrics/?per_rank=1&limit=10000")  # every rank's samples
+
+    def wait_web(self, timeout_s: float = 90, what: str = "web server") -> None:
+        """Until the API answers. The launcher (controlplane.serve) binds the port chosen when the
+        cluster was made; if something took that port meanwhile (it was free, not held), the
+        launcher says "cannot listen on" and exits 2: then a fresh port, up to twice. A web server
+        that exits otherwise fails here at once, its own log first."""
+        deadline, moves = time.monotonic() + timeout_s, 0
+        while time.monotonic() < deadline:
+            if self.api_ok("/api/v1/nodes/"):
+                return
+            web = self.procs.get("web")
+            if web is not None and web.poll() is not None:
+                last = ((self.dir / "web.log").read_text(errors="replace").splitlines() or [""])[-1]
+                if "cannot listen on" in last and moves < 2:
+                    moves += 1
+                    self.port = free_port()
+                    self.start_proc("web")
+                    continue
+                raise AssertionError(f"the web server exited with {web.returncode} before it answered\n"
+                                     f"{self.logs(first='web.log')}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs(first='web.log')}")
 
     def wait_for(self, cond, timeout_s: float, what: str, interval_s: float = 0.2, job_id: int | None = None):
         deadline = time.monotonic() + timeout_s

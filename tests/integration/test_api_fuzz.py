@@ -44,7 +44,7 @@ class WebOnly(Cluster):
         self.token = subprocess.run([sys.executable, "manage.py", "api_token", "admin"], cwd=self._repo,
                                     env=self.env, check=True, capture_output=True, text=True).stdout.strip().split()[-1]
         self.start_proc("web")
-        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_web()
         return self
 
     @property

@@ -153,7 +153,7 @@ def test_web_and_relay_restart_mid_run_leave_the_job_alone_and_the_dashboard_cat
     time.sleep(2.0)
     cluster.start_proc("relay")
     cluster.start_proc("web")
-    cluster.wait_for(lambda: cluster.api_ok("/api/v1/nodes/"), 60, "the web server back")
+    cluster.wait_web(60, "the web server back")
     client = WsClient(cluster.port, job["id"], cluster.token)
     snapshot = client.of_type("snapshot")[0]
     assert snapshot["samples"], "the snapshot after the restart holds the steps trained meanwhile"

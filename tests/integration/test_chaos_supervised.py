@@ -50,7 +50,7 @@ class SupervisedCluster(Cluster):
             [PY, str(SCRIPT), "--procfile", str(procfile), "--status-file", str(self.status_file),
              "--backoff-initial", "0.5"], cwd=REPO, env=self.env,
             stdout=open(self.dir / "supervisor.log", "ab"), stderr=subprocess.STDOUT)
-        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_web()
         self.wait_for(lambda: {n["name"] for n in self.get("/api/v1/nodes/")["results"]
                                if n["status"] == "READY"} == {"node-a", "node-b"}, 90, "both agents to register")
         return self

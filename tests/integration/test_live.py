@@ -53,12 +53,14 @@ class WsClient:
         self.closed: Exception | None = None
         self._loop = asyncio.new_event_loop()
         self._opened = threading.Event()
+        self._closing = False
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), daemon=True)
         self._thread.start()
         assert self._opened.wait(30), f"no snapshot from {self.url}: {self.closed}"
 
     async def _main(self):
         from websockets.asyncio.client import connect
+        from websockets.exceptions import ConnectionClosedOK
 
         try:
             async with connect(self.url, additional_headers={"Authorization": f"Token {self.token}"},
@@ -67,15 +69,18 @@ class WsClient:
                 async for raw in ws:
                     now = time.time()
                     msg = json.loads(raw)
+                    self.messages.append((now, msg))
                     if "seq" in msg:
                         await ws.send(json.dumps({"type": "ack", "seq": msg["seq"]}))
-                    self.messages.append((now, msg))
                     if msg["type"] == "snapshot":
                         self._opened.set()
+        except ConnectionClosedOK as exc:
+            # our own close() landing while an ack was being sent ends the loop this way
+            self.closed = ConnectionError("closed by the client") if self._closing else exc
         except Exception as exc:  # recorded: the tests assert the socket stayed open
             self.closed = exc
         else:
-            self.closed = ConnectionError("closed by the server")
+            self.closed = ConnectionError("closed by the client" if self._closing else "closed by the server")
         self._opened.set()
 
     def of_type(self, kind: str) -> list[dict]:
@@ -91,6 +96,7 @@ class WsClient:
         raise AssertionError(f"timed out waiting for {what}; got {[m['type'] for _, m in self.messages][-20:]}")
 
     def close(self):
+        self._closing = True
         if self.closed is None:  # the loop ends with _main, so wait for the thread, not the future
             asyncio.run_coroutine_threadsafe(self._ws.close(), self._loop)
         self._thread.join(15)

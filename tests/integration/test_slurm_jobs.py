@@ -102,7 +102,7 @@ class SlurmControlPlane(Cluster):
         self.token = self.prepare_database()
         for name in self.commands():
             self.start_proc(name)
-        self.wait_for(lambda: self.api_ok("/api/v1/nodes/"), 90, "web server")
+        self.wait_web()
         return self
 
     def restart(self, *names: str) -> None:

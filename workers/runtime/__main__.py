@@ -1,7 +1,9 @@
 """Entry point under torchrun: `python -m torch.distributed.run ... -m workers.runtime --config C`.
 
 `@record` writes an uncaught exception to this rank's TORCHELASTIC_ERROR_FILE (the launcher
-reads those to find the first failing rank) and re-raises, so the process exits non-zero.
+reads those to find the first failing rank) and re-raises, so the process exits non-zero. A run that
+ends (finished, or preempted with 83) exits without interpreter finalization, where torch's gloo
+worker threads could abort a rank that did all its work (trainyard/sdk/procexit.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainyard.sdk.procexit import main_then_exit
 from trainyard.sdk.stacks import install_stack_dump
 
 from .config import load_run_config
@@ -29,4 +32,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_then_exit(main)

@@ -186,8 +186,12 @@ def train_loader(windows: TokenWindows, *, rank: int, world_size: int, batch: in
         raise ConfigError(
             f"the training split has {len(windows)} windows, {len(sampler)} per rank: fewer than "
             f"one per-rank batch of {batch}; use more data or a smaller batch / seq_len")
+    # Its own generator: each pass of a DataLoader draws a base seed from it, and without one from
+    # torch's global generator, on the prefetch thread, racing the trainer's torch.manual_seed and
+    # model build (two runs of one job could start from different weights on a loaded machine).
     loader = DataLoader(windows, batch_size=batch, sampler=sampler, drop_last=True,
-                        num_workers=0, collate_fn=pin_batch if pin_memory else _already_batched)
+                        num_workers=0, collate_fn=pin_batch if pin_memory else _already_batched,
+                        generator=torch.Generator().manual_seed(seed))
     return loader, sampler
 
 

@@ -200,7 +200,8 @@ class HangCheck:
 
 def hang_timeout(spec_timeout: float | str | None, recent_step_s: list[float], floor_s: float) -> tuple[float, str]:
     """The seconds without step progress after which an attempt counts as hung. "auto": HANG_FACTOR
-    times the median recent step time, never under floor_s (a checkpoint save or an eval can
+    times the median recent step time (`recent_step_s`: each of the last steps' mean across ranks,
+    selectors.attempt_recent_step_s), never under floor_s (a checkpoint save or an eval can
     legitimately pause progress for a while)."""
     if isinstance(spec_timeout, (int, float)) and not isinstance(spec_timeout, bool):
         return float(spec_timeout), "spec"

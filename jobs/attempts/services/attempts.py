@@ -207,7 +207,7 @@ def attempts_check() -> dict:
             attempt_stop(attempt, reason="preempt")
     for attempt in Attempt.objects.filter(status=Attempt.Status.RUNNING).select_related("job"):
         recent = selectors.attempt_recent_samples(attempt.pk, attempt.last_step)
-        if relay_ok and _attempt_hang_check(attempt, recent, now, since):
+        if relay_ok and _attempt_hang_check(attempt, now, since):
             hung.append(attempt.pk)
             continue
         ranks = _attempt_stragglers_check(attempt, recent)
@@ -219,7 +219,7 @@ def attempts_check() -> dict:
     return {"hung": hung, "stragglers": flagged, "profiles": profiles, "relay_alive": relay_ok}
 
 
-def _attempt_hang_check(attempt: Attempt, recent: list[dict], now, relay_since: float) -> bool:
+def _attempt_hang_check(attempt: Attempt, now, relay_since: float) -> bool:
     """`relay_since`: the epoch second the running relay started; no idle time counts before it."""
     started = attempt.started_at or attempt.created_at
     progress = attempt.last_progress_at.timestamp() if attempt.last_progress_at else None
@@ -227,7 +227,7 @@ def _attempt_hang_check(attempt: Attempt, recent: list[dict], now, relay_since: 
         now=now.timestamp(), started=max(started.timestamp(), relay_since),
         last_progress=max(progress, relay_since) if progress is not None else None,
         spec_timeout=attempt.job.spec.get("hang_timeout_s", "auto"),
-        recent_step_s=[s["step_s"] for s in recent if s["step_s"] is not None],
+        recent_step_s=selectors.attempt_recent_step_s(attempt.pk, attempt.last_step),
         floor_s=settings.TRAINYARD_HANG_FLOOR_S, user_code=bool(attempt.job.spec.get("entrypoint")))
     if not check.hung:
         return False

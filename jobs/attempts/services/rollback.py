@@ -12,6 +12,7 @@ from jobs.attempts.policy import checkpoints as ckpt_policy
 from jobs.attempts.services.attempts import attempt_stop
 from jobs.attempts.services.checkpoints import checkpoint_publish, checkpoint_states, resume_checkpoint
 from jobs.attempts.services.events import job_event, job_set_status
+from trainyard.textdoc import whole_number
 
 
 if TYPE_CHECKING:
@@ -23,11 +24,11 @@ def job_rollback(job: Job, *, user: AbstractUser, checkpoint_id: int | str) -> J
     stops (outcome rolled_back), and the next attempt resumes from the checkpoint. A finished job
     runs again. Raises RollbackCheckpointError for a bad checkpoint, TransitionError when the job
     is being cancelled."""
-    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str)) or not str(checkpoint_id).isdigit():
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, (int, str)) or whole_number(str(checkpoint_id)) is None:
         raise RollbackCheckpointError({"checkpoint": ["must be the id of one of this job's checkpoints"]})
     with transaction.atomic():
         job = Job.objects.get(pk=job.pk)
-        target = Checkpoint.objects.filter(pk=int(checkpoint_id)).first()
+        target = Checkpoint.objects.filter(pk=whole_number(str(checkpoint_id))).first()
         if not job.checkpoints.exists():
             raise RollbackCheckpointError({"checkpoint": [f"job {job.pk} has no checkpoints to roll back to"]})
         if target is None or target.job_id != job.pk:

@@ -186,7 +186,9 @@ def _revert_arm(job, attempt, state, decision) -> None:
     job_event(job, "adapt_reverting", f"{_change_text(entry)} made no gain: {decision.reason} "
               f"({_ms(result.get('step_s_after'))} a step, was {_ms(result.get('step_s_before'))}): "
               "reverting it at the next checkpoint; it is not offered again", attempt=attempt,
-              change=entry["change"], measured_gain=result.get("measured_gain"))
+              change=entry["change"], before=entry.get("before"), step_s_before=result.get("step_s_before"),
+              step_s_after=result.get("step_s_after"), measured_gain=result.get("measured_gain"),
+              predicted_gain=(entry.get("predicted") or {}).get("gain"))
 
 
 def _revert(job, attempt, state, decision) -> None:

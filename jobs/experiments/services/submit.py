@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.db import transaction
 
+from jobs.core.dbtext import text_problems
 from jobs.experiments import searcher
 from jobs.experiments.services.events import experiment_event
 from jobs.models import Experiment, Trial
@@ -29,7 +30,9 @@ def experiment_submit(*, user: AbstractUser, name: object, spec: object, search:
     JobSpec: SpecError at `spec.*` / `search.*`, nothing created), then create the experiment and
     its first trials, up to max_concurrent, each an ordinary job: all in one transaction, so a
     trial job_submit refuses (no nodes, the queued-job cap) leaves nothing behind."""
-    errors: dict[str, list[str]] = {}
+    errors: dict[str, list[str]] = text_problems({"name": name, "spec": spec, "search": search})
+    if errors:  # a NUL the form's YAML spelled "\0": PostgreSQL's text and jsonb cannot hold it (a 500)
+        raise SpecError(errors)
     if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 200):
         errors["name"] = ["a name is a non-empty string of at most 200 characters"]
     try:

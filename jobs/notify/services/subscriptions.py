@@ -11,6 +11,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group
 from django.db import transaction
 
+from jobs.core.dbtext import text_problem
 from jobs.core.errors import InvalidInput, NotFound
 from jobs.models import Subscription
 from jobs.notify import transport
@@ -42,7 +43,8 @@ def webhook_check_url(url) -> str:
 def _team(user: AbstractUser, name, errors: dict) -> Group | None:
     if name in (None, ""):
         return None
-    team = Group.objects.filter(name=name).first() if isinstance(name, str) else None
+    # no team's name has a NUL (PostgreSQL could not compare one: a 500)
+    team = Group.objects.filter(name=name).first() if isinstance(name, str) and not text_problem(name) else None
     if team is None or not user.groups.filter(pk=team.pk).exists():
         errors["team"] = [f"you are not a member of a team named {str(name)[:100]!r}"]
     elif not (user.is_staff or user.has_perm("jobs.subscribe_team")):

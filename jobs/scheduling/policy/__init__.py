@@ -1,8 +1,8 @@
 """Scheduling policy: queue order, gang placement, quotas, backfill, reclaim and start-time
 predictions. A pure function of a cluster snapshot: `ClusterView` in, `Decision` out (frozen
 dataclasses, no Django, no I/O), fast enough to run every tick (10,000 queued jobs on 1,000
-nodes in well under a second, and linear in the cluster and the queue up to 100,000 queued jobs
-on 10,000 nodes; see bench/scheduler.py).
+nodes in ~0.05 s, 100,000 on 10,000 nodes in ~0.7 s on the 2-core dev machine, about linear in
+the cluster and the queue; see bench/scheduler.py).
 
 Policies (`ClusterView.policy`):
 

@@ -41,17 +41,32 @@ class PoolExclusion(frozenset):
         return self
 
 
+def _enter(buckets: list, k: int, i: int) -> None:
+    if k:
+        insort(buckets[k], i)
+    else:
+        buckets[0].add(i)
+
+
+def sorted_bucket(buckets: list, k: int) -> list[int]:
+    """FreeSlots bucket k (of the cluster's or a rack's) in node order."""
+    return sorted(buckets[0]) if k == 0 else buckets[k]
+
+
 class FreeSlots:
     """Free slots per node, bucketed by how many are available, for best fit in O(slots per node).
 
     Nodes are indexed in name order; `buckets[k]` is the sorted list of schedulable nodes with
-    exactly k available slots (free minus `hold`s), and per rack the same. An *overlay*
+    exactly k available slots (free minus `hold`s), and per rack the same, except `buckets[0]`,
+    the full nodes, a set: no gang walks it (ppn >= 1), and on a busy cluster of 10,000 nodes
+    most nodes are there, so a sorted list cost a 40 KB memmove each time one filled or freed
+    up (`sorted_bucket` gives it in order). An *overlay*
     ({node index: extra slots}) describes a hypothetical state (slots that running jobs will
     free) without copying; a *limit* ({node index: max slots}) caps what a job may take there.
     """
 
     __slots__ = ("names", "index", "address", "sched", "capacity", "ids", "avail", "maxs", "buckets",
-                 "rack_of", "racks", "rack_ge", "total", "ge", "pool_ge", "pool_of", "watch")
+                 "rack_of", "racks", "rack_ge", "total", "ge", "pool_ge", "pool_of", "counts_of", "watch")
 
     def __init__(self, nodes: Iterable[NodeState]):
         nodes = sorted(nodes, key=lambda n: n.name)
@@ -64,17 +79,17 @@ class FreeSlots:
                     else list(range(n.slots)) for n in nodes]
         self.maxs = max((n.slots for n in nodes), default=0)
         self.avail = [len(ids) if ok else 0 for ids, ok in zip(self.ids, self.sched)]
-        self.buckets: list[list[int]] = [[] for _ in range(self.maxs + 1)]
+        self.buckets: list = [set()] + [[] for _ in range(self.maxs)]
         self.rack_of = [n.rack if n.schedulable else None for n in nodes]
         self.racks: dict[str, list[list[int]]] = {}
         for i, (a, ok, rack) in enumerate(zip(self.avail, self.sched, self.rack_of)):
             if not ok:
                 continue
-            self.buckets[a].append(i)
+            _enter(self.buckets, a, i)
             if rack is not None:
                 if rack not in self.racks:
-                    self.racks[rack] = [[] for _ in range(self.maxs + 1)]
-                self.racks[rack][a].append(i)
+                    self.racks[rack] = [set()] + [[] for _ in range(self.maxs)]
+                _enter(self.racks[rack], a, i)
         self.racks = dict(sorted(self.racks.items()))
         # per rack, its nodes with at least k slots available: a rack that cannot hold a gang is
         # skipped without walking it (choose)
@@ -91,6 +106,8 @@ class FreeSlots:
         # per pool (the nodes one requirement allows, add_pool), its own ge counts
         self.pool_ge: list[list[int]] = []
         self.pool_of: list[list[int]] = [[] for _ in nodes]
+        # per node, the ge counts its available slots are counted in: the cluster's, its rack's, its pools'
+        self.counts_of = [[self.ge] if rack is None else [self.ge, self.rack_ge[rack]] for rack in self.rack_of]
         # called as watch(i, old, new) when node i's available slots change (OverlayCounts)
         self.watch = None
 
@@ -101,6 +118,7 @@ class FreeSlots:
         ge = [0] * (self.maxs + 2)
         for i in members:
             self.pool_of[i].append(pid)
+            self.counts_of[i].append(ge)
             if self.sched[i]:
                 for k in range(self.avail[i] + 1):
                     ge[k] += 1
@@ -111,26 +129,25 @@ class FreeSlots:
         old = self.avail[i]
         if old == new:
             return
-        b = self.buckets[old]
-        del b[bisect_left(b, i)]
-        insort(self.buckets[new], i)
         rack = self.rack_of[i]
-        ks, step = (range(old + 1, new + 1), 1) if new > old else (range(new + 1, old + 1), -1)
-        ge = self.ge
-        for k in ks:
-            ge[k] += step
-        if rack is not None:
-            ge = self.rack_ge[rack]
-            for k in ks:
-                ge[k] += step
-        for p in self.pool_of[i]:
-            ge = self.pool_ge[p]
-            for k in ks:
-                ge[k] += step
-        if rack is not None:
-            rb = self.racks[rack]
-            del rb[old][bisect_left(rb[old], i)]
-            insort(rb[new], i)
+        for buckets in (self.buckets, self.racks[rack]) if rack is not None else (self.buckets,):
+            if old:  # leave bucket old, enter bucket new (inline: 300,000 calls in a prediction at 10k/100k)
+                b = buckets[old]
+                del b[bisect_left(b, i)]
+            else:
+                buckets[0].remove(i)
+            if new:
+                insort(buckets[new], i)
+            else:
+                buckets[0].add(i)
+        if new > old:
+            for ge in self.counts_of[i]:
+                for k in range(old + 1, new + 1):
+                    ge[k] += 1
+        else:
+            for ge in self.counts_of[i]:
+                for k in range(new + 1, old + 1):
+                    ge[k] -= 1
         self.avail[i] = new
         self.total += new - old
         if self.watch is not None:
@@ -158,9 +175,12 @@ class FreeSlots:
         """Slots available on node i in the state the overlay describes."""
         return self.avail[i] + (overlay.get(i, 0) if overlay else 0)
 
-    def shares_of(self, nodes: Iterable[tuple[str, Sequence[int]]]) -> IndexShares:
+    def shares_of(self, nodes: Sequence[tuple[str, Sequence[int]]]) -> IndexShares:
         """(node name, slot ids) shares as (node index, slot ids), leaving out unknown nodes."""
         index = self.index
+        if len(nodes) == 1:  # most running jobs: no generator
+            (name, ids), = nodes
+            return ((index[name], ids),) if name in index else ()
         return tuple((index[name], ids) for name, ids in nodes if name in index)
 
     def overlay_of(self, shares: Iterable[tuple[int, Sequence[int]]],
@@ -226,7 +246,7 @@ class FreeSlots:
                     if limit and i in limit and limit[i] < ppn:
                         continue
                     yield k, i
-            for i in buckets[k]:
+            for i in buckets[k] if k else sorted_bucket(buckets, 0):
                 if overlay and i in overlay:
                     continue
                 if exclude and i in exclude:
@@ -235,40 +255,53 @@ class FreeSlots:
                     continue
                 yield k, i
 
+    def _levels(self, overlay: Mapping[int, int], ppn: int, by_rack: bool) -> tuple[dict, dict, dict]:
+        """The overlay's schedulable nodes by their level (avail + extra), each list by (avail, node):
+        over the cluster, per rack (when `by_rack`), and per rack how many reach ppn."""
+        og: dict[int, list[int]] = {}
+        rog: dict[str, dict[int, list[int]]] = {}
+        fit: dict[str, int] = {}
+        avail, sched, rack_of = self.avail, self.sched, self.rack_of
+        for i in sorted(sorted(overlay), key=avail.__getitem__):  # by (avail, node)
+            if not sched[i]:
+                continue
+            k = avail[i] + overlay[i]
+            og.setdefault(k, []).append(i)
+            rack = rack_of[i]
+            if by_rack and rack is not None:
+                rog.setdefault(rack, {}).setdefault(k, []).append(i)
+                if k >= ppn:
+                    fit[rack] = fit.get(rack, 0) + 1
+        return og, rog, fit
+
     def choose(self, n: int, ppn: int, exclude=None, limit: Mapping[int, int] | None = None,
                overlay: Mapping[int, int] | None = None) -> list[int] | None:
         """Nodes for a gang of n shares of ppn slots, or None: best fit, one rack first."""
         if n * ppn > self.total + (sum(overlay.values()) if overlay else 0) or ppn > self.maxs:
             return None
+        if not (exclude or overlay) and self.ge[max(ppn, 0)] < n:
+            return None  # too few nodes hold ppn, whatever the limit
+        kept_off = self.limited(ppn, exclude, overlay, limit) if limit else 0
+        if not kept_off:
+            limit = None  # it keeps the job off no node that could take a share: the walk skips none
         if not (exclude or limit or overlay):  # the common case: no per-node conditions
             if self.ge[ppn] < n:
                 return None
-            if n == 1:
+            if n == 1 and ppn > 0:
                 for k in range(ppn, self.maxs + 1):
                     b = self.buckets[k]
                     if b:
                         return [b[0]]
-        elif self.count_fit(ppn, exclude, overlay) - self.limited(ppn, exclude, overlay, limit) < n:
+        elif self.count_fit(ppn, exclude, overlay) - kept_off < n:
             return None  # not enough nodes, the limit's included: no walk (it would find none)
-        og = rog = None
-        if overlay:
-            og, rog = {}, {}
-            for i in sorted(overlay, key=lambda i: (self.avail[i], i)):
-                if not self.sched[i]:
-                    continue
-                k = self.avail[i] + overlay[i]
-                og.setdefault(k, []).append(i)
-                if self.rack_of[i] is not None:
-                    rog.setdefault(self.rack_of[i], {}).setdefault(k, []).append(i)
-        if n > 1 and self.racks:
+        by_rack = n > 1 and self.racks
+        og, rog, rog_fit = self._levels(overlay, ppn, by_rack) if overlay else (None, None, {})
+        if by_rack:
             best = None
-            rack_ge = self.rack_ge
-            for rack, rb in self.racks.items():
-                bound = rack_ge[rack][ppn]  # at most this many nodes of the rack can take a share
-                if rog and rack in rog:
-                    bound += sum(len(v) for k, v in rog[rack].items() if k >= ppn)
-                if bound < n:
-                    continue
+            # at most rack_ge[ppn] nodes of a rack, plus those the overlay lifts to ppn, can take a share
+            for rack in [r for r, ge in self.rack_ge.items()
+                         if ge[ppn] >= n or (r in rog_fit and ge[ppn] + rog_fit[r] >= n)]:
+                rb = self.racks[rack]
                 picked, cost = [], 0
                 for k, i in self._walk(ppn, rb, rog.get(rack) if rog else None, overlay, exclude, limit):
                     picked.append(i)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import heapq
 from bisect import insort
+from operator import attrgetter
 from typing import Mapping
 
-from jobs.scheduling.policy.cluster import ClusterView, QueuedJob, expected_end
+from jobs.scheduling.policy.cluster import ClusterView, QueuedJob, expected_end, gc_paused
 from jobs.scheduling.policy.order import queue_order
 from jobs.scheduling.policy.placement import Eligibility, FreeSlots, exclusion, reserve
 
@@ -33,60 +34,74 @@ def _sorted_walk(heap: list):
                 heapq.heappush(frontier, (heap[c], c))
 
 
-def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], list, list]:
+def _predictable(view: ClusterView, free: FreeSlots) -> tuple[list[QueuedJob], list, list[int], list]:
     """The queued jobs that can get a prediction, in the order they are considered (those that
-    preemptions are in flight for first), the nodes each must avoid, and what its placement
-    depends on besides its shape: its requirement (device, GPU memory, labels: the same nodes
-    excluded for every job with it), or None when it also avoids nodes of its own."""
+    preemptions are in flight for first), the nodes each must avoid, and each one's fit key, the
+    backfill pass's "did not fit" key: a small int, one per shape and requirement (device, GPU
+    memory, labels, pool: the same nodes excluded for every job with it), or its own when it
+    avoids nodes of its own (then nothing else shares its fate); and per fit key (nodes, ppn,
+    exclusion)."""
     caps, over = view.quotas.user_slots, view.quotas.over_budget
     inflight = {r.preempted_for for r in view.running if r.preempted_for is not None}
     order = queue_order(view)
     if inflight:
         order = [j for j in order if j.id in inflight] + [j for j in order if j.id not in inflight]
     eligibility = Eligibility(free, view.nodes)
+    users_over = {o[5:] for o in over if o.startswith("user:")}
+    # (shape, requirement) -> (exclusion, ever, fit key) of the jobs that avoid no node of their own
+    same: dict = {}
     jobs: list[QueuedJob] = []
     excl: list = []
-    deps: list = []
+    fit_key: list[int] = []
+    key_shape: list = []
     for j in order:
-        if (j.team is not None and j.team in over) or (j.user and f"user:{j.user}" in over):
+        if over and ((j.team is not None and j.team in over) or (j.user and j.user in users_over)):
             continue
-        if caps.get(j.user) is not None and j.slots > caps[j.user]:
+        cap = caps.get(j.user)
+        if cap is not None and j.slots > cap:
             continue
-        hard, fit_count = eligibility.of(j)
-        ex, ever, avoiding = exclusion(free, fit_count, j, hard)
-        if ever:
+        key = (j.nodes, j.procs_per_node, j.device, j.gpu_memory_bytes, j.labels, j.pool)
+        got = None if j.avoid else same.get(key)
+        if got is None:
+            hard, fit_count = eligibility.of(j)
+            ex, ever, avoiding = exclusion(free, fit_count, j, hard)
+            got = same.get(key) if not avoiding else None
+            if got is None:
+                got = (ex, ever, len(key_shape))
+                key_shape.append((j.nodes, j.procs_per_node, ex))
+                if not avoiding:
+                    same[key] = got
+        if got[1]:
             jobs.append(j)
-            excl.append(ex)
-            deps.append(None if avoiding else (j.device, j.gpu_memory_bytes, j.labels))
-    return jobs, excl, deps
+            excl.append(got[0])
+            fit_key.append(got[2])
+    return jobs, excl, fit_key, key_shape
 
 
 class _Forward:
-    """The forward simulation's state: free slots, a heap of (end, seq, user, slots, shares) of
-    the jobs holding slots, the window of jobs considered at each event, the head's reservation
-    ([job index, shadow, spare]) and the predictions so far."""
+    """The forward simulation's state: free slots, the jobs holding slots (a heap of their end
+    times, `ends`, and per end time, `ending`, their (user, slots, shares) in the order they took
+    slots: a heap of floats sifts several times faster than one of tuples), the window of jobs
+    considered at each event, the head's reservation ([job index, shadow, spare]) and the
+    predictions so far."""
 
     def __init__(self, view: ClusterView):
         self.t = view.now
         self.free = f = FreeSlots(view.nodes)
         self.caps = view.quotas.user_slots
         self.user_run: dict[str, int] = {}
-        self.ends: list = []
-        for seq, r in enumerate(view.running):
+        self.ending: dict[float, list] = {}
+        for r in view.running:
             self.user_run[r.user] = self.user_run.get(r.user, 0) + r.slots
-            self.ends.append((expected_end(r, view.now), seq, r.user, r.slots, f.shares_of(r.nodes)))
+            self.ending.setdefault(expected_end(r, view.now), []).append((r.user, r.slots, f.shares_of(r.nodes)))
+        self.ends = list(self.ending)
         heapq.heapify(self.ends)
-        self.seq = len(self.ends)
-        self.jobs, self.excl, self.deps = _predictable(view, f)
+        self.jobs, self.excl, self.fit_key, self.key_shape = _predictable(view, f)
         # per job index, read at every event: plain lists beat attribute and property lookups
-        self.slots_of = [j.slots for j in self.jobs]
-        self.shape_of = [(j.nodes, j.procs_per_node) for j in self.jobs]
-        self.pred_of = [j.predicted_s for j in self.jobs]
-        self.capped = [j.user in self.caps for j in self.jobs]
-        # the backfill pass's "did not fit" key of each job: its shape and requirement, or its own
-        # index when it avoids nodes of its own (then nothing else shares its fate)
-        self.fit_key = [idx if dep is None else (n, ppn, dep)
-                        for idx, ((n, ppn), dep) in enumerate(zip(self.shape_of, self.deps))]
+        self.shape_of = list(map(attrgetter("nodes", "procs_per_node"), self.jobs))
+        self.slots_of = [n * ppn for n, ppn in self.shape_of]
+        self.pred_of = list(map(attrgetter("predicted_s"), self.jobs))
+        self.capped = [user in self.caps for user in map(attrgetter("user"), self.jobs)]
         self.eta: dict[int, float] = {}
         self.window: list[int] = []
         self.nxt = 0
@@ -94,9 +109,9 @@ class _Forward:
         self.head: list | None = None
         # After a pass that walked the whole window and changed nothing while the head waited for
         # its shadow time (backfill starts of uncapped users aside): the window's backfill
-        # candidates by fit key, [nodes, ppn, exclusion, least and most predicted_s], with the
-        # uncapped jobs refill adds since. Until the head changes, a pass can only start
-        # something once a candidate fits (`_may_start`); None: the next pass walks.
+        # candidates by fit key, [least and most predicted_s], with the uncapped jobs refill adds
+        # since. Until the head changes, a pass can only start something once a candidate fits
+        # (`_may_start`); None: the next pass walks.
         self.idle: dict | None = None
 
     def refill(self, depth: int) -> None:
@@ -112,25 +127,36 @@ class _Forward:
         pred = self.pred_of[idx]
         got = shapes.get(self.fit_key[idx])
         if got is None:
-            shapes[self.fit_key[idx]] = [*self.shape_of[idx], self.excl[idx], pred, pred]
-        elif pred < got[3]:
-            got[3] = pred
-        elif pred > got[4]:
-            got[4] = pred
+            shapes[self.fit_key[idx]] = [pred, pred]
+        elif pred < got[0]:
+            got[0] = pred
+        elif pred > got[1]:
+            got[1] = pred
 
     def _idle_shapes(self, head: list) -> dict:
+        """_note for each backfill candidate, inline (a pass's whole window, 60,000 times at 10k/100k)."""
         shapes: dict = {}
+        pred_of, fit_key, h = self.pred_of, self.fit_key, head[0]
         for idx in self.window:
-            if idx != head[0]:
-                self._note(shapes, idx)
+            if idx == h:
+                continue
+            pred = pred_of[idx]
+            got = shapes.get(fit_key[idx])
+            if got is None:
+                shapes[fit_key[idx]] = [pred, pred]
+            elif pred < got[0]:
+                got[0] = pred
+            elif pred > got[1]:
+                got[1] = pred
         return shapes
 
     def _may_start(self, head: list) -> bool:
         """Could a pass now start a backfill candidate? False only when none can fit: not on the
         free slots (count_fit), nor, for those running past the shadow, within the head's spare.
         Between idle passes the users' running slots only fall, so no cap check would bite."""
-        f, t, shadow = self.free, self.t, head[1]
-        for n, ppn, ex, least, most in self.idle.values():
+        f, t, shadow, key_shape = self.free, self.t, head[1], self.key_shape
+        for key, (least, most) in self.idle.items():
+            n, ppn, ex = key_shape[key]
             fit = f.count_fit(ppn, ex)
             if fit < n:
                 continue
@@ -143,41 +169,57 @@ class _Forward:
 
     def start(self, idx: int, picked: list[int]) -> None:
         j = self.jobs[idx]
-        shares = tuple((i, self.free.take(i, j.procs_per_node)) for i in picked)
+        ppn = j.procs_per_node
+        shares = ((picked[0], self.free.take(picked[0], ppn)),) if len(picked) == 1 else tuple(
+            (i, self.free.take(i, ppn)) for i in picked)
         self.eta[j.id] = self.t
         self.user_run[j.user] = self.user_run.get(j.user, 0) + j.slots
-        self.seq += 1
-        heapq.heappush(self.ends, (self.t + max(j.predicted_s, 1.0), self.seq, j.user, j.slots, shares))
+        end = self.t + max(j.predicted_s, 1.0)
+        got = self.ending.get(end)
+        if got is None:
+            self.ending[end] = [(j.user, j.slots, shares)]
+            heapq.heappush(self.ends, end)
+        else:
+            got.append((j.user, j.slots, shares))
 
     def reserve(self, idx: int) -> list | None:
         j = self.jobs[idx]
+        ending = self.ending
         got = reserve(self.free, j.nodes, j.procs_per_node, self.excl[idx],
-                      ((e[0], e[4]) for e in _sorted_walk(self.ends)))
+                      ((end, e[2]) for end in _sorted_walk(self.ends) for e in ending[end]))
         return None if got is None else [idx, *got]
+
+    def _start_or_reserve(self, idx: int) -> list | None:
+        """The head's turn: start it if it fits (None: the next job is the head), else reserve for
+        it; None too when it could not start even after every predicted end (no prediction)."""
+        n, ppn = self.shape_of[idx]
+        picked = self.free.choose(n, ppn, self.excl[idx]) if self.slots_of[idx] <= self.free.total else None
+        if picked is not None:
+            self.start(idx, picked)
+            return None
+        return self.reserve(idx)
 
     def walk(self) -> None:
         """One pass over the window at time t: start the head when it fits (else reserve for it),
         backfill behind it, set aside jobs over their user's cap."""
-        f, window, jobs, excl, t = self.free, self.window, self.jobs, self.excl, self.t
-        slots_of, shape_of, pred_of, capped = self.slots_of, self.shape_of, self.pred_of, self.capped
-        caps, user_run, choose, fit_key = self.caps, self.user_run, self.free.choose, self.fit_key
-        head = self.head
+        head, t = self.head, self.t
         if self.idle is not None and head is not None and t < head[1] and not self._may_start(head):
             return  # the pass would change nothing
+        f, jobs, excl = self.free, self.jobs, self.excl
+        slots_of, shape_of, pred_of, capped = self.slots_of, self.shape_of, self.pred_of, self.capped
+        caps, user_run, choose, fit_key = self.caps, self.user_run, self.free.choose, self.fit_key
         changed = False
         # fit keys that did not fit in this pass, running past the shadow (long) or not: a pass only
         # takes slots, so they would not fit later in it either
         failed_long: set = set()
         failed_short: set = set()
-        k = 0
-        while k < len(window):
-            idx = window[k]
+        keep: list[int] = []  # the window after the pass
+        for pos, idx in enumerate(self.window):
             if capped[idx]:
                 user = jobs[idx].user
                 if user_run.get(user, 0) + slots_of[idx] > caps[user]:
                     self.deferred.setdefault(user, []).append(idx)
                     changed = True
-                    del window[k]
                     if head is not None and head[0] == idx:
                         head = None
                     continue
@@ -185,6 +227,7 @@ class _Forward:
                 total = f.total
                 if total == 0:
                     changed = True  # not walked to the end: the jobs after it were not looked at
+                    keep += self.window[pos:]
                     break
                 if slots_of[idx] <= total:
                     long = t + pred_of[idx] > head[1]
@@ -203,27 +246,17 @@ class _Forward:
                                 for i in picked:
                                     if i in limit:
                                         limit[i] -= ppn
-                            del window[k]
                             continue
                         failed.add(key)
-                k += 1
-                continue
-            if head is not None and t < head[1]:
-                k += 1  # the head cannot fit before its shadow time: nothing ends sooner than predicted here
-                continue
-            changed = True
-            n, ppn = shape_of[idx]
-            picked = choose(n, ppn, excl[idx]) if slots_of[idx] <= f.total else None
-            if picked is not None:
-                self.start(idx, picked)
-                del window[k]
-                head = None
-                continue
-            head = self.reserve(idx)
-            if head is None:  # cannot start even after every predicted end: no prediction
-                del window[k]
-                continue
-            k += 1
+                keep.append(idx)
+            elif head is not None and t < head[1]:
+                keep.append(idx)  # the head cannot fit before its shadow time: nothing ends sooner than predicted here
+            else:
+                changed = True
+                head = self._start_or_reserve(idx)
+                if head is not None and head[0] == idx:
+                    keep.append(idx)
+        self.window = keep
         self.head = head
         self.idle = None if changed or head is None or t >= head[1] else self._idle_shapes(head)
 
@@ -231,9 +264,8 @@ class _Forward:
         """Jump to the next predicted end: free what ends then, and give back as many of each
         such user's capped jobs as the cap now allows, in order."""
         ends, caps, user_run = self.ends, self.caps, self.user_run
-        t = self.t = ends[0][0]
-        while ends and ends[0][0] <= t:
-            _, _, user, slots, shares = heapq.heappop(ends)
+        t = self.t = heapq.heappop(ends)
+        for user, slots, shares in self.ending.pop(t):
             for i, ids in shares:
                 self.free.release(i, ids)
             user_run[user] -= slots
@@ -249,6 +281,7 @@ class _Forward:
                     del self.deferred[user]
 
 
+@gc_paused
 def predict_starts(view: ClusterView, *, depth: int = ETA_DEPTH, max_jobs: int | None = None) -> dict[int, float]:
     """Predicted start (epoch s) per queued job: the policy run forward in time over predicted
     run times. Event-driven: time jumps from one predicted end to the next (a heap of running
@@ -262,10 +295,12 @@ def predict_starts(view: ClusterView, *, depth: int = ETA_DEPTH, max_jobs: int |
 
     Cost: O((R + Q) log R) heap work plus O(depth) per event for backfill, not a re-run of
     `schedule` per event: 10,000 queued jobs behind 6,400 running ones on 1,000 nodes take
-    1-2 s on the 2-core dev machine (bench/scheduler.py; a tick takes ~0.2 s), so the services
-    refresh the ETAs every few seconds outside the tick (beat), write only those that moved
+    ~0.3 s on the 2-core dev machine, 100,000 behind 64,000 on 10,000 nodes ~4 s (~160,000
+    events; bench/scheduler.py; a tick takes ~0.05 s and ~0.7 s), so the services refresh the
+    ETAs every few seconds outside the tick (beat), write only those that moved
     (`eta_changes`), and can use `max_jobs`, which stops once the first N jobs in order have
-    theirs (500: ~0.4 s), for a quicker refresh of the front of the queue.
+    theirs (500 at 10,000 nodes: ~1 s, most of it ordering the queue), for a quicker refresh of
+    the front of the queue.
 
     Jobs with no prediction are left out: over budget, over their user's cap on their own, or
     never fitting on today's schedulable nodes."""

@@ -12,6 +12,7 @@ its jobs wait.
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterable, Mapping
 
 from jobs.scheduling.policy.cluster import ClusterView, RunningJob
@@ -50,12 +51,28 @@ class QuotaLedger:
         return False
 
 
+_STARTED = attrgetter("started_at", "id")
+_STARTED_AT = attrgetter("started_at")
+
+
 def classify(running: Iterable[RunningJob], team_slots: Mapping[str, int]) -> tuple[set[int], QuotaLedger]:
     """(ids of the borrowing running jobs, the ledger of within-quota running slots per team):
     per team in start order; jobs being stopped (not preemptible) are left out."""
     ledger = QuotaLedger(team_slots)
-    borrowing = {r.id for r in sorted(running, key=lambda r: (r.started_at, r.id))
-                 if r.preemptible and ledger.take(r.team, r.slots)}
+    within = ledger.within
+    borrowing: set[int] = set()
+    running = list(running)
+    starts = [r.started_at for r in running]  # unique (the usual case): floats sort 3x faster than tuples
+    for r in sorted(running, key=_STARTED_AT if len(set(starts)) == len(starts) else _STARTED):
+        # ledger.take, inline (64,000 running jobs at 10,000 nodes)
+        t = r.team
+        if t is None or t not in team_slots or not r.preemptible:
+            continue  # no quota: never borrows; being stopped: not counted
+        quota, slots = team_slots[t], within.get(t, 0) + r.slots
+        if quota is not None and slots > quota:
+            borrowing.add(r.id)
+        else:
+            within[t] = slots
     return borrowing, ledger
 
 

@@ -180,11 +180,11 @@ def test_an_entry_that_raises_when_applied_is_dead_lettered_after_n_tries_and_th
         entry(0, 3, "event", {"kind": "telemetry_dropped", "attempt": attempt.pk, "count": 1})])]
     real, calls = ingest.telemetry_ingest, []
 
-    def failing(samples, *, events):
+    def failing(samples, *, events, **kw):
         calls.append(len(samples) + len(events))
         if any(e.get("count") == 13 for e in events):
             raise ValueError("a bug this entry trips")
-        return real(samples, events=events)
+        return real(samples, events=events, **kw)
 
     monkeypatch.setattr(ingest, "telemetry_ingest", failing)
     relay = offline_relay()
@@ -220,11 +220,11 @@ def test_database_errors_are_retried_with_backoff_and_the_round_committed_once(u
                                                         "count": 2})])]
     real, fails = ingest.telemetry_ingest, [2]
 
-    def locked_twice(samples, *, events):
+    def locked_twice(samples, *, events, **kw):
         if fails[0]:
             fails[0] -= 1
             raise OperationalError("database is locked")
-        return real(samples, events=events)
+        return real(samples, events=events, **kw)
 
     monkeypatch.setattr(ingest, "telemetry_ingest", locked_twice)
     relay = offline_relay()

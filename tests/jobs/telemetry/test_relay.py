@@ -153,3 +153,44 @@ def test_oversized_entries_are_dead_lettered_without_the_relay_holding_many_at_o
     assert len(reasons) == 20 and all("over the 4194304 byte limit" in x for x in reasons)
     assert relay._counts[stream] > 1  # small again after the good one
     assert peak < 100 << 20, f"the relay grew by {peak >> 20} MB reading 20 x 7 MB entries"
+
+
+def test_relay_processes_split_the_streams_and_store_each_sample_once(user, nodes, redis_server):
+    """manage.py relay --workers 2: each process reads the streams shard_of gives it, under one consumer
+    name; together they store every sample once, and entries one process read but never acknowledged
+    (killed before the ack, when there was one process) are read again by the process that owns the
+    stream now."""
+    from jobs.telemetry.relay_streams import shard_of
+
+    r = redis.Redis.from_url(redis_server.url)
+    streams = []
+    for i in range(4):
+        job = services.job_submit(user=user, spec=services.submitted_spec(
+            {"name": f"j{i}", "resources": {"nodes": 1, "procs_per_node": 1}}))
+        services.schedule_tick()
+        attempt = job.attempts.get()
+        stream = attempt_stream(job.pk, attempt.pk)
+        streams.append((job, attempt, stream))
+        for step in range(1, 31):
+            r.xadd(stream, {"type": "metrics", "data": json.dumps([sample(attempt.pk, 0, step), sample(attempt.pk, 1, step)])})
+    one = Relay(redis_server.url, block_ms=20)  # one process read some of every stream and died before the ack
+    one.discover()
+    for _, _, stream in streams:
+        r.xreadgroup(RELAY_GROUP, one.consumer, {stream: ">"}, count=5)
+    shards = [Relay(redis_server.url, block_ms=20, shard=(i, 2)) for i in range(2)]
+    for relay in shards:
+        relay.discover()
+    owned = [set(relay.streams) for relay in shards]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {s for _, _, s in streams}
+    assert all(shard_of(s, 2) == i for i, names in enumerate(owned) for s in names)
+    for _ in range(20):
+        for relay in shards:
+            relay.step()
+    for _, attempt, stream in streams:
+        assert sorted(MetricSample.objects.filter(attempt=attempt).values_list("step", "rank")) == \
+            [(s, k) for s in range(1, 31) for k in (0, 1)]
+        assert r.xlen(stream) == 0 and r.xpending(stream, RELAY_GROUP)["pending"] == 0
+    stats = r.hgetall(RELAY_STATS_KEY)
+    for relay in shards:
+        relay.close()
+    assert int(r.hget(RELAY_STATS_KEY, "samples_total")) == 4 * 60 and stats

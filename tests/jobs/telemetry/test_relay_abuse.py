@@ -181,3 +181,46 @@ def test_a_transient_database_lock_is_retried_and_the_entry_applied_once(user, n
     assert relay.log().count("injected fault: database is locked") == 2
     relay.wait_for(lambda: int(bus.hget(RELAY_STATS_KEY, "db_retries_total") or 0) == 2, "the retries counted")
     assert relay.alive() and not dead_letters(bus)
+
+
+def test_relay_workers_share_the_streams_and_a_killed_one_is_restarted(user, nodes, bus, relay_for, tmp_path):
+    """manage.py relay --workers 2: two relay processes under one supervisor store every sample once; one
+    killed mid-stream is started again and goes on where its stream's pending entries are; SIGTERM stops
+    them all."""
+    import os
+    import signal
+
+    import psutil
+
+    attempts = []
+    for i in range(4):
+        job = services.job_submit(user=user, spec=services.submitted_spec(
+            {"name": f"w{i}", "resources": {"nodes": 1, "procs_per_node": 1}}))
+        services.schedule_tick()
+        attempts.append(job.attempts.get())
+    streams = [attempt_stream(a.job_id, a.pk) for a in attempts]
+
+    def send(steps):
+        for a, stream in zip(attempts, streams):
+            for step in steps:
+                bus.xadd(stream, metrics(sample(a, step), sample(a, step, rank=1)))
+
+    send(range(1, 51))
+    relay = relay_for()
+    relay.proc.terminate()
+    relay.proc.wait(15)
+    relay.cmd = [*relay.cmd, "--workers", "2"]
+    relay.start()
+    relay.wait_for(lambda: MetricSample.objects.count() == 4 * 100 and drained(bus, *streams), "both workers' rounds")
+    children = relay.wait_for(lambda: psutil.Process(relay.proc.pid).children() if len(
+        psutil.Process(relay.proc.pid).children()) == 2 else None, "two relay processes")
+    os.kill(children[0].pid, signal.SIGKILL)
+    send(range(51, 101))
+    relay.wait_for(lambda: MetricSample.objects.count() == 4 * 200 and drained(bus, *streams), "the restarted worker",
+                   timeout_s=60)
+    for a in attempts:
+        assert sorted(MetricSample.objects.filter(attempt=a).values_list("step", "rank")) == \
+            [(s, k) for s in range(1, 101) for k in (0, 1)]
+    relay.proc.terminate()
+    assert relay.proc.wait(30) == 0
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children[1:])

@@ -85,6 +85,40 @@ def test_steps_arriving_in_many_rounds_with_replays_reduce_exactly_once(user, no
 
 
 @pytest.mark.django_db(transaction=True)
+def test_what_the_relay_publishes_without_reading_back_is_what_is_stored(user, nodes):
+    """The fast path hands the relay its reduction (rollup.Reduced): the steps it stored as they are are
+    published from it (reduced.steps_from), the ones that merged into a stored row are named for reading
+    back; either way a browser gets exactly the row MetricStep holds after the commit."""
+    from jobs.telemetry import reduced as reduced_mod
+
+    rng = random.Random(11)
+    job = submit(user)
+    attempt = start(job)
+    samples = [sample(attempt, r, s, rng) for s in range(1, 41) for r in range(3)]
+    for s in samples[::7]:
+        s["loss"] = None  # a field no rank of some steps reported
+    rounds = [samples[:50], samples[50:51], samples[51:]]  # step 17's ranks split over two rounds
+    merged = []
+    for batch in rounds:
+        out: list = []
+        ingest.telemetry_ingest([dict(s) for s in batch], events=[], reduced=out)
+        (got,) = out
+        keys: dict[int, set[int]] = {}
+        for row in got.rows:
+            keys.setdefault(row[1], set()).add(row[2])
+        stored = {(r["attempt"], r["step"]): r for r in reduced_mod.steps_of(keys)}
+        fresh = [row for row in got.rows if (row[1], row[2]) not in got.merged]
+        assert got.merged == {k for k in stored if k not in {(r[1], r[2]) for r in fresh}}
+        merged.append(got.merged)
+        assert {(r["attempt"], r["step"]): r for r in reduced_mod.steps_from(fresh)} == \
+            {k: v for k, v in stored.items() if k not in got.merged}
+    assert merged == [set(), {(attempt.pk, 17)}, set()]  # the second round's one sample merged into step 17
+    out = []
+    ingest.telemetry_ingest([dict(s) for s in rounds[0]], events=[], reduced=out)
+    assert out == []  # a replay takes the slow path: nothing to publish without reading it back
+
+
+@pytest.mark.django_db(transaction=True)
 def test_ties_keep_the_lowest_rank_and_the_lowest_rank_user_metrics_win(user, nodes):
     job = submit(user)
     attempt = start(job)

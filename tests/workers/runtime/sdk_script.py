@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainyard
+from trainyard.sdk.procexit import main_then_exit
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,4 +52,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_then_exit(main)  # not through finalization: torch's gloo workers can abort it (trainyard/sdk/procexit.py)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from trainyard.mesh import Mesh
 from trainyard.spec import ModelSpec
 from trainyard.spec_parallel import ParallelSpec
+from trainyard.sdk.procexit import main_then_exit
 from workers.runtime.model import build_model, lm_loss
 from workers.runtime.parallel import optim_bytes, param_bytes
 from workers.runtime.sharded import ShardedStrategy
@@ -151,4 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_then_exit(main)  # not through finalization: torch's gloo workers can abort it (trainyard/sdk/procexit.py)

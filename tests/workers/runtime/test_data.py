@@ -72,6 +72,24 @@ def test_batches_run_across_epochs_with_prefetch(tmp_path):
     assert val is not None and len(val) == 10
 
 
+def test_the_batches_never_draw_from_the_global_random_generator(tmp_path):
+    """The prefetch thread starts before the trainer seeds torch and builds the model; each pass of
+    a DataLoader without its own generator drew its base seed from torch's global generator. A
+    prefetch thread that got there after the seeding (a loaded machine) changed the initial
+    weights: two runs of one job trained from different weights (CI, test_recompute_zero: step
+    1's losses differed)."""
+    (tmp_path / "t.bin").write_bytes(np.arange(200, dtype=np.uint16).tobytes())
+    for balance in (False, True):
+        torch.manual_seed(3)
+        expected = torch.rand(4)
+        torch.manual_seed(3)
+        it, _ = build_batches(DataSpec(kind="tokens", path="t.bin"), ModelSpec(seq_len=8, vocab=300), tmp_path,
+                              rank=0, world_size=2, batch=4, seed=0, prefetch=False, balance=balance)
+        for _ in range(60):  # several epochs: a DataLoader's every pass drew one
+            next(it)
+        assert torch.equal(torch.rand(4), expected), balance
+
+
 def test_synthetic_is_seeded_and_within_vocab():
     m = ModelSpec(vocab=50)
     a = load_tokens(DataSpec(kind="synthetic"), m, None, seed=1)

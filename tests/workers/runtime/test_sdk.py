@@ -39,7 +39,7 @@ def test_importing_every_trainyard_module_but_the_sdks_torch_modules_loads_no_to
             "                      'trainyard.sdk.staging', 'trainyard.sdk.safeload', 'trainyard.sdk.comm',\n"
             "                      'trainyard.sdk.sync', 'trainyard.sdk.autoratio', 'trainyard.sdk.optim',\n"
             "                      'trainyard.sdk.prepare', 'trainyard.sdk.loader', 'trainyard.sdk.stopvote',\n"
-            "                      'trainyard.sdk.tensorpar', 'trainyard.sdk.metainit')]\n"
+            "                      'trainyard.sdk.tensorpar', 'trainyard.sdk.metainit', 'trainyard.sdk.heal')]\n"
             "for name in names: importlib.import_module(name)\n"
             "print(json.dumps(names))\n"
             "sys.exit(1 if {'torch', 'numpy'} & set(sys.modules) else 0)")

@@ -3,7 +3,7 @@ advertises enough GPUs (of enough memory), one slot per GPU; `resources.labels` 
 node's labels; a job no node can serve waits with the reason. Pure policy, table-driven."""
 import pytest
 
-from jobs.scheduling.policy import ClusterView, NodeState, QueuedJob, predict_starts, schedule
+from jobs.scheduling.policy import ClusterView, NodeState, QueuedJob, RunningJob, predict_starts, schedule
 from jobs.fleet.policy.devices import summarize_devices
 from jobs.scheduling.policy.eligibility import node_slots, unservable_reason
 
@@ -134,3 +134,25 @@ def test_pool_counts_agree_with_a_plain_exclusion_set_as_slots_come_and_go():
         overlay = {rng.randrange(len(free.names)): rng.randint(1, 3)} if rng.random() < 0.5 else None
         for ppn in range(0, 6):
             assert free.count_fit(ppn, ex, overlay) == free.count_fit(ppn, set(ex), overlay)
+
+
+def test_pool_and_plain_jobs_of_one_shape_each_stay_on_their_own_nodes():
+    """A Slurm pool's seats run only its jobs and its jobs only there, also when a plain job of the
+    same shape comes first in the tick (the tick computes a plain job's exclusion once per shape:
+    a pool job is not plain) or a pool job's failure to fit comes first in a prediction's pass."""
+    nodes = (cpu("a", 8), cpu("b", 8), NodeState("s1", "addr-s1", 8, frozenset(), pool="p"),
+             NodeState("s2", "addr-s2", 8, frozenset(), pool="p"))
+    queue = tuple(QueuedJob(i, 1, 1, 8, submitted_at=i, pool=pool) for i, pool in ((1, ""), (2, "p"), (3, "p"), (4, "")))
+    d = schedule(ClusterView(10.0, nodes, (), queue))
+    assert {p.job_id: p.shares[0].node for p in d.placements} == {1: "a", 2: "s1", 3: "s2", 4: "b"}
+    # the seats and node a are busy until t=1000; a plain 2-node job heads the queue, a short pool
+    # job behind it cannot fit now, and a short plain job behind that can, on node b
+    busy = tuple(NodeState(n.name, n.address, 8, frozenset(range(8)) if n.name != "b" else frozenset(), pool=n.pool)
+                 for n in nodes)
+    running = (RunningJob(90, None, "u", 16, 1, (("s1", tuple(range(8))), ("s2", tuple(range(8)))), 0.0, 1000.0),
+               RunningJob(91, None, "u", 8, 1, (("a", tuple(range(8))),), 0.0, 1000.0))
+    queue = (QueuedJob(1, 1, 2, 8, submitted_at=1), QueuedJob(2, 1, 1, 8, submitted_at=2, pool="p", predicted_s=50),
+             QueuedJob(3, 1, 1, 8, submitted_at=3, predicted_s=50))
+    view = ClusterView(10.0, busy, running, queue, policy="backfill")
+    assert predict_starts(view)[3] == 10.0
+    assert {p.job_id for p in schedule(view).placements} == {3}

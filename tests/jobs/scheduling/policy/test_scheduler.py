@@ -463,3 +463,29 @@ def test_eta_changes_writes_only_what_moved():
     old = {1: 100.0, 2: 200.0, 3: 300.0}
     new = {1: 110.0, 2: 260.0, 4: 400.0}
     assert eta_changes(old, new, tolerance_s=30) == {2: 260.0, 3: None, 4: 400.0}
+
+
+def test_the_entry_points_pause_the_cyclic_gc_and_restore_it():
+    """schedule, queue_order and predict_starts run with the cyclic GC off (policy/cluster.py's
+    gc_paused) and leave it as they found it, also when they raise."""
+    import gc
+
+    from jobs.scheduling.policy import ClusterView, predict_starts, queue_order
+    from jobs.scheduling.policy.cluster import gc_paused
+
+    seen = []
+    probe = gc_paused(lambda: seen.append(gc.isenabled()))
+    view = ClusterView(0.0, (n("a"),), (), (j(1),))
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            probe()
+            schedule(view), queue_order(view), predict_starts(view)
+            assert gc.isenabled() is state
+            with pytest.raises(ValueError):
+                schedule(ClusterView(0.0, (), policy="lifo"))
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False]

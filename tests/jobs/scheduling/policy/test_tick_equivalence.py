@@ -135,3 +135,40 @@ def test_the_benchmark_cluster_gets_the_references_decisions_and_predictions(see
     for view in (fill, busy):
         assert schedule(view) == reference_schedule(view)
     assert predict_starts(busy) == reference_predict_starts(busy)
+
+
+def test_the_queue_order_is_the_references_with_ties_in_the_aged_key():
+    """queue_order sorts a team's jobs by their aged key alone when no two are equal, else by
+    (key, submitted_at, id): queues of batch submissions (equal times and predictions, some
+    submitted after now) order as the reference orders them."""
+    from order_reference import queue_order as reference_order
+
+    from jobs.scheduling.policy import queue_order
+
+    rng = random.Random(28)
+    for n in range(300):
+        view = random_view(rng)
+        queue = tuple(QueuedJob(j.id, j.priority, j.nodes, j.procs_per_node, team=j.team, user=j.user,
+                                submitted_at=NOW + rng.choice([-600.0, 0.0, 300.0]) if rng.random() < 0.7 else j.submitted_at,
+                                predicted_s=rng.choice([600.0, 3600.0]) if rng.random() < 0.7 else j.predicted_s)
+                      for j in view.queue)
+        view = ClusterView(NOW, view.nodes, view.running, queue, view.quotas, view.usage)
+        assert queue_order(view) == reference_order(view), f"view {n}: {view}"
+
+
+def test_classify_is_the_ledgers_rule_in_start_order():
+    """quotas.classify (QuotaLedger.take inlined; the references use the live one) borrows and
+    counts what taking the running jobs one by one in (started_at, id) order does."""
+    import dataclasses
+
+    from jobs.scheduling.policy.quotas import QuotaLedger, classify
+
+    rng = random.Random(29)
+    for n in range(500):
+        view = random_view(rng)
+        running = [dataclasses.replace(r, started_at=float(round(r.started_at, -3))) for r in view.running]
+        ledger = QuotaLedger(view.quotas.team_slots)
+        want = {r.id for r in sorted(running, key=lambda r: (r.started_at, r.id))
+                if r.preemptible and ledger.take(r.team, r.slots)}
+        got, got_ledger = classify(running, view.quotas.team_slots)
+        assert (got, got_ledger.within) == (want, ledger.within), f"view {n}: {view}"
