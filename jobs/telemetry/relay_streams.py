@@ -103,19 +103,26 @@ class StreamReader:
         READ_STREAMS streams per call, each stream up to its own count: a new stream starts at
         FIRST_COUNT entries, a stream whose entries were all small doubles up to `batch`, one that
         sent an entry over BIG_ENTRY_BYTES is read one entry a round (memory per round stays a few
-        entries of at most proto-max-bulk-len each, whatever a job sends). Blocks up to block_ms
-        only when no stream has pending entries of its own."""
+        entries of at most proto-max-bulk-len each, whatever a job sends). Waits up to block_ms only
+        when no stream has anything: a blocking read of some streams (those of one count) while
+        others had entries waiting held those entries back block_ms every round."""
         pending = [s for s, i in self.streams.items() if i == "0"]
         names = pending or [s for s in self.streams if self.streams[s] != "0"]
-        block = None if pending else self.block_ms
+        read = self._read(names)
+        if not read and not pending and names:
+            first = names[:READ_STREAMS]
+            read = self._read(first, block=self.block_ms, count=min(map(self.count, first)))
+        return read
+
+    def _read(self, names: list[str], block: int | None = None, count: int | None = None) -> list[tuple[str, list]]:
+        """XREADGROUP each READ_STREAMS of `names`, each stream up to its own count (or all up to `count`)."""
         read = []
         for i in range(0, len(names), READ_STREAMS):
             chunk = names[i:i + READ_STREAMS]
-            for count in sorted({self.count(s) for s in chunk}):
-                part = [s for s in chunk if self.count(s) == count]
+            for n in [count] if count is not None else sorted({self.count(s) for s in chunk}):
+                part = chunk if count is not None else [s for s in chunk if self.count(s) == n]
                 resp = self.r.xreadgroup(keys.RELAY_GROUP, self.consumer, {s: self.streams[s] for s in part},
-                                         count=count, block=block)
-                block = None  # only the first call of a round waits
+                                         count=n, block=block)
                 got = {st.decode(): entries_ for st, entries_ in resp or []}
                 for s in part:
                     if got.get(s):
