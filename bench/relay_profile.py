@@ -8,6 +8,13 @@ committed and acknowledged, with the real ChannelsPublisher (no socket listens: 
 empty group). Prints the drain rate, the raw XADD rate of the same backlog and the top functions.
 
     python bench/relay_profile.py [--postgres] [--ranks 2] [--samples 200000] [--top 30] [--no-profile]
+                                  [--batch 500] [--ended]
+
+--ended: the jobs' attempts end before the backlog is written (a relay working through the streams
+of attempts that ended while it was behind or down: each round's samples go into the ended attempt's
+knowledge record). Drains the same backlog twice, side by side on two sets of jobs, without the
+profiler: rewriting the records after every round (as the relay did) and at most every
+LATE_REFRESH_S (as it does); prints both and the ratio.
 """
 from __future__ import annotations
 
@@ -44,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sort", default="tottime")
     ap.add_argument("--no-profile", action="store_true", help="time the drain only")
     ap.add_argument("--dump", help="write the cProfile stats to this file (pstats)")
+    ap.add_argument("--batch", type=int, default=500, help="entries a stream per round (the relay's own default: 32)")
+    ap.add_argument("--ended", action="store_true", help="the attempts end first: late samples, twice (see above)")
     ap.add_argument("--gc", default="relay", choices=["relay", "auto", "off"],
                     help="relay: collections between rounds as run_forever does (RoundCollector); auto: Python's "
                          "own; off: none")
@@ -75,7 +84,8 @@ def setup(args, work: Path, procs: list) -> tuple[dict, list[dict]]:
     py = sys.executable
     for argv in (["migrate", "--noinput", "-v", "0"], ["ensure_admin"]):
         subprocess.run([py, "manage.py", *argv], cwd=REPO, env=os.environ, check=True, capture_output=True)
-    out = subprocess.run([py, "-c", SETUP, str(args.jobs), "2"], cwd=REPO, env=os.environ,
+    jobs = args.jobs * (2 if args.ended else 1)
+    out = subprocess.run([py, "-c", SETUP, str(jobs), "2"], cwd=REPO, env=os.environ,
                          check=True, capture_output=True, text=True).stdout
     return env, json.loads(out.strip().splitlines()[-1])
 
@@ -96,12 +106,24 @@ def backlog(args, jobs: list[dict]) -> list[tuple[str, list[str]]]:
     return payloads
 
 
-def drain(args, r, payloads: list) -> None:
-    """XADD the backlog, then Relay.step() until it is all committed and acknowledged; prints the figures."""
+def end_attempts(jobs: list[dict]) -> None:
+    """Each job's attempt ends (the node reports the ranks' exit 0), as if before the relay caught up."""
+    from jobs import services
+    from jobs.models import Attempt
+
+    for job in jobs:
+        services.attempt_node_exit(job["attempt"], node_name="bench-node", result={
+            "attempt_id": job["attempt"], "node": "bench-node", "exit_code": 0, "signal": None, "stopped": False,
+            "failures": [], "log_tail": {}})
+        assert Attempt.objects.get(pk=job["attempt"]).status == Attempt.Status.ENDED
+
+
+def drain(args, r, payloads: list) -> dict:
+    """XADD the backlog, then Relay.step() until it is all committed and acknowledged; the figures."""
     from jobs.telemetry.relay import Relay
 
     total = sum(len(e) for _, e in payloads) * args.entry_samples
-    relay = Relay(consumer="relay-1", batch=500)
+    relay = Relay(consumer="relay-1", batch=args.batch)
     t0 = time.perf_counter()
     pipe = r.pipeline(transaction=False)
     for n, (stream, entries) in enumerate((s, e) for s, es in payloads for e in es):
@@ -131,21 +153,23 @@ def drain(args, r, payloads: list) -> None:
         if collector:
             collector.between_rounds()
         rounds += 1
+    relay.close()  # timed too: it writes what is pending (the stats, the ended attempts' records)
     if prof:
         prof.disable()
     drain_s = time.perf_counter() - t0
     cpu_s, main_s = time.process_time() - cpu0, time.thread_time() - main0
-    relay.close()
-    print(json.dumps({"database": "postgresql" if args.postgres else "sqlite", "ranks_per_job": args.ranks,
-                      "samples": total, "rounds": rounds, "raw_xadd_samples_per_s": round(total / xadd_s),
-                      "relay_samples_per_s": round(total / drain_s), "relay_vs_xadd": round(xadd_s / drain_s, 3),
-                      "relay_cpu_us_per_sample": round(1e6 * cpu_s / total, 2),
-                      "relay_main_thread_us_per_sample": round(1e6 * main_s / total, 2),
-                      "profiled": prof is not None, "loadavg": [round(x, 2) for x in os.getloadavg()]}))
+    figures = {"database": "postgresql" if args.postgres else "sqlite", "ranks_per_job": args.ranks,
+               "samples": total, "rounds": rounds, "raw_xadd_samples_per_s": round(total / xadd_s),
+               "relay_samples_per_s": round(total / drain_s), "relay_vs_xadd": round(xadd_s / drain_s, 3),
+               "relay_cpu_us_per_sample": round(1e6 * cpu_s / total, 2),
+               "relay_main_thread_us_per_sample": round(1e6 * main_s / total, 2),
+               "profiled": prof is not None, "loadavg": [round(x, 2) for x in os.getloadavg()]}
     if prof:
+        print(json.dumps(figures))
         if args.dump:
             prof.dump_stats(args.dump)
         pstats.Stats(prof, stream=sys.stdout).sort_stats(args.sort).print_stats(args.top)
+    return figures
 
 
 def main() -> None:
@@ -166,7 +190,24 @@ def main() -> None:
                 break
             except redis.ConnectionError:
                 time.sleep(0.1)
-        drain(args, r, backlog(args, jobs))
+        if not args.ended:
+            figures = drain(args, r, backlog(args, jobs))
+            if args.no_profile:  # (with the profile, drain printed them before its table)
+                print(json.dumps(figures))
+            return
+        from jobs.telemetry import relay as relay_module
+
+        args.no_profile = True
+        end_attempts(jobs)
+        runs = {}
+        for (name, late_s), half in zip((("every_round", 0.0), ("relay", relay_module.LATE_REFRESH_S)),
+                                        (jobs[:args.jobs], jobs[args.jobs:])):
+            relay_module.LATE_REFRESH_S = late_s
+            runs[name] = {"late_refresh_s": late_s, **drain(args, r, backlog(args, half))}
+        print(json.dumps({"ended": True, "batch": args.batch, **runs, "relay_vs_every_round": round(
+            runs["relay"]["relay_samples_per_s"] / runs["every_round"]["relay_samples_per_s"], 2),
+            "cpu_every_round_vs_relay": round(runs["every_round"]["relay_cpu_us_per_sample"]
+                                              / runs["relay"]["relay_cpu_us_per_sample"], 2)}))
     finally:
         for p in procs:
             if isinstance(p, subprocess.Popen):

@@ -257,11 +257,15 @@ def _sample_rows(samples: list[dict], attempts: dict[int, int], fences: dict[int
     return columns.Rows(list(zip(*rows)), rows, top, attempt_top, fenced, dropped_metrics)
 
 
-def telemetry_ingest(samples: list[dict], *, events: list[dict], reduced: list | None = None) -> dict[int, int]:
+def telemetry_ingest(samples: list[dict], *, events: list[dict], reduced: list | None = None,
+                     late: set[int] | None = None) -> dict[int, int]:
     """Store a batch of metric samples (idempotent: duplicates of (attempt, rank, step) are skipped)
     and runtime events, in one transaction. Returns job id -> highest step seen in the batch.
     `reduced`, if given, gets the batch's rollup.Reduced when its rows were all new (the relay
-    publishes those steps from it instead of reading them back)."""
+    publishes those steps from it instead of reading them back). Samples of an attempt that has
+    already ended change its knowledge record (jobs/planning/services/knowledge.py), which is
+    rewritten after the commit; with `late` given, the ids of those attempts are added to it instead
+    and the caller rewrites them when it chooses (the relay: at most every LATE_REFRESH_S)."""
     from django.db import connection
 
     lookup, update, lock = _telemetry_sql(connection.vendor)
@@ -306,9 +310,11 @@ def telemetry_ingest(samples: list[dict], *, events: list[dict], reduced: list |
             job_id = attempts.get(attempt_id) if type(attempt_id) is int else None
             if job_id is not None:
                 _runtime_event(job_id, attempt_id, storable(e))  # no NUL reaches PostgreSQL's text
-    late = ended.intersection(attempt_top)
-    if late:  # the last steps of an attempt that already ended: its knowledge record takes them in
-        knowledge_refresh(late)
+    ended_late = ended.intersection(attempt_top)
+    if late is not None:
+        late |= ended_late
+    elif ended_late:  # the last steps of an attempt that already ended: its knowledge record takes them in
+        knowledge_refresh(ended_late)
     return top
 
 

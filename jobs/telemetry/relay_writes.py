@@ -52,11 +52,13 @@ def retry_db(fn, *, running: Callable[[], bool], stats: RelayStats):
             delay = min(delay * 2, DB_BACKOFF_MAX_S)
 
 
-def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable, reduced: list | None = None) -> list[Parsed]:
+def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable, reduced: list | None = None,
+                  late: set[int] | None = None) -> list[Parsed]:
     """Commit the samples and events of `ok` in one transaction, each database call through
     retry(fn); returns the entries applied. If that raises anything but a database error, each
     entry is applied alone (POISON_TRIES times at most) and the ones that still raise join `dead`.
-    `reduced` gets the committed transaction's rollup.Reduced (ingest.telemetry_ingest), if any."""
+    `reduced` gets the committed transaction's rollup.Reduced (ingest.telemetry_ingest), if any;
+    `late`, the ended attempts whose samples were stored (ingest.telemetry_ingest)."""
     samples = [s for p in ok if p.kind == "metrics" for s in p.data]
     events = [p.data for p in ok if p.kind == "event"]
     if not samples and not events:
@@ -65,7 +67,7 @@ def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable, reduced:
 
     def once():
         got.clear()  # a retried transaction's first try was rolled back
-        return ingest.telemetry_ingest(samples, events=events, reduced=got)
+        return ingest.telemetry_ingest(samples, events=events, reduced=got, late=late)
 
     try:
         retry(once)
@@ -82,7 +84,7 @@ def apply_entries(ok: list[Parsed], dead: list[tuple], retry: Callable, reduced:
         for _ in range(POISON_TRIES if p.kind != "log" else 0):
             try:
                 retry(lambda p=p: ingest.telemetry_ingest(
-                    p.data if p.kind == "metrics" else [], events=[p.data] if p.kind == "event" else []))
+                    p.data if p.kind == "metrics" else [], events=[p.data] if p.kind == "event" else [], late=late))
                 error = None
                 break
             except Abandon:

@@ -1,5 +1,6 @@
 """The relay against a real redis-server: batched ingest, ack only after commit, crash replay."""
 import json
+import time
 
 import pytest
 import redis
@@ -194,3 +195,87 @@ def test_relay_processes_split_the_streams_and_store_each_sample_once(user, node
     for relay in shards:
         relay.close()
     assert int(r.hget(RELAY_STATS_KEY, "samples_total")) == 4 * 60 and stats
+
+
+def test_an_ended_attempts_late_samples_rewrite_its_knowledge_record_at_most_every_few_seconds(
+        user, nodes, redis_server, monkeypatch):
+    """Samples committed after an attempt ended (its last flush, a backlog after a relay restart) go
+    into its knowledge record, but the record (a read of up to 1,000 steps) is rewritten at most every
+    LATE_REFRESH_S, and once more when the relay stops, not after every round: rewriting it every
+    round made the relay's rounds ~7x longer while it worked through such a stream."""
+    from jobs.planning.services import knowledge
+    from jobs.models import KnowledgeRecord
+    from jobs.telemetry import relay as relay_module
+    from tests.jobs.planning.test_knowledge import finish, ingest
+    from tests.jobs.runs.test_services import start, submit
+
+    job = submit(user, train={"steps": 20})
+    attempt = start(job)
+    ingest(attempt, range(1, 8))  # only 4 warm steps when the nodes report their exit: no record yet
+    finish(attempt)
+    assert attempt.status == attempt.Status.ENDED and not KnowledgeRecord.objects.exists()
+    rewrites = []
+    real = knowledge.knowledge_record
+    monkeypatch.setattr(knowledge, "knowledge_record", lambda a: rewrites.append(a.pk) or real(a))
+    monkeypatch.setattr(relay_module, "LATE_REFRESH_S", 3600.0)
+    r = redis.Redis.from_url(redis_server.url)
+    stream = attempt_stream(job.pk, attempt.pk)
+    relay = Relay(redis_server.url, block_ms=20, publish=lambda group, message: None)
+    for step in range(8, 21):  # one entry, one round each
+        r.xadd(stream, {"type": "metrics", "data": json.dumps([
+            {**sample(attempt.pk, rank, step), "step_s": 0.3 * (1 + rank)} for rank in (0, 1)])})
+        relay.step()
+    assert MetricSample.objects.filter(attempt=attempt).count() == 40 and r.xlen(stream) == 0
+    assert rewrites == [attempt.pk]  # the first late round's, then none for the next 12 rounds
+    relay.close()  # the pending rewrite is not lost
+    assert rewrites == [attempt.pk, attempt.pk]
+    rec = KnowledgeRecord.objects.get(attempt=attempt)
+    assert rec.warm_steps == 17 and rec.step_time_s == pytest.approx(0.6)
+
+    # between rounds, with nothing more arriving, a pending rewrite happens once LATE_REFRESH_S passed
+    relay = Relay(redis_server.url, block_ms=20, publish=lambda group, message: None)
+    for step, step_s in ((21, 0.3), (22, 0.9)):
+        r.xadd(stream, {"type": "metrics", "data": json.dumps([
+            {**sample(attempt.pk, rank, step), "step_s": step_s * (1 + rank)} for rank in (0, 1)])})
+        while r.xlen(stream):  # its round (the first round of a new relay reads only its own pending entries)
+            relay.step()
+    assert len(rewrites) == 3  # step 21's round rewrote it; step 22's waits
+    relay.step()  # an idle round, LATE_REFRESH_S not yet passed
+    assert len(rewrites) == 3
+    monkeypatch.setattr(relay_module, "LATE_REFRESH_S", 0.0)  # now it has
+    relay.step()
+    assert len(rewrites) == 4
+    rec.refresh_from_db()
+    assert rec.warm_steps == 19
+    relay.close()
+    assert len(rewrites) == 4  # nothing pending: no rewrite at the end
+
+
+def test_a_round_never_waits_on_idle_streams_while_another_has_entries(user, nodes, redis_server):
+    """The relay blocks (block_ms) only when no stream has anything. Streams are read in groups of one
+    entry count (a busy stream's count grows, an idle one's stays small), and the first group's
+    read used to block: an idle job's stream held every busy job's entries back block_ms a round."""
+    jobs = [services.job_submit(user=user, spec=services.submitted_spec({"name": f"j{i}"})) for i in range(2)]
+    services.schedule_tick()
+    busy, idle = [(job.pk, job.attempts.get().pk) for job in jobs]
+    r = redis.Redis.from_url(redis_server.url)
+    relay = Relay(redis_server.url, block_ms=3000, publish=lambda group, message: None)
+    r.xadd(attempt_stream(*idle), {"type": "metrics", "data": json.dumps([sample(idle[1], 0, 1)])})
+    step = 0
+    for _ in range(3):  # the busy stream's count grows past the idle one's (FIRST_COUNT)
+        for _ in range(8):
+            step += 1
+            r.xadd(attempt_stream(*busy), {"type": "metrics", "data": json.dumps([sample(busy[1], 0, step)])})
+        while r.xlen(attempt_stream(*busy)) or r.xlen(attempt_stream(*idle)):
+            relay.step()
+    assert relay.reader.count(attempt_stream(*busy)) > relay.reader.count(attempt_stream(*idle))
+    step += 1
+    r.xadd(attempt_stream(*busy), {"type": "metrics", "data": json.dumps([sample(busy[1], 0, step)])})
+    t0 = time.monotonic()
+    assert relay.step() == 1
+    assert time.monotonic() - t0 < 1.5  # was block_ms (3 s): the idle stream's read blocked first
+    assert MetricSample.objects.filter(attempt_id=busy[1]).count() == step
+    t0 = time.monotonic()
+    assert relay.step() == 0  # nothing anywhere: now it waits, up to block_ms
+    assert time.monotonic() - t0 >= 2.5
+    relay.close()
