@@ -16,16 +16,29 @@ abandoned.)
 A process that has finished its work and flushed what it writes can skip finalization: nothing
 of the run depends on it (telemetry is flushed by Reporter.close, checkpoints by the
 checkpointer's close, files are closed by the OS), so no worker can race it. The built-in
-runtime (workers/runtime/__main__.py) and the test scripts run under torchrun end this way. A user's
-script through the SDK is still exposed: it owns its process (code may follow `run.finish()`), so
-the SDK does not end it; such a script can end with `main_then_exit(main)` itself.
+runtime (workers/runtime/__main__.py) and the test scripts run under torchrun end this way.
+
+A user's script through the SDK owns its process (code may follow `run.finish()`), so the SDK does
+not end it. Instead, when the SDK creates a gloo process group (trainyard.sdk.run.init_process_group),
+`settle_at_exit()` registers an atexit handler that sleeps SETTLE_S: atexit handlers run while the
+interpreter is still whole, so the workers drop their last references before finalization starts.
+Unlike os._exit it cannot change the script's exit code, and costs SETTLE_S once per process.
+Measured on tests/workers/runtime/sharded_cases.py ending with a plain main() under torchrun, 2
+ranks: 3 aborts in 50 runs without it (2 in 30 quiet, 1 in 20 under two CPU hogs), 0 in 90 with it
+(60 quiet, 30 under the hogs). A script can still end with `main_then_exit(main)` to skip
+finalization altogether.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import time
 from typing import NoReturn
+
+SETTLE_S = 0.1
+_settling = False
 
 
 def exit_now(code: int = 0) -> NoReturn:
@@ -50,3 +63,12 @@ def main_then_exit(main) -> NoReturn:
             raise
         exit_now(stop.code)
     exit_now(0)
+
+
+def settle_at_exit() -> None:
+    """Before interpreter finalization, give torch's gloo worker threads SETTLE_S to drop their last
+    references to finished collectives (an atexit handler; registered once per process)."""
+    global _settling
+    if not _settling:
+        atexit.register(time.sleep, SETTLE_S)
+        _settling = True

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from trainyard.keys import preempt_key
 from trainyard.spec import CheckpointSpec, JobSpec
 
-from . import groups
+from . import groups, procexit
 from .checkpoint import Checkpointer
 from .config import RUN_CONFIG_ENV, ConfigError, LaunchConfig, load_launch_config, resume_inside
 from .layout import latest_checkpoint, resume_manifest
@@ -455,6 +455,8 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float | No
         dist.init_process_group(backend="gloo")
     else:
         dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if device.type != "cuda":  # a user's script ending normally must not abort in finalization
+        procexit.settle_at_exit()
     groups.track_group(dist.group.WORLD)
     return True
 
