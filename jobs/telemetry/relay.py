@@ -71,7 +71,8 @@ ERROR_BACKOFF_MAX_S = 5.0
 GC_EVERY_S, GC_FULL_EVERY_S = 1.0, 60.0  # RoundCollector
 # An ended attempt's knowledge record takes in samples committed after its end (its last flush,
 # or a backlog the relay works through after a restart): rewritten at most this often, not after
-# every round (a rewrite reads up to 1,000 steps: rounds of ~140 ms instead of ~20 ms on 2 cores).
+# every round (a rewrite reads up to 1,000 steps, ~10 ms: in rounds of a few entries that was over half
+# the relay's CPU, bench/relay_profile.py --ended --batch 4).
 LATE_REFRESH_S = 2.0
 
 
