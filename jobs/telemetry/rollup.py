@@ -177,14 +177,17 @@ class Reduced(NamedTuple):
 
 def stored_steps(raw_cursor, rows: list[tuple]) -> set[tuple[int, int]]:
     """The (attempt, step)s of reduce_rows' rows (in (attempt, step) order) that MetricStep already holds
-    (SQLite, inside the writing transaction): one range per attempt on the unique (attempt, step) index."""
+    (SQLite, inside the writing transaction): one range per attempt on the unique (attempt, step) index,
+    and of what the ranges hold only the rows' own steps (a range also holds the steps stored between
+    a round's far-apart ones: a rank's late sample of an early step)."""
+    keys = set(zip(map(_ATTEMPT, rows), map(_STEP, rows)))
     ranges: dict[int, list[int]] = {}
     for attempt, step in zip(map(_ATTEMPT, rows), map(_STEP, rows)):
         ranges.setdefault(attempt, [step, step])[1] = step
     where = " OR ".join(["(attempt_id = ? AND step BETWEEN ? AND ?)"] * len(ranges))
     raw_cursor.execute(f"SELECT attempt_id, step FROM {MetricStep._meta.db_table} WHERE {where}",
                        [v for a, (lo, hi) in ranges.items() for v in (a, lo, hi)])
-    return set(raw_cursor.fetchall())
+    return keys.intersection(raw_cursor.fetchall())
 
 
 _FIELD_AT = {f: STAGE_COLUMNS.index(f) for f in REDUCED_FIELDS}  # a staged row's index of each field

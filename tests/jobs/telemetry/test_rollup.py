@@ -152,3 +152,26 @@ def test_the_migration_backfill_reduces_samples_stored_before_the_rollup(user, n
     for s in samples:
         stored.setdefault(s["step"], []).append(s)
     check(attempt, stored)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_whose_steps_lie_far_apart_names_only_its_own_steps_as_merged(user, nodes):
+    """A round holding a rank's late sample of an early step and another's of a late one merges into
+    two stored rows, and only those two are named for reading back and publishing: on SQLite the
+    stored steps were looked up by range and every step stored in between came back as "merged"
+    (a running job's step 18 in a round with step 2,000,400: ~7,600 step rows sent to every
+    browser in one round, past their flow-control window)."""
+    from jobs.telemetry.publish import _round_steps
+
+    rng = random.Random(5)
+    job = submit(user)
+    attempt = start(job)
+    first = [sample(attempt, r, s, rng) for s in range(1, 41) for r in range(2) if (s, r) not in {(2, 1), (39, 1)}]
+    ingest.telemetry_ingest(first, events=[])
+    out: list = []
+    late = [sample(attempt, 1, 2, rng), sample(attempt, 1, 39, rng)]
+    ingest.telemetry_ingest([dict(s) for s in late], events=[], reduced=out)
+    (got,) = out
+    assert got.merged == {(attempt.pk, 2), (attempt.pk, 39)}
+    rows = _round_steps([(job.pk, late)], got)
+    assert [(r["step"], r["ranks"]) for r in rows] == [(2, 2), (39, 2)]
